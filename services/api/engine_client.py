@@ -1,0 +1,140 @@
+"""The api's side of the engine: submits requests, routes text deltas back to their streams.
+
+Each in-flight request has one queue. A request ends exactly once: with a finishing
+delta, an engine error, or an abort sent when its consumer goes away early.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from services.api.errors import ApiError
+from shared.config import StackConfig
+from shared.frames import Abort, EngineStatus, Error, FinishReason, Submit, TextBatch, TextDelta
+from shared.transport import AsyncInbox, Outbox
+
+log = structlog.get_logger()
+
+_FAILED = {  # finish reasons that end a request without a result
+    FinishReason.ERROR.value: (500, "the engine failed this request"),
+    FinishReason.ABORT.value: (503, "the engine aborted this request"),
+}
+
+
+class EngineClient:
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.ctx = zmq.asyncio.Context()
+        self.inbox = AsyncInbox(self.ctx, config.api_address, "api_inbox")
+        self.to_scheduler = Outbox(self.ctx, config.scheduler_address, "api_to_scheduler")
+        self.streams: dict[str, asyncio.Queue[TextDelta | ApiError]] = {}
+        self.status = EngineStatus(state="loading", detail="no word from the scheduler yet")
+        self.status_seen = 0.0
+        self._receiver: asyncio.Task | None = None
+        self._watchdog: asyncio.Task | None = None
+
+    # Lifecycle. ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._receiver = asyncio.create_task(self._receive())
+        self._watchdog = asyncio.create_task(self._watch())
+
+    async def close(self) -> None:
+        for task in (self._receiver, self._watchdog):
+            if task is not None:
+                task.cancel()
+        self.inbox.close()
+        self.to_scheduler.close()
+        self.ctx.term()
+
+    # Health. ---------------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        return time.monotonic() - self.status_seen < self.config.engine_timeout_s
+
+    @property
+    def ready(self) -> bool:
+        return self.connected and self.status.state == "ready"
+
+    def describe_state(self) -> tuple[str, str]:
+        if not self.status_seen:
+            return "loading", "waiting for the scheduler"
+        if not self.connected:
+            return "unavailable", f"no status from the scheduler for over {self.config.engine_timeout_s:g}s"
+        return self.status.state, self.status.detail
+
+    # Requests. -------------------------------------------------------------------------
+
+    async def generate(self, submit: Submit) -> AsyncIterator[TextDelta]:
+        """Yields the request's text deltas up to and including the finishing one.
+
+        Raises ApiError if the engine refuses or fails the request. Closing the iterator
+        early (client gone) aborts the request in the engine.
+        """
+        if not self.ready:
+            state, detail = self.describe_state()
+            raise ApiError(503, f"the engine is not ready ({state}: {detail})", headers={"Retry-After": "1"})
+        queue: asyncio.Queue[TextDelta | ApiError] = asyncio.Queue()
+        self.streams[submit.rid] = queue
+        finished = False
+        try:
+            self.to_scheduler.send(submit)
+            while True:
+                item = await queue.get()
+                if isinstance(item, ApiError):
+                    finished = True
+                    raise item
+                if item.finish in _FAILED:
+                    finished = True
+                    raise ApiError(*_FAILED[item.finish])
+                if item.finish:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            self.streams.pop(submit.rid, None)
+            if not finished:
+                self.to_scheduler.send(Abort(rid=submit.rid))
+
+    # Receiving. ------------------------------------------------------------------------
+
+    async def _receive(self) -> None:
+        while True:
+            frame = await self.inbox.recv()
+            if isinstance(frame, TextBatch):
+                for delta in frame.deltas:
+                    queue = self.streams.get(delta.rid)
+                    if queue is not None:
+                        queue.put_nowait(delta)
+            elif isinstance(frame, EngineStatus):
+                if frame.state != self.status.state:
+                    log.info("engine_state", state=frame.state, detail=frame.detail)
+                self.status, self.status_seen = frame, time.monotonic()
+            elif isinstance(frame, Error):
+                self._fail(frame)
+            elif frame is not None:
+                log.warning("unexpected_frame", frame=type(frame).__name__)
+
+    def _fail(self, error: Error) -> None:
+        exc = ApiError(error.status, error.message, headers={"Retry-After": "1"} if error.status in (429, 503) else None)
+        targets = list(self.streams) if not error.rid else [error.rid]
+        for rid in targets:
+            queue = self.streams.get(rid)
+            if queue is not None:
+                queue.put_nowait(exc)
+
+    async def _watch(self) -> None:
+        """Fails every in-flight request when the engine goes silent: a hang must never look alive."""
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s)
+            if self.status_seen and not self.connected and self.streams:
+                log.error("engine_lost", in_flight=len(self.streams))
+                self._fail(Error(rid="", status=503, message="the engine stopped responding"))

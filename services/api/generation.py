@@ -1,0 +1,128 @@
+"""Fan-out of one HTTP request into engine requests (one per prompt and sample), merged back.
+
+Choice ``index`` is ``prompt_index * n + sample_index``, as in the OpenAI API. Every
+engine request is aborted if the merged stream is closed before it finishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from services.api.engine_client import EngineClient
+from services.api.errors import ApiError
+from services.api.metrics import RequestTimer
+from services.api.protocol import Generation
+from shared.frames import Submit, TextDelta
+
+
+@dataclass
+class ChoiceResult:
+    index: int
+    text: str = ""
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+
+
+def context_limit(prompt_len: int, generation: Generation, max_model_len: int, prompt_param: str) -> int:
+    """The request's max_tokens, checked against the model's context."""
+    if prompt_len >= max_model_len:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt has {prompt_len} tokens, "
+            "which leaves no room for output. Please reduce the length of the prompt.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if generation.max_tokens is None:
+        return max_model_len - prompt_len
+    if prompt_len + generation.max_tokens > max_model_len:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + generation.max_tokens} tokens ({prompt_len} in the prompt, {generation.max_tokens} in the completion). "
+            "Please reduce the length of the prompt or the completion.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return generation.max_tokens
+
+
+def build_submits(generation: Generation, prompts: list[list[int]], max_tokens: list[int], eos_ids: list[int], reply_to: str) -> list[Submit]:
+    submits = []
+    now = time.time()
+    for prompt_ids, limit in zip(prompts, max_tokens):
+        for sample in range(generation.n):
+            sampling = generation.sampling
+            if sampling.seed is not None and sample:  # n seeded samples must differ from each other
+                sampling = type(sampling)(**{**{f: getattr(sampling, f) for f in sampling.__struct_fields__}, "seed": sampling.seed + sample})
+            submits.append(
+                Submit(
+                    rid=uuid.uuid4().hex,
+                    prompt_ids=prompt_ids,
+                    max_tokens=limit,
+                    sampling=sampling,
+                    stop_token_ids=sorted(set(eos_ids) | set(generation.stop_token_ids)),
+                    stop=generation.stop,
+                    ignore_eos=generation.ignore_eos,
+                    min_tokens=generation.min_tokens,
+                    skip_special_tokens=generation.skip_special_tokens,
+                    arrival_time=now,
+                    reply_to=reply_to,
+                )
+            )
+    return submits
+
+
+async def merged_stream(engine: EngineClient, submits: list[Submit], model_name: str) -> AsyncIterator[tuple[int, TextDelta]]:
+    """(choice index, delta) pairs from every engine request until all have finished.
+
+    An ApiError from any engine request is raised here (and the others are aborted).
+    """
+    queue: asyncio.Queue[tuple[int, TextDelta | ApiError]] = asyncio.Queue()
+
+    async def pump(index: int, submit: Submit) -> None:
+        timer = RequestTimer(model_name, len(submit.prompt_ids))
+        try:
+            async with contextlib.aclosing(engine.generate(submit)) as deltas:
+                async for delta in deltas:
+                    timer.on_delta()
+                    if delta.finish:
+                        timer.on_finish(delta.finish, delta.completion_tokens)
+                    queue.put_nowait((index, delta))
+        except ApiError as exc:
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(submits)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if isinstance(item, ApiError):
+                raise item
+            if item.finish:
+                remaining -= 1
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect(stream: AsyncIterator[tuple[int, TextDelta]], count: int) -> list[ChoiceResult]:
+    """Every choice's full text, for non-streaming responses."""
+    choices = [ChoiceResult(index=i) for i in range(count)]
+    parts: list[list[str]] = [[] for _ in range(count)]
+    async for index, delta in stream:
+        parts[index].append(delta.text)
+        if delta.finish:
+            choices[index].finish_reason = delta.finish
+            choices[index].completion_tokens = delta.completion_tokens
+    for choice, texts in zip(choices, parts):
+        choice.text = "".join(texts)
+    return choices
+

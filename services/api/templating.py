@@ -1,0 +1,47 @@
+"""Chat templates and tokenization, run in a thread pool so the event loop never blocks on them."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from services.api.errors import ApiError
+from shared.tokenizer import load_tokenizer
+
+
+class PromptBuilder:
+    def __init__(self, model_dir: str, threads: int = 2) -> None:
+        self.tokenizer = load_tokenizer(model_dir)
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
+        self.has_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
+
+    async def _run(self, fn, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, continue_final: bool, template_kwargs: dict[str, Any]) -> list[int]:
+        if not self.has_chat_template:
+            raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
+        return await self._run(self._chat, messages, add_generation_prompt, continue_final, template_kwargs)
+
+    def _chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, continue_final: bool, template_kwargs: dict[str, Any]) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt and not continue_final,
+                continue_final_message=continue_final,
+                **template_kwargs,
+            )
+        except Exception as exc:  # jinja raise_exception(), a bad kwarg, a role the template refuses
+            raise ApiError(400, f"the chat template could not render these messages: {exc}", param="messages") from exc
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def encode(self, text: str) -> list[int]:
+        return await self._run(self.tokenizer.encode, text)
+
+    async def decode(self, token_ids: list[int]) -> str:
+        return await self._run(self.tokenizer.decode, token_ids)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,5 @@
+"""Runs the detokenizer process."""
+
+from services.detokenizer.loop import main
+
+main()

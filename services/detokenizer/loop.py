@@ -1,0 +1,129 @@
+"""The detokenizer process: token batches in, text batches out, stop strings reported back.
+
+Frames for unknown or already finished requests are counted and ignored; they are
+normal (a token from a step that was in flight when its request finished).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import structlog
+import zmq
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.detokenizer.request import RequestDetokState
+from shared.config import StackConfig
+from shared.frames import DetokOpen, Finish, FinishReason, Heartbeat, TextBatch, TextDelta, TokenBatch
+from shared.metrics import PREFIX, PROCESS_UP, start_metrics_server
+from shared.tokenizer import load_tokenizer
+from shared.transport import Inbox, Outbox
+
+BATCH_TIME = Histogram(f"{PREFIX}detokenize_batch_seconds", "Time to detokenize one token batch", buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1))
+STOP_MATCHES = Counter(f"{PREFIX}stop_string_matches", "Requests finished by a stop string")
+IGNORED = Counter(f"{PREFIX}detokenizer_ignored_deltas", "Token deltas for unknown or finished requests")
+TRACKED = Gauge(f"{PREFIX}detokenizer_requests", "Requests being detokenized")
+
+
+class _Tracked:
+    __slots__ = ("state", "opened")
+
+    def __init__(self, state: RequestDetokState, opened: DetokOpen) -> None:
+        self.state = state
+        self.opened = opened
+
+
+class DetokenizerLoop:
+    def __init__(self, config: StackConfig, log: structlog.stdlib.BoundLogger) -> None:
+        self.config = config
+        self.log = log
+        ctx = zmq.Context()
+        self.inbox = Inbox(ctx, config.detokenizer_address, "detokenizer_inbox")
+        self.to_api = Outbox(ctx, config.api_address, "detokenizer_to_api")
+        self.to_scheduler = Outbox(ctx, config.scheduler_address, "detokenizer_to_scheduler")
+        self.tokenizer = None
+        self.requests: dict[str, _Tracked] = {}
+        self.state = "loading"
+        self.stopping = False
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+        signal.signal(signal.SIGINT, lambda *_: setattr(self, "stopping", True))
+        self._heartbeat()
+        self.tokenizer = load_tokenizer(self.config.model)
+        self.state = "ready"
+        PROCESS_UP.labels("detokenizer").set(1)
+        next_beat = 0.0
+        while not self.stopping:
+            for frame in self.inbox.recv(int(self.config.heartbeat_s * 1000)):
+                if isinstance(frame, TokenBatch):
+                    self.handle(frame)
+                else:
+                    self.log.warning("unexpected_frame", frame=type(frame).__name__)
+            if time.monotonic() >= next_beat:
+                self._heartbeat()
+                next_beat = time.monotonic() + self.config.heartbeat_s
+
+    def _heartbeat(self) -> None:
+        self.to_scheduler.send(Heartbeat(process="detokenizer", pid=os.getpid(), state=self.state))
+
+    def handle(self, batch: TokenBatch) -> None:
+        started = time.perf_counter()
+        for opened in batch.opened:
+            state = RequestDetokState(self.tokenizer, opened.stop, opened.skip_special_tokens)
+            self.requests[opened.rid] = _Tracked(state, opened)
+        out = [delta for delta in map(self._detokenize, batch.deltas) if delta is not None]
+        if out:
+            self.to_api.send(TextBatch(deltas=out))
+        TRACKED.set(len(self.requests))
+        BATCH_TIME.observe(time.perf_counter() - started)
+
+    def _detokenize(self, delta) -> TextDelta | None:
+        tracked = self.requests.get(delta.rid)
+        if tracked is None:
+            IGNORED.inc()
+            return None
+        update = tracked.state.push(delta.token_ids)
+        text, finish = update.text, delta.finish
+        if update.finished_by_stop is not None:
+            STOP_MATCHES.inc()
+            finish = FinishReason.STOP.value
+            self.to_scheduler.send(Finish(rid=delta.rid, matched=update.finished_by_stop))
+        elif finish:
+            text += tracked.state.finish()
+        if finish:
+            del self.requests[delta.rid]
+        return TextDelta(
+            rid=delta.rid,
+            text=text,
+            completion_tokens=tracked.state.completion_tokens,
+            finish=finish,
+            prompt_tokens=tracked.opened.prompt_tokens,
+        )
+
+    def instrumentation(self) -> dict:
+        return {
+            "process": "detokenizer",
+            "pid": os.getpid(),
+            "state": self.state,
+            "model": self.config.model,
+            "tokenizer": type(self.tokenizer).__name__ if self.tokenizer is not None else None,
+            "requests": len(self.requests),
+            "addresses": {"inbox": self.inbox.address, "api": self.to_api.address, "scheduler": self.to_scheduler.address},
+        }
+
+    def health(self) -> tuple[int, dict]:
+        return (200 if self.state == "ready" else 503), {"state": self.state}
+
+
+def main(argv: list[str] | None = None) -> None:
+    from shared.logging import setup_logging
+
+    config = StackConfig.from_argv(argv, "tokenyard detokenizer")
+    log = setup_logging("detokenizer", config.log_level, config.log_json)
+    loop = DetokenizerLoop(config, log)
+    start_metrics_server(config.metrics_host, config.metrics_port("detokenizer"), loop.instrumentation, loop.health)
+    log.info("detokenizer_started", inbox=loop.inbox.address)
+    loop.run()

@@ -1,0 +1,1 @@
+"""Starting the stack: preparing the model directory and launching the processes."""

@@ -1,0 +1,120 @@
+"""The local launcher: prepares the default model, starts the four processes, waits until ready.
+
+Every process is a child of this one (and dies with it); the launcher stays in the
+foreground, prints the URL once ``/health`` answers 200, and on Ctrl-C or SIGTERM stops
+every process it started. If a child dies, the launcher stops the stack and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+from shared.config import DEFAULT_MODEL_DIR, StackConfig
+
+PROCESSES = ("scheduler", "worker", "detokenizer", "api")
+STOP_GRACE_S = 10.0
+READY_TIMEOUT_S = 600.0
+
+
+def _die_with_parent() -> None:
+    """Children get SIGTERM if the launcher dies without cleaning up (Linux only)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Launcher:
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.children: dict[str, subprocess.Popen] = {}
+        self.stopping = False
+
+    def start(self) -> None:
+        argv = self.config.to_argv()
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        for name in PROCESSES:
+            self.children[name] = subprocess.Popen([sys.executable, "-m", f"services.{name}", *argv], cwd=root, preexec_fn=_die_with_parent)
+
+    def wait_ready(self) -> bool:
+        url = f"http://{self.config.host}:{self.config.port}/health"
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline and not self.stopping:
+            if self._dead_child():
+                return False
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        return True
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.25)
+        return False
+
+    def _dead_child(self) -> str | None:
+        for name, child in self.children.items():
+            if child.poll() is not None:
+                return f"{name} (pid {child.pid}) exited with code {child.returncode}"
+        return None
+
+    def supervise(self) -> int:
+        while not self.stopping:
+            dead = self._dead_child()
+            if dead:
+                print(f"tokenyard: {dead}; stopping the stack", file=sys.stderr, flush=True)
+                return 1
+            time.sleep(0.5)
+        return 0
+
+    def stop(self) -> None:
+        for child in self.children.values():
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for child in self.children.values():
+            try:
+                child.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = StackConfig.from_argv(argv, "tokenyard: start the whole stack locally")
+    if os.path.abspath(config.model) == os.path.abspath(DEFAULT_MODEL_DIR):
+        from services.launcher.prepare_model import prepare_default_model
+
+        prepare_default_model(config.model)
+    if not config.run_dir:  # a fresh socket directory per stack: two stacks never collide
+        config = StackConfig(**{**config.as_dict(), "run_dir": tempfile.mkdtemp(prefix="tokenyard-")})
+    launcher = Launcher(config)
+
+    def request_stop(*_: object) -> None:
+        launcher.stopping = True
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    launcher.start()
+    print(f"tokenyard: starting {', '.join(PROCESSES)} for {config.model_id} ...", file=sys.stderr, flush=True)
+    code = 0
+    if launcher.wait_ready():
+        print(f"tokenyard is ready: http://{config.host}:{config.port}/v1 (model {config.model_id!r})", flush=True)
+        code = launcher.supervise()
+    elif not launcher.stopping:
+        print(f"tokenyard: the stack did not become ready ({launcher._dead_child() or 'timed out'})", file=sys.stderr, flush=True)
+        code = 1
+    launcher.stop()
+    print("tokenyard: stopped", file=sys.stderr, flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

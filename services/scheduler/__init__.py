@@ -1,0 +1,1 @@
+"""The scheduler process: admission, continuous batching, KV block allocation, finishing."""

@@ -1,0 +1,5 @@
+"""Runs the scheduler process."""
+
+from services.scheduler.loop import main
+
+main()

@@ -1,0 +1,234 @@
+"""The scheduling state machine, free of sockets: admit, plan steps, take results, finish.
+
+A step's token budget goes first to running decodes (one token each), then to the
+prefill chunks of running requests, then to new admissions; so decodes never stall
+behind a long prompt. Blocks are allocated as positions are scheduled, never for a
+request's whole max_tokens up front; when a decode finds no free block, the most
+recently admitted running request is preempted and later recomputed.
+
+Pipelining: plans may be sent before earlier results are back. A decode slice carries
+no token (the worker feeds back its own last sample), so ``num_scheduled`` runs ahead
+of the tokens known here, and a token that arrives for a finished request is dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.scheduler.kv_blocks import BlockPool
+from services.scheduler.requests import Phase, Request
+from shared.frames import DetokOpen, FinishReason, Slice, StepPlan, StepResult, Submit, TokenDelta
+
+
+class AdmissionError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class Outcome:
+    """What the loop must send after a scheduler event."""
+
+    opened: list[DetokOpen] = field(default_factory=list)
+    deltas: list[TokenDelta] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)  # worker-side state to drop
+    finished: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_waiting: int) -> None:
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_waiting = max_waiting
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is preempted first
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._released: list[str] = []  # preempted since the last take_released()
+
+    # Admission. ----------------------------------------------------------------------
+
+    def submit(self, submit: Submit) -> Outcome:
+        if submit.rid in self.requests:
+            raise AdmissionError(400, f"request id {submit.rid!r} is already in use")
+        capacity = self.pool.num_blocks * self.pool.block_size
+        if len(submit.prompt_ids) + submit.max_tokens > capacity:
+            raise AdmissionError(
+                400,
+                f"the request needs {len(submit.prompt_ids) + submit.max_tokens} tokens of KV cache "
+                f"({len(submit.prompt_ids)} prompt + {submit.max_tokens} max_tokens) but the whole cache holds {capacity}",
+            )
+        if len(self.waiting) >= self.max_waiting:
+            raise AdmissionError(429, f"the engine's waiting queue is full ({self.max_waiting} requests); retry later")
+        request = Request(submit=submit)
+        self.requests[submit.rid] = request
+        self.waiting.append(request)
+        opened = DetokOpen(
+            rid=submit.rid,
+            prompt_tokens=len(submit.prompt_ids),
+            stop=submit.stop,
+            skip_special_tokens=submit.skip_special_tokens,
+            reply_to=submit.reply_to,
+        )
+        return Outcome(opened=[opened])
+
+    # Planning. -----------------------------------------------------------------------
+
+    def plan(self, step: int) -> StepPlan:
+        slices: list[Slice] = []
+        budget = self.max_num_batched_tokens
+        for request in list(self.running):
+            if budget == 0 or len(slices) == self.max_num_seqs:
+                break
+            if request.phase is Phase.RUNNING and not request.prefilling and self._wants_decode(request):
+                new_blocks = self._blocks_for_decode(request)
+                if new_blocks is not None:
+                    slices.append(self._slice(request, 1, new_blocks))
+                    budget -= 1
+        for request in self.running:
+            if budget == 0 or len(slices) == self.max_num_seqs:
+                break
+            if request.prefilling and request.pending_samples == 0:
+                budget -= self._schedule_prefill(request, budget, slices)
+        while self.waiting and budget > 0 and len(slices) < self.max_num_seqs and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if request.pending_samples:  # a preempted request whose last tokens are still in flight
+                break
+            request.prefill_len = request.num_tokens
+            request.num_scheduled = 0
+            scheduled = self._schedule_prefill(request, budget, slices)
+            if scheduled == 0:
+                break
+            budget -= scheduled
+            self.waiting.popleft()
+            request.phase = Phase.RUNNING
+            request.admitted_at = time.monotonic()
+            self.running.append(request)
+        return StepPlan(step=step, slices=slices)
+
+    def _wants_decode(self, request: Request) -> bool:
+        return request.outputs_promised < request.submit.max_tokens
+
+    def _schedule_prefill(self, request: Request, budget: int, slices: list[Slice]) -> int:
+        """Schedules the next chunk of the request's prefill that fits budget and free blocks."""
+        chunk = min(request.prefill_len - request.num_scheduled, budget)
+        room = (len(request.blocks) + self.pool.num_free) * self.pool.block_size - request.num_scheduled
+        chunk = min(chunk, room)
+        if chunk <= 0:
+            return 0
+        needed = self.pool.blocks_for(request.num_scheduled + chunk) - len(request.blocks)
+        new_blocks = self.pool.allocate(needed) or []
+        start = request.num_scheduled
+        slices.append(self._slice(request, chunk, new_blocks, token_ids=request.tokens[start : start + chunk]))
+        return chunk
+
+    def _blocks_for_decode(self, request: Request) -> list[int] | None:
+        """Blocks to add so the request's next position has a slot, preempting newer requests if needed."""
+        needed = self.pool.blocks_for(request.num_scheduled + 1) - len(request.blocks)
+        while True:
+            blocks = self.pool.allocate(needed)
+            if blocks is not None:
+                return blocks
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is request:
+                return None
+
+    def _slice(self, request: Request, num_tokens: int, new_blocks: list[int], token_ids: list[int] | None = None) -> Slice:
+        start = request.num_scheduled
+        sample = start + num_tokens >= request.prefill_len
+        request.blocks.extend(new_blocks)
+        request.num_scheduled += num_tokens
+        request.pending_samples += sample
+        sampling = None if request.sampling_sent else request.submit.sampling
+        request.sampling_sent = True
+        return Slice(
+            rid=request.rid,
+            start=start,
+            num_tokens=num_tokens,
+            token_ids=token_ids or [],
+            new_blocks=new_blocks,
+            sample=sample,
+            sampling=sampling,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        """Frees the request's blocks and requeues it at the front; it is recomputed when readmitted."""
+        self.running.remove(request)
+        self.pool.free(request.blocks)
+        request.blocks = []
+        request.num_scheduled = 0
+        request.sampling_sent = False
+        request.phase = Phase.WAITING
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+        self._released.append(request.rid)
+
+    # Results and endings. --------------------------------------------------------------
+
+    def take_released(self) -> list[str]:
+        """Requests preempted by the last plan: the worker must forget their state before running it."""
+        released, self._released = self._released, []
+        return released
+
+    def on_result(self, result: StepResult) -> Outcome:
+        outcome = Outcome()
+        for sampled in result.sampled:
+            request = self.requests.get(sampled.rid)
+            if request is None or request.pending_samples == 0:
+                continue  # finished while this step was in flight: the extra token is dropped
+            request.pending_samples -= 1
+            request.output_ids.append(sampled.token_id)
+            reason = self._finish_reason(request, sampled.token_id)
+            if reason is None:
+                outcome.deltas.append(TokenDelta(rid=request.rid, token_ids=[sampled.token_id]))
+            else:
+                outcome.deltas.append(TokenDelta(rid=request.rid, token_ids=[sampled.token_id], finish=reason.value))
+                self._end(request, outcome)
+        return outcome
+
+    def fail_step(self, result: StepResult, rids: list[str]) -> list[Request]:
+        """The worker failed a step: every request in it ends with an error."""
+        failed = []
+        for rid in rids:
+            request = self.requests.get(rid)
+            if request is not None:
+                failed.append(request)
+                self._end(request, Outcome())
+        return failed
+
+    def _finish_reason(self, request: Request, token_id: int) -> FinishReason | None:
+        submit = request.submit
+        generated = len(request.output_ids)
+        if not submit.ignore_eos and token_id in submit.stop_token_ids and generated >= submit.min_tokens:
+            return FinishReason.STOP
+        if generated >= submit.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, rid: str, reason: FinishReason) -> Outcome:
+        """Ends a request from outside (abort, stop string); unknown or finished rids are ignored."""
+        outcome = Outcome()
+        request = self.requests.get(rid)
+        if request is not None:
+            outcome.deltas.append(TokenDelta(rid=rid, finish=reason.value))
+            self._end(request, outcome)
+        return outcome
+
+    def _end(self, request: Request, outcome: Outcome) -> None:
+        """Frees the request's blocks exactly once and forgets it."""
+        if request.phase is Phase.RUNNING:
+            self.running.remove(request)
+            outcome.released.append(request.rid)
+        elif request.phase is Phase.WAITING:  # never scheduled, or preempted (already released)
+            self.waiting.remove(request)
+        self.pool.free(request.blocks)
+        request.blocks = []
+        request.phase = Phase.FINISHED
+        del self.requests[request.rid]
+        outcome.finished.append(request)

@@ -1,0 +1,263 @@
+"""The scheduler process's loop: frames in, plans out, at most PIPELINE_DEPTH plans in flight.
+
+With two plans in flight the worker always has the next step queued when it finishes
+one, so it never waits on the scheduler; the scheduler plans while the worker computes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import structlog
+import zmq
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.scheduler.core import AdmissionError, Outcome, Scheduler
+from services.scheduler.kv_blocks import BlockPool
+from shared.config import StackConfig
+from shared.frames import (
+    Abort,
+    EngineStatus,
+    Error,
+    Finish,
+    FinishReason,
+    Heartbeat,
+    Release,
+    StepPlan,
+    StepResult,
+    Submit,
+    TokenBatch,
+    TokenDelta,
+)
+from shared.metrics import PREFIX, PROCESS_UP, start_metrics_server
+from shared.model_info import kv_cache_blocks, load_model_info
+from shared.transport import Inbox, Outbox
+
+PIPELINE_DEPTH = 2
+
+RUNNING = Gauge(f"{PREFIX}num_requests_running", "Requests in the running batch")
+WAITING = Gauge(f"{PREFIX}num_requests_waiting", "Requests waiting for admission")
+KV_USAGE = Gauge(f"{PREFIX}kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)")
+KV_BLOCKS_USED = Gauge(f"{PREFIX}kv_blocks_used", "KV blocks held by requests")
+KV_BLOCKS_TOTAL = Gauge(f"{PREFIX}kv_blocks_total", "KV blocks in the cache")
+PREEMPTIONS = Counter(f"{PREFIX}num_preemptions", "Running requests preempted for recomputation")
+STEPS = Counter(f"{PREFIX}scheduler_steps", "Step plans sent to the worker")
+STEP_TOKENS = Histogram(f"{PREFIX}step_tokens", "Tokens scheduled per step", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048))
+PLAN_TIME = Histogram(f"{PREFIX}step_planning_seconds", "Time to plan one step", buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2))
+QUEUE_TIME = Histogram(f"{PREFIX}scheduler_queue_time_seconds", "Time from arrival at the scheduler to admission")
+FINISHED = Counter(f"{PREFIX}scheduler_requests_finished", "Requests the scheduler ended", ["finished_reason"])
+REJECTED = Counter(f"{PREFIX}scheduler_requests_rejected", "Requests refused at admission", ["status"])
+
+
+class _Peer:
+    """What the scheduler last heard from a neighbour process."""
+
+    def __init__(self) -> None:
+        self.state = "unknown"
+        self.detail = ""
+        self.progress = 0.0
+        self.seen = 0.0
+
+    def alive(self, timeout_s: float) -> bool:
+        return time.monotonic() - self.seen < timeout_s
+
+
+class SchedulerLoop:
+    def __init__(self, config: StackConfig, log: structlog.stdlib.BoundLogger) -> None:
+        self.config = config
+        self.log = log
+        self.model = load_model_info(config.model)
+        num_blocks = kv_cache_blocks(self.model, config.kv_cache_tokens, config.kv_cache_bytes, config.block_size, config.dtype)
+        self.core = Scheduler(BlockPool(num_blocks, config.block_size), config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting)
+        ctx = zmq.Context()
+        self.inbox = Inbox(ctx, config.scheduler_address, "scheduler_inbox")
+        self.to_worker = Outbox(ctx, config.worker_address, "scheduler_to_worker")
+        self.to_detokenizer = Outbox(ctx, config.detokenizer_address, "scheduler_to_detokenizer")
+        self.to_api = Outbox(ctx, config.api_address, "scheduler_to_api")
+        self.peers = {"worker": _Peer(), "detokenizer": _Peer()}
+        self.in_flight: dict[int, list[str]] = {}  # step -> rids planned in it
+        self.next_step = 0
+        self.stopping = False
+        KV_BLOCKS_TOTAL.set(num_blocks)
+
+    # Readiness. ------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        timeout = self.config.engine_timeout_s
+        return all(p.state == "ready" and p.alive(timeout) for p in self.peers.values())
+
+    def status(self) -> EngineStatus:
+        worker = self.peers["worker"]
+        if self.ready:
+            state, detail = "ready", ""
+        elif any(p.state == "failed" for p in self.peers.values()):
+            state, detail = "failed", "; ".join(f"{n}: {p.detail}" for n, p in self.peers.items() if p.state == "failed")
+        else:
+            waiting_on = [n for n, p in self.peers.items() if p.state != "ready" or not p.alive(self.config.engine_timeout_s)]
+            state = "loading"
+            detail = f"waiting for {', '.join(waiting_on)}; worker {worker.state} {worker.detail}".strip()
+        return EngineStatus(
+            state=state,
+            detail=detail,
+            running=len(self.core.running),
+            waiting=len(self.core.waiting),
+            kv_blocks_total=self.core.pool.num_blocks,
+            kv_blocks_used=self.core.pool.num_used,
+        )
+
+    # The loop. -------------------------------------------------------------------------
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+        signal.signal(signal.SIGINT, lambda *_: setattr(self, "stopping", True))
+        next_status = 0.0
+        idle = True  # the last plan was empty: wait for a frame instead of spinning
+        while not self.stopping:
+            can_plan = self.ready and len(self.in_flight) < PIPELINE_DEPTH and not idle
+            timeout_ms = 0 if can_plan else int(self.config.heartbeat_s * 1000)
+            for frame in self.inbox.recv(timeout_ms):
+                idle = False
+                self._handle(frame)
+            if self.ready and len(self.in_flight) < PIPELINE_DEPTH:
+                idle = not self._plan_and_send()
+            now = time.monotonic()
+            if now >= next_status:
+                self.to_api.send(self.status())
+                self._update_gauges()
+                next_status = now + self.config.heartbeat_s
+        self.log.info("scheduler_stopping")
+
+    def _plan_and_send(self) -> bool:
+        started = time.perf_counter()
+        plan = self.core.plan(self.next_step)
+        released = self.core.take_released()
+        if released:
+            PREEMPTIONS.inc(len(released))
+            self.to_worker.send(Release(rids=released))
+        if not plan.slices:
+            return False
+        PLAN_TIME.observe(time.perf_counter() - started)
+        now = time.monotonic()
+        for s in plan.slices:
+            if s.sampling is not None:  # first slice since (re)admission
+                QUEUE_TIME.observe(now - self.core.requests[s.rid].queued_at)
+        STEPS.inc()
+        STEP_TOKENS.observe(sum(s.num_tokens for s in plan.slices))
+        self.to_worker.send(plan)
+        self.in_flight[plan.step] = [s.rid for s in plan.slices]
+        self.next_step += 1
+        self._update_gauges()
+        return True
+
+    def _handle(self, frame: object) -> None:
+        if isinstance(frame, StepResult):
+            self._on_result(frame)
+        elif isinstance(frame, Submit):
+            self._on_submit(frame)
+        elif isinstance(frame, Abort):
+            self._send(self.core.finish(frame.rid, FinishReason.ABORT))
+        elif isinstance(frame, Finish):
+            self._send(self.core.finish(frame.rid, FinishReason.STOP))
+        elif isinstance(frame, Heartbeat):
+            self._on_heartbeat(frame)
+        else:
+            self.log.warning("unexpected_frame", frame=type(frame).__name__)
+
+    def _on_submit(self, submit: Submit) -> None:
+        if not self.ready:
+            self._reject(submit.rid, 503, "the engine is not ready")
+            return
+        try:
+            self._send(self.core.submit(submit))
+        except AdmissionError as exc:
+            self._reject(submit.rid, exc.status, exc.message)
+
+    def _reject(self, rid: str, status: int, message: str) -> None:
+        REJECTED.labels(str(status)).inc()
+        kind = "invalid_request_error" if status == 400 else "rate_limit_error" if status == 429 else "server_error"
+        self.to_api.send(Error(rid=rid, status=status, message=message, type=kind))
+
+    def _on_result(self, result: StepResult) -> None:
+        rids = self.in_flight.pop(result.step, [])
+        if not result.error:
+            self._send(self.core.on_result(result))
+            return
+        self.log.error("step_failed", step=result.step, error=result.error, requests=len(rids))
+        failed = self.core.fail_step(result, rids)
+        for request in failed:
+            FINISHED.labels(FinishReason.ERROR.value).inc()
+            self.to_api.send(Error(rid=request.rid, status=500, message=f"the worker failed the step: {result.error}"))
+        if failed:
+            self.to_worker.send(Release(rids=[r.rid for r in failed]))
+            self.to_detokenizer.send(TokenBatch(deltas=[TokenDelta(rid=r.rid, finish=FinishReason.ERROR.value) for r in failed]))
+
+    def _on_heartbeat(self, beat: Heartbeat) -> None:
+        peer = self.peers.get(beat.process)
+        if peer is None:
+            return
+        if peer.state != beat.state:
+            self.log.info("peer_state", peer=beat.process, state=beat.state, detail=beat.detail)
+        peer.state, peer.detail, peer.progress, peer.seen = beat.state, beat.detail, beat.progress, time.monotonic()
+
+    def _send(self, outcome: Outcome) -> None:
+        if outcome.released:
+            self.to_worker.send(Release(rids=outcome.released))
+        if outcome.opened or outcome.deltas:
+            self.to_detokenizer.send(TokenBatch(opened=outcome.opened, deltas=outcome.deltas))
+        for delta in outcome.deltas:
+            if delta.finish:
+                FINISHED.labels(delta.finish).inc()
+
+    def _update_gauges(self) -> None:
+        RUNNING.set(len(self.core.running))
+        WAITING.set(len(self.core.waiting))
+        KV_USAGE.set(self.core.pool.usage)
+        KV_BLOCKS_USED.set(self.core.pool.num_used)
+
+    # Introspection. ----------------------------------------------------------------------
+
+    def instrumentation(self) -> dict:
+        core, pool = self.core, self.core.pool
+        return {
+            "process": "scheduler",
+            "pid": os.getpid(),
+            "model": self.model.path,
+            "model_revision": self.model.revision(),
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_used": pool.num_used,
+            "block_size": pool.block_size,
+            "kv_cache_tokens": pool.num_blocks * pool.block_size,
+            "max_num_seqs": core.max_num_seqs,
+            "max_num_batched_tokens": core.max_num_batched_tokens,
+            "max_waiting": core.max_waiting,
+            "pipeline_depth": PIPELINE_DEPTH,
+            "running": len(core.running),
+            "waiting": len(core.waiting),
+            "preemptions": core.num_preemptions,
+            "peers": {name: {"state": p.state, "detail": p.detail, "progress": p.progress} for name, p in self.peers.items()},
+            "addresses": {
+                "inbox": self.inbox.address,
+                "worker": self.to_worker.address,
+                "detokenizer": self.to_detokenizer.address,
+                "api": self.to_api.address,
+            },
+        }
+
+    def health(self) -> tuple[int, dict]:
+        status = self.status()
+        return (200 if status.state == "ready" else 503), {"state": status.state, "detail": status.detail}
+
+
+def main(argv: list[str] | None = None) -> None:
+    from shared.logging import setup_logging
+
+    config = StackConfig.from_argv(argv, "tokenyard scheduler")
+    log = setup_logging("scheduler", config.log_level, config.log_json)
+    loop = SchedulerLoop(config, log)
+    start_metrics_server(config.metrics_host, config.metrics_port("scheduler"), loop.instrumentation, loop.health)
+    PROCESS_UP.labels("scheduler").set(1)
+    log.info("scheduler_started", inbox=loop.inbox.address, kv_blocks=loop.core.pool.num_blocks)
+    loop.run()

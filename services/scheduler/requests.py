@@ -1,0 +1,56 @@
+"""A request as the scheduler tracks it: tokens known, positions scheduled, blocks held."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from shared.frames import Submit
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    submit: Submit
+    output_ids: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    num_scheduled: int = 0  # positions whose KV is computed or in a plan already sent
+    prefill_len: int = 0  # positions to prefill since admission: the prompt, plus outputs when recomputed
+    pending_samples: int = 0  # sampling slices sent whose token has not come back
+    sampling_sent: bool = False  # the worker has this request's sampling params
+    phase: Phase = Phase.WAITING
+    admitted_at: float = 0.0
+    queued_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def rid(self) -> str:
+        return self.submit.rid
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.submit.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Known tokens: the prompt and every output token received so far."""
+        return len(self.submit.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        """Known tokens still need their KV computed (the prompt, or a recomputation).
+
+        Afterwards each decode slice computes one position whose input token is the
+        one sampled last, which only the worker may know yet.
+        """
+        return self.num_scheduled < self.prefill_len
+
+    @property
+    def outputs_promised(self) -> int:
+        """Output tokens received plus those that plans already sent will produce."""
+        return len(self.output_ids) + self.pending_samples

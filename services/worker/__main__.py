@@ -1,0 +1,5 @@
+"""Runs the worker process."""
+
+from services.worker.loop import main
+
+main()

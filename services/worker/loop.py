@@ -1,0 +1,165 @@
+"""The worker process: loads the model, warms it up, then runs step plans in the order they arrive.
+
+A heartbeat thread reports loading progress and liveness to the scheduler on its own
+socket (ZMQ sockets are not shared across threads), so the scheduler hears from the
+worker while the main thread is inside a long forward pass.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import signal
+import threading
+import time
+
+import structlog
+import torch
+import zmq
+from prometheus_client import Counter, Histogram
+
+from shared.config import StackConfig
+from shared.frames import Heartbeat, Release, StepPlan, StepResult
+from shared.metrics import PREFIX, PROCESS_UP, start_metrics_server
+from shared.model_info import kv_cache_blocks, load_model_info
+from shared.transport import Inbox, Outbox
+
+FORWARD_TIME = Histogram(
+    f"{PREFIX}worker_forward_seconds",
+    "Wall time of one step's forward pass and sampling",
+    ["kind"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12),
+)
+BATCH_SIZE = Histogram(f"{PREFIX}worker_batch_size", "Requests in one step", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+STEP_TOKENS = Histogram(f"{PREFIX}worker_step_tokens", "Tokens computed in one step", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048))
+STEPS = Counter(f"{PREFIX}worker_steps", "Steps run", ["kind"])
+STEP_ERRORS = Counter(f"{PREFIX}worker_step_errors", "Steps that raised")
+
+
+def step_kind(plan: StepPlan) -> str:
+    decodes = sum(1 for s in plan.slices if not s.token_ids)
+    if decodes == len(plan.slices):
+        return "decode"
+    return "prefill" if decodes == 0 else "mixed"
+
+
+class WorkerLoop:
+    def __init__(self, config: StackConfig, log: structlog.stdlib.BoundLogger) -> None:
+        self.config = config
+        self.log = log
+        self.model = load_model_info(config.model)
+        self.num_blocks = kv_cache_blocks(self.model, config.kv_cache_tokens, config.kv_cache_bytes, config.block_size, config.dtype)
+        self.ctx = zmq.Context()
+        self.inbox = Inbox(self.ctx, config.worker_address, "worker_inbox")
+        self.to_scheduler = Outbox(self.ctx, config.scheduler_address, "worker_to_scheduler")
+        self.runner = None
+        self.state = "loading"
+        self.detail = ""
+        self.stopping = False
+        self.steps_run = 0
+
+    def _heartbeats(self) -> None:
+        outbox = Outbox(self.ctx, self.config.scheduler_address, "worker_heartbeat")
+        while not self.stopping:
+            outbox.send(Heartbeat(process="worker", pid=os.getpid(), state=self.state, detail=self.detail))
+            time.sleep(self.config.heartbeat_s)
+        outbox.close()
+
+    def load(self) -> None:
+        from services.worker.runner import ModelRunner
+
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
+        self.detail = f"loading weights from {self.model.path}"
+        started = time.perf_counter()
+        self.runner = ModelRunner(self.config.model, self.num_blocks, self.config.block_size, self.config.dtype, self.config.max_num_seqs)
+        loaded = time.perf_counter()
+        self.state, self.detail = "warming", "warm-up steps"
+        self.runner.warmup()
+        self.log.info("worker_ready", load_s=round(loaded - started, 2), warmup_s=round(time.perf_counter() - loaded, 2), kv_blocks=self.num_blocks)
+        self.state, self.detail = "ready", ""
+        PROCESS_UP.labels("worker").set(1)
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+        signal.signal(signal.SIGINT, lambda *_: setattr(self, "stopping", True))
+        threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
+        try:
+            self.load()
+        except Exception as exc:
+            self.state, self.detail = "failed", f"{type(exc).__name__}: {exc}"
+            self.log.exception("worker_load_failed")
+            while not self.stopping:  # stay up so the failure is visible in /health and heartbeats
+                time.sleep(0.2)
+            return
+        while not self.stopping:
+            for frame in self.inbox.recv(200):
+                if isinstance(frame, StepPlan):
+                    self.to_scheduler.send(self._execute(frame))
+                elif isinstance(frame, Release):
+                    self.runner.release(frame.rids)
+                else:
+                    self.log.warning("unexpected_frame", frame=type(frame).__name__)
+
+    def _execute(self, plan: StepPlan) -> StepResult:
+        kind = step_kind(plan)
+        started = time.perf_counter()
+        try:
+            result = self.runner.execute(plan)
+        except Exception as exc:  # a bad plan must not take the worker down
+            STEP_ERRORS.inc()
+            self.log.exception("step_failed", step=plan.step)
+            self.runner.release([s.rid for s in plan.slices])
+            return StepResult(step=plan.step, sampled=[], error=f"{type(exc).__name__}: {exc}")
+        FORWARD_TIME.labels(kind).observe(time.perf_counter() - started)
+        STEPS.labels(kind).inc()
+        BATCH_SIZE.observe(len(plan.slices))
+        STEP_TOKENS.observe(sum(s.num_tokens for s in plan.slices))
+        self.steps_run += 1
+        return result
+
+    def instrumentation(self) -> dict:
+        info = {
+            "process": "worker",
+            "pid": os.getpid(),
+            "state": self.state,
+            "detail": self.detail,
+            "model": self.model.path,
+            "model_revision": self.model.revision(),
+            "device": {"type": "cpu", "name": _cpu_name(), "cores": os.cpu_count()},
+            "torch_threads": torch.get_num_threads(),
+            "torch_version": torch.__version__,
+            "kv_blocks_total": self.num_blocks,
+            "block_size": self.config.block_size,
+            "max_num_seqs": self.config.max_num_seqs,
+            "steps_run": self.steps_run,
+            "addresses": {"inbox": self.inbox.address, "scheduler": self.to_scheduler.address},
+        }
+        if self.runner is not None:
+            info["runner"] = self.runner.describe()
+        return info
+
+    def health(self) -> tuple[int, dict]:
+        return (200 if self.state == "ready" else 503), {"state": self.state, "detail": self.detail}
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def main(argv: list[str] | None = None) -> None:
+    from shared.logging import setup_logging
+
+    config = StackConfig.from_argv(argv, "tokenyard worker")
+    log = setup_logging("worker", config.log_level, config.log_json)
+    loop = WorkerLoop(config, log)
+    start_metrics_server(config.metrics_host, config.metrics_port("worker"), loop.instrumentation, loop.health)
+    log.info("worker_started", inbox=loop.inbox.address, model=config.model)
+    loop.run()

@@ -1,0 +1,46 @@
+"""Model families by config.json ``model_type``, and the contract each family implements.
+
+Adding a family is one module under ``models/`` and one entry in ``MODEL_FAMILIES``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from services.worker.attention import AttentionMetadata, KVCache
+from services.worker.models.llama import LlamaForCausalLM
+
+
+class CausalLM(Protocol):
+    """A decoder built from config.json and its checkpoint's tensors (already in the serving dtype).
+
+    ``forward`` writes the step's keys and values into ``kv_cache`` and returns final-normed
+    hidden states, one row per input token; ``compute_logits`` maps chosen rows to the vocabulary.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+    def __init__(self, config: dict, weights: dict[str, torch.Tensor]) -> None: ...
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def tensors(self) -> list[torch.Tensor]: ...
+
+
+MODEL_FAMILIES: dict[str, type[CausalLM]] = {
+    "llama": LlamaForCausalLM,
+}
+
+
+def model_family(model_type: str) -> type[CausalLM]:
+    try:
+        return MODEL_FAMILIES[model_type]
+    except KeyError:
+        raise ValueError(f"model_type {model_type!r} is not supported (supported: {', '.join(sorted(MODEL_FAMILIES))})") from None

@@ -1,0 +1,90 @@
+"""The Llama decoder (RMSNorm, rotary, GQA attention over paged KV, SwiGLU MLP), eager torch.
+
+q/k/v and gate/up are fused into one weight each at load time; the residual add rides on the
+output projections' GEMM (``addmm``), so a decode layer is about a dozen torch ops.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from services.worker.attention import AttentionMetadata, KVCache, paged_attention
+from services.worker.rotary import RotaryEmbedding, apply_rotary_, rope_config
+
+
+class _Layer(NamedTuple):
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    o_proj_t: torch.Tensor  # [heads * head_dim, hidden], the transpose of o_proj
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down_t: torch.Tensor  # [intermediate, hidden]
+
+
+class LlamaForCausalLM:
+    def __init__(self, config: dict, weights: dict[str, torch.Tensor]) -> None:
+        for flag in ("attention_bias", "mlp_bias"):
+            if config.get(flag):
+                raise ValueError(f"llama checkpoints with {flag}=true are not supported")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"llama hidden_act {config['hidden_act']!r} is not supported (only silu)")
+        self.hidden_size = config["hidden_size"]
+        self.num_heads = config["num_attention_heads"]
+        self.num_kv_heads = config.get("num_key_value_heads") or self.num_heads
+        self.head_dim = config.get("head_dim") or self.hidden_size // self.num_heads
+        self.num_layers = config["num_hidden_layers"]
+        self.intermediate_size = config["intermediate_size"]
+        self.vocab_size = config["vocab_size"]
+        self.eps = config.get("rms_norm_eps", 1e-6)
+        self.embed = weights["model.embed_tokens.weight"]
+        self.dtype = self.embed.dtype
+        theta, scaling = rope_config(config)
+        self.rotary = RotaryEmbedding(self.head_dim, theta, scaling, config.get("max_position_embeddings", 2048), self.dtype)
+        self.layers = [self._load_layer(weights, f"model.layers.{i}.") for i in range(self.num_layers)]
+        self.norm = weights["model.norm.weight"]
+        if config.get("tie_word_embeddings", False):
+            self.lm_head = self.embed
+        elif "lm_head.weight" in weights:
+            self.lm_head = weights["lm_head.weight"]
+        else:
+            raise ValueError("the checkpoint has no lm_head.weight and tie_word_embeddings is false")
+
+    @staticmethod
+    def _load_layer(w: dict[str, torch.Tensor], p: str) -> _Layer:
+        attn, mlp = p + "self_attn.", p + "mlp."
+        return _Layer(
+            input_norm=w[p + "input_layernorm.weight"],
+            qkv=torch.cat([w[f"{attn}{x}_proj.weight"] for x in "qkv"]),
+            o_proj_t=w[attn + "o_proj.weight"].t().contiguous(),
+            post_norm=w[p + "post_attention_layernorm.weight"],
+            gate_up=torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]),
+            down_t=w[mlp + "down_proj.weight"].t().contiguous(),
+        )
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every distinct parameter tensor (a tied lm_head counted once)."""
+        unique = {id(t): t for layer in self.layers for t in layer} | {id(t): t for t in (self.embed, self.norm, self.lm_head)}
+        return list(unique.values())
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] of a flat batch of T tokens from many requests."""
+        total, heads, kv_heads, dim = input_ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        shape, inter = (self.hidden_size,), self.intermediate_size
+        cos, sin = self.rotary.lookup(positions, attn.max_position)
+        h = F.embedding(input_ids, self.embed)
+        for layer, cache in zip(self.layers, kv_cache.layers):
+            x = F.rms_norm(h, shape, layer.input_norm, self.eps)
+            qkv = F.linear(x, layer.qkv).view(total, heads + 2 * kv_heads, dim)
+            apply_rotary_(qkv[:, : heads + kv_heads], cos, sin)
+            out = paged_attention(qkv[:, :heads], qkv[:, heads:].view(total, 2, kv_heads, dim), cache, attn)
+            h = torch.addmm(h, out, layer.o_proj_t)
+            gate_up = F.linear(F.rms_norm(h, shape, layer.post_norm, self.eps), layer.gate_up)
+            gate = F.silu(gate_up[:, :inter], inplace=True)
+            h = torch.addmm(h, gate.mul_(gate_up[:, inter:]), layer.down_t)
+        return F.rms_norm(h, shape, self.norm, self.eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head)

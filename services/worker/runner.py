@@ -1,0 +1,172 @@
+"""The worker's compute core: runs one ``StepPlan`` through the model and samples its tokens.
+
+``ModelRunner`` owns the weights, the fixed-size KV cache and each running request's state
+(block table, last sampled token, sampling params, rng). It makes no scheduling decision:
+it executes plans in the order they arrive, and a decode slice is fed the token this runner
+sampled last for its request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from services.worker.attention import AttentionMetadata, KVCache
+from services.worker.models import model_family
+from services.worker.sampling import sample
+from services.worker.weights import load_weights
+from shared.frames import Sampled, SamplingParams, Slice, StepPlan, StepResult
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class _Request:
+    params: SamplingParams
+    generator: torch.Generator | None
+    table: list[int] = field(default_factory=list)
+    last_token: int | None = None
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str, num_blocks: int, block_size: int, dtype: str = "float32", max_num_seqs: int = 64) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"the KV cache needs num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}")
+        with open(os.path.join(model_dir, "config.json")) as f:
+            config = json.load(f)
+        self.family = config.get("model_type", "llama")
+        family = model_family(self.family)
+        self.block_size, self.max_num_seqs = block_size, max_num_seqs
+        with torch.inference_mode():
+            self.model = family(config, load_weights(model_dir, DTYPES[dtype]))
+            self.kv_cache = KVCache(self.model.num_layers, num_blocks, block_size, self.model.num_kv_heads, self.model.head_dim, DTYPES[dtype])
+        self._requests: dict[str, _Request] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run every slice of ``plan`` as one flat batch; a ``ValueError`` leaves all state untouched."""
+        began = time.perf_counter()
+        sampled = []
+        with torch.inference_mode():
+            rids, requests, logits = self._forward(plan.slices)
+            if rids:
+                tokens = sample(logits, [r.params for r in requests], [r.generator for r in requests]).tolist()
+                for request, token in zip(requests, tokens):
+                    request.last_token = token
+                by_rid = dict(zip(rids, tokens))
+                sampled = [Sampled(s.rid, by_rid[s.rid]) for s in plan.slices if s.sample]
+        return StepResult(step=plan.step, sampled=sampled, forward_s=time.perf_counter() - began)
+
+    def logits(self, plan: StepPlan) -> dict[str, torch.Tensor]:
+        """Run ``plan`` like ``execute``, KV writes included, but return its sampling slices' logits, unsampled."""
+        with torch.inference_mode():
+            rids, _, logits = self._forward(plan.slices)
+        return dict(zip(rids, logits)) if rids else {}
+
+    def release(self, rids: list[str]) -> None:
+        """Forget these requests (unknown ones are ignored: a release may follow a failed step)."""
+        for rid in rids:
+            self._requests.pop(rid, None)
+
+    def _forward(self, slices: list[Slice]) -> tuple[list[str], list[_Request], torch.Tensor | None]:
+        """The rids and states of the slices that sample, and their logits [N, vocab]."""
+        if not slices:
+            return [], [], None
+        self._validate(slices)
+        for s in slices:
+            request = self._requests.get(s.rid)
+            if request is None:
+                params = s.sampling or SamplingParams()
+                generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+                request = self._requests[s.rid] = _Request(params, generator)
+            request.table.extend(s.new_blocks)
+
+        # Decode slices first: attention batches them in one call and prefill chunks follow.
+        ordered = [s for s in slices if not s.token_ids] + [s for s in slices if s.token_ids]
+        num_decodes = len(slices) - sum(1 for s in slices if s.token_ids)
+        requests = [self._requests[s.rid] for s in ordered]
+        input_ids = [r.last_token for r in requests[:num_decodes]]
+        for s in ordered[num_decodes:]:
+            input_ids += s.token_ids
+        lens = [s.num_tokens for s in ordered]
+        meta = AttentionMetadata.build(
+            [s.start for s in ordered], lens, [r.table for r in requests], num_decodes, self.block_size, self.model.dtype
+        )
+        hidden = self.model.forward(torch.tensor(input_ids), meta.positions, meta, self.kv_cache)
+
+        to_sample = [j for j, s in enumerate(ordered) if s.sample]
+        if not to_sample:
+            return [], [], None
+        last_rows = (torch.tensor(lens).cumsum(0) - 1)[to_sample]
+        logits = self.model.compute_logits(hidden[last_rows])
+        return [ordered[j].rid for j in to_sample], [requests[j] for j in to_sample], logits
+
+    def _validate(self, slices: list[Slice]) -> None:
+        if len(slices) > self.max_num_seqs:
+            raise ValueError(f"a step of {len(slices)} slices exceeds max_num_seqs={self.max_num_seqs}")
+        if len({s.rid for s in slices}) != len(slices):
+            raise ValueError("a step holds more than one slice of the same request")
+        for s in slices:
+            request = self._requests.get(s.rid)
+            if not s.token_ids:
+                if request is None:
+                    raise ValueError(f"decode slice for unknown request {s.rid!r}: it was never prefilled here or was released")
+                if request.last_token is None:
+                    raise ValueError(f"decode slice for request {s.rid!r}, which has not sampled a token yet")
+                if s.num_tokens != 1:
+                    raise ValueError(f"decode slice for {s.rid!r} has num_tokens={s.num_tokens}, expected 1")
+            elif len(s.token_ids) != s.num_tokens:
+                raise ValueError(f"slice for {s.rid!r} carries {len(s.token_ids)} token ids but num_tokens={s.num_tokens}")
+            if s.start < 0 or s.num_tokens < 1:
+                raise ValueError(f"slice for {s.rid!r} has start={s.start}, num_tokens={s.num_tokens}")
+            if any(not 0 <= b < self.num_blocks for b in s.new_blocks):
+                raise ValueError(f"slice for {s.rid!r} names blocks outside 0..{self.num_blocks - 1}: {s.new_blocks}")
+            capacity = (len(request.table) if request else 0) + len(s.new_blocks)
+            if s.start + s.num_tokens > capacity * self.block_size:
+                raise ValueError(
+                    f"slice for {s.rid!r} reaches position {s.start + s.num_tokens - 1} but its "
+                    f"{capacity} blocks of {self.block_size} hold {capacity * self.block_size} tokens"
+                )
+
+    def warmup(self) -> None:
+        """One short prefill and one decode through blocks 0.., then release: allocator and kernels warm."""
+        tokens = min(2 * self.block_size, self.num_blocks * self.block_size - 1, 16)
+        blocks = list(range(-(-(tokens + 1) // self.block_size)))
+        rid, params = "__warmup__", SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=0)
+        try:
+            self.execute(StepPlan(-1, [Slice(rid, 0, tokens, list(range(tokens)), blocks, sampling=params)]))
+            self.execute(StepPlan(-1, [Slice(rid, tokens, 1)]))
+        finally:
+            self.release([rid])
+
+    def describe(self) -> dict[str, Any]:
+        """Read-only facts for the instrumentation endpoint, read off the live objects."""
+        tensors = self.model.tensors()
+        cache = self.kv_cache.tensor
+        return {
+            "family": self.family,
+            "dtype": str(cache.dtype).removeprefix("torch."),
+            "num_layers": self.model.num_layers,
+            "num_kv_heads": self.model.num_kv_heads,
+            "head_dim": self.model.head_dim,
+            "vocab_size": self.model.vocab_size,
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "kv_cache_bytes": self.kv_cache.nbytes,
+            "kv_bytes_per_token": self.kv_cache.nbytes // (self.num_blocks * self.block_size),
+            "param_count": sum(t.numel() for t in tensors),
+            "param_bytes": sum(t.numel() * t.element_size() for t in tensors),
+            "threads": torch.get_num_threads(),
+            "max_num_seqs": self.max_num_seqs,
+            "requests": len(self._requests),
+        }

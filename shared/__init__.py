@@ -1,0 +1,1 @@
+"""Code every tokenyard process imports: frames, transport, configuration, logging, metrics."""

@@ -1,0 +1,139 @@
+"""Typed configuration: one frozen dataclass defines every setting of the stack, once.
+
+Each process builds the same ``StackConfig`` from its command line (``from_argv``); the
+flags, their defaults and help text are generated from the dataclass fields, so a
+setting exists in exactly one place. Derived values (addresses, ports, KV block count)
+are properties.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tempfile
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "SmolLM2-135M-Instruct")
+
+
+def _opt(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    model: str = _opt(DEFAULT_MODEL_DIR, "model directory in the Hugging Face layout")
+    served_model_name: str = _opt("", "model id shown by /v1/models (default: the directory name)")
+    host: str = _opt("127.0.0.1", "address the api listens on")
+    port: int = _opt(8000, "api port (HTTP, metrics and instrumentation)")
+    scheduler_metrics_port: int = _opt(0, "scheduler /metrics port (0: port + 1)")
+    worker_metrics_port: int = _opt(0, "worker /metrics port (0: port + 2)")
+    detokenizer_metrics_port: int = _opt(0, "detokenizer /metrics port (0: port + 3)")
+    metrics_host: str = _opt("127.0.0.1", "address the non-api metrics servers listen on")
+    run_dir: str = _opt("", "directory of the stack's ipc sockets (default: a per-port temp dir)")
+    api_addr: str = _opt("", "ZMQ address the api receives on (default: ipc in run_dir)")
+    scheduler_addr: str = _opt("", "ZMQ address the scheduler receives on")
+    worker_addr: str = _opt("", "ZMQ address the worker receives on")
+    detokenizer_addr: str = _opt("", "ZMQ address the detokenizer receives on")
+    api_replica: str = _opt("api-0", "identity of this api replica (replies are addressed to it)")
+    kv_cache_tokens: int = _opt(16384, "KV cache size in tokens (ignored if kv_cache_bytes is set)")
+    kv_cache_bytes: int = _opt(0, "KV cache size in bytes (0: use kv_cache_tokens)")
+    block_size: int = _opt(16, "tokens per KV block")
+    max_num_seqs: int = _opt(64, "most requests in one step")
+    max_num_batched_tokens: int = _opt(256, "token budget of one step (prefill chunk size)")
+    max_waiting: int = _opt(1024, "most requests waiting for admission before 429")
+    max_model_len: int = _opt(0, "context limit (0: the model's max_position_embeddings)")
+    dtype: str = _opt("float32", "weight and activation dtype on the CPU")
+    num_threads: int = _opt(0, "torch threads of the worker (0: all cores)")
+    heartbeat_s: float = _opt(0.5, "interval of heartbeats and engine status frames")
+    engine_timeout_s: float = _opt(10.0, "api marks the engine unhealthy after this long without status")
+    max_body_bytes: int = _opt(8 * 1024 * 1024, "largest accepted HTTP request body")
+    log_level: str = _opt("info", "log level")
+    log_json: bool = _opt(False, "log JSON lines instead of console text")
+
+    # Derived values. -----------------------------------------------------------------
+
+    @property
+    def model_id(self) -> str:
+        return self.served_model_name or os.path.basename(os.path.normpath(self.model))
+
+    @property
+    def resolved_run_dir(self) -> str:
+        return self.run_dir or os.path.join(tempfile.gettempdir(), f"tokenyard-{self.port}")
+
+    def _ipc(self, explicit: str, name: str) -> str:
+        return explicit or f"ipc://{os.path.join(self.resolved_run_dir, name)}.sock"
+
+    @property
+    def api_address(self) -> str:
+        return self._ipc(self.api_addr, f"api-{self.api_replica}")
+
+    @property
+    def scheduler_address(self) -> str:
+        return self._ipc(self.scheduler_addr, "scheduler")
+
+    @property
+    def worker_address(self) -> str:
+        return self._ipc(self.worker_addr, "worker")
+
+    @property
+    def detokenizer_address(self) -> str:
+        return self._ipc(self.detokenizer_addr, "detokenizer")
+
+    def metrics_port(self, process: str) -> int:
+        explicit = {
+            "api": self.port,
+            "scheduler": self.scheduler_metrics_port,
+            "worker": self.worker_metrics_port,
+            "detokenizer": self.detokenizer_metrics_port,
+        }[process]
+        offset = {"api": 0, "scheduler": 1, "worker": 2, "detokenizer": 3}[process]
+        return explicit or self.port + offset
+
+    # Command line. -------------------------------------------------------------------
+
+    def to_argv(self) -> list[str]:
+        """Flags that rebuild this config in a child process (only non-default values)."""
+        argv: list[str] = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value != f.default:
+                argv += [_flag(f.name), str(value).lower() if isinstance(value, bool) else str(value)]
+        return argv
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            kind = hints[f.name]
+            parse = _parse_bool if kind is bool else kind
+            parser.add_argument(_flag(f.name), dest=f.name, type=parse, default=f.default, help=f"{f.metadata['help']} (default: {f.default})")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> StackConfig:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def from_argv(cls, argv: list[str] | None = None, description: str = "") -> StackConfig:
+        parser = argparse.ArgumentParser(description=description)
+        cls.add_arguments(parser)
+        return cls.from_args(parser.parse_args(argv))
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")

@@ -1,0 +1,180 @@
+"""The frames that tokenyard's processes exchange over ZeroMQ: one tagged msgspec union.
+
+Every frame is an ``array_like`` struct, so on the wire it is a msgpack array whose first
+element is the tag. A step's frames are O(batch): prompts travel once, in ``Submit`` and
+in the prefill chunks of ``StepPlan``; a decode slice carries no token at all.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Union
+
+import msgspec
+
+
+class _Frame(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True, tag_field="frame"):
+    """Base of every top-level frame; the tag is the class name."""
+
+
+class _Part(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+    """Base of the structs nested inside frames."""
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS token or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # the client went away
+    ERROR = "error"  # the engine failed the request
+
+
+class SamplingParams(_Part):
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no limit
+    min_p: float = 0.0
+    seed: int | None = None
+
+
+class Submit(_Frame):
+    rid: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop_token_ids: list[int] = []
+    stop: list[str] = []
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    arrival_time: float = 0.0
+    reply_to: str = ""  # the api replica that owns the reply
+
+
+class Abort(_Frame):
+    rid: str
+    reason: str = "client disconnected"
+
+
+class Slice(_Part):
+    """One request's share of a step: ``num_tokens`` positions starting at ``start``.
+
+    A prefill chunk carries its ``token_ids``; a decode slice carries none and the worker
+    feeds back the token it sampled last for this request.
+    """
+
+    rid: str
+    start: int
+    num_tokens: int
+    token_ids: list[int] = []
+    new_blocks: list[int] = []  # appended to the request's block table before the step
+    sample: bool = True
+    sampling: SamplingParams | None = None  # sent with the request's first slice only
+
+
+class StepPlan(_Frame):
+    step: int
+    slices: list[Slice]
+
+
+class Release(_Frame):
+    """Worker-side state of these requests (last token, block table, rng) may be dropped."""
+
+    rids: list[str]
+
+
+class Sampled(_Part):
+    rid: str
+    token_id: int
+
+
+class StepResult(_Frame):
+    step: int
+    sampled: list[Sampled]
+    forward_s: float = 0.0
+    error: str = ""  # non-empty: the step failed and none of its slices produced a token
+
+
+class DetokOpen(_Part):
+    """What the detokenizer needs to know about a request before its first tokens."""
+
+    rid: str
+    prompt_tokens: int
+    stop: list[str] = []
+    skip_special_tokens: bool = True
+    reply_to: str = ""
+
+
+class TokenDelta(_Part):
+    rid: str
+    token_ids: list[int] = []
+    finish: str = ""  # a FinishReason value once the scheduler has finished the request
+
+
+class TokenBatch(_Frame):
+    opened: list[DetokOpen] = []
+    deltas: list[TokenDelta] = []
+
+
+class TextDelta(_Part):
+    rid: str
+    text: str = ""
+    completion_tokens: int = 0  # tokens of output so far, counted up to a matched stop string
+    finish: str = ""
+    prompt_tokens: int = 0
+
+
+class TextBatch(_Frame):
+    deltas: list[TextDelta]
+
+
+class Finish(_Frame):
+    """The detokenizer matched a stop string: the scheduler must finish the request."""
+
+    rid: str
+    reason: str = FinishReason.STOP.value
+    matched: str = ""
+
+
+class Error(_Frame):
+    """A request (``rid``) or, with ``rid == ""``, every in-flight request failed."""
+
+    rid: str
+    status: int
+    message: str
+    type: str = "server_error"
+
+
+class Heartbeat(_Frame):
+    """Liveness and load progress of one process, sent to its downstream neighbour."""
+
+    process: str
+    pid: int
+    state: str  # "loading" | "warming" | "ready" | "failed"
+    detail: str = ""
+    progress: float = 0.0
+
+
+class EngineStatus(_Frame):
+    """The scheduler's periodic summary for the api: readiness and load."""
+
+    state: str
+    detail: str = ""
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+
+
+Frame = Union[
+    Submit,
+    Abort,
+    StepPlan,
+    Release,
+    StepResult,
+    TokenBatch,
+    TextBatch,
+    Finish,
+    Error,
+    Heartbeat,
+    EngineStatus,
+]

@@ -1,0 +1,67 @@
+"""Metrics every process exports, and the small HTTP server of the non-api processes.
+
+Each process is its own OS process with its own default registry; names carry the
+``tokenyard:`` prefix. The server runs in a daemon thread, so a process whose main loop
+is busy computing still answers ``/metrics``, ``/instrumentation`` and ``/health``.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Info, generate_latest
+
+PREFIX = "tokenyard:"
+VERSION = "0.1.0"
+
+FRAMES = Counter(f"{PREFIX}frames", "Frames sent or received", ["socket", "direction"])
+FRAME_BYTES = Counter(f"{PREFIX}frame_bytes", "Frame bytes sent or received", ["socket", "direction"])
+FRAME_DECODE_ERRORS = Counter(f"{PREFIX}frame_decode_errors", "Frames that failed to decode", ["socket"])
+PROCESS_UP = Gauge(f"{PREFIX}process_up", "1 once the process is ready to serve", ["process"])
+BUILD_INFO = Info(f"{PREFIX}build", "tokenyard build information")
+BUILD_INFO.info({"version": VERSION, "python": platform.python_version()})
+
+Instrumentation = Callable[[], dict[str, Any]]
+Health = Callable[[], tuple[int, dict[str, Any]]]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    instrumentation: Instrumentation
+    health: Health
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        path = self.path.split("?", 1)[0]
+        if path == "/metrics":
+            self._send(200, generate_latest(), CONTENT_TYPE_LATEST)
+        elif path == "/instrumentation":
+            self._send_json(200, self.instrumentation())
+        elif path == "/health":
+            self._send_json(*self.health())
+        else:
+            self._send_json(404, {"error": {"message": f"no route {path}", "type": "not_found_error"}})
+
+    def _send_json(self, status: int, body: dict[str, Any]) -> None:
+        self._send(status, json.dumps(body, default=str).encode(), "application/json")
+
+    def _send(self, status: int, body: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # silence per-request stderr lines
+        pass
+
+
+def start_metrics_server(host: str, port: int, instrumentation: Instrumentation, health: Health) -> ThreadingHTTPServer:
+    handler = type("Handler", (_Handler,), {"instrumentation": staticmethod(instrumentation), "health": staticmethod(health)})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    return server

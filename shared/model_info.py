@@ -1,0 +1,80 @@
+"""What every process needs to know about the served model, read from its directory.
+
+The scheduler sizes the KV cache from it, the api its context limit and stop tokens, the
+worker its shapes. All of them compute the KV block count with ``kv_cache_blocks`` so
+they agree on it without talking.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: str
+    family: str  # config.json "model_type"
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * _DTYPE_BYTES[dtype]
+
+    def revision(self) -> str:
+        """A short hash of config.json and the weight files' names and sizes."""
+        digest = hashlib.sha256()
+        for name in sorted(os.listdir(self.path)):
+            if name == "config.json" or name.endswith(".safetensors"):
+                digest.update(f"{name}:{os.path.getsize(os.path.join(self.path, name))}".encode())
+        with open(os.path.join(self.path, "config.json"), "rb") as f:
+            digest.update(f.read())
+        return digest.hexdigest()[:16]
+
+
+def _as_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (value,)
+
+
+def load_model_info(path: str) -> ModelInfo:
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{path} is not a model directory: it has no config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    generation: dict = {}
+    gen_path = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            generation = json.load(f)
+    eos = _as_ids(generation.get("eos_token_id", config.get("eos_token_id")))
+    num_heads = config["num_attention_heads"]
+    return ModelInfo(
+        path=os.path.abspath(path),
+        family=config.get("model_type", "llama"),
+        num_layers=config["num_hidden_layers"],
+        num_kv_heads=config.get("num_key_value_heads", num_heads),
+        head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+        vocab_size=config["vocab_size"],
+        max_position_embeddings=config.get("max_position_embeddings", 2048),
+        eos_token_ids=eos,
+        bos_token_id=generation.get("bos_token_id", config.get("bos_token_id")),
+    )
+
+
+def kv_cache_blocks(info: ModelInfo, kv_cache_tokens: int, kv_cache_bytes: int, block_size: int, dtype: str) -> int:
+    """Number of KV blocks: from a byte budget when one is given, else from a token count."""
+    if kv_cache_bytes:
+        return kv_cache_bytes // (info.kv_bytes_per_token(dtype) * block_size)
+    return kv_cache_tokens // block_size

@@ -1,0 +1,165 @@
+"""The scheduling state machine: batching, chunked prefill, pipelining, blocks, preemption, endings."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.scheduler.core import AdmissionError, Scheduler
+from services.scheduler.kv_blocks import BlockPool
+from shared.frames import FinishReason, Sampled, SamplingParams, StepPlan, StepResult, Submit
+
+
+def make(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 16, max_waiting: int = 100) -> Scheduler:
+    return Scheduler(BlockPool(num_blocks, block_size), max_num_seqs, budget, max_waiting)
+
+
+def submit(s: Scheduler, rid: str, prompt_len: int, max_tokens: int = 4, **kw) -> None:
+    s.submit(Submit(rid=rid, prompt_ids=list(range(1, prompt_len + 1)), max_tokens=max_tokens, stop_token_ids=[0], **kw))
+
+
+def answer(s: Scheduler, plan: StepPlan, token: int = 7):
+    return s.on_result(StepResult(step=plan.step, sampled=[Sampled(rid=x.rid, token_id=token) for x in plan.slices if x.sample]))
+
+
+def test_long_prompt_is_chunked_and_decodes_share_the_step() -> None:
+    s = make(budget=8)
+    submit(s, "a", 3, max_tokens=10)
+    p0 = s.plan(0)
+    assert [(x.rid, x.start, x.num_tokens, x.sample) for x in p0.slices] == [("a", 0, 3, True)]
+    answer(s, p0)
+    submit(s, "b", 20)
+    p1 = s.plan(1)
+    # a's decode comes first (no token: the worker feeds back its own sample), then b's first chunk
+    assert [(x.rid, x.start, x.num_tokens, x.token_ids, x.sample) for x in p1.slices] == [("a", 3, 1, [], True), ("b", 0, 7, list(range(1, 8)), False)]
+    p2 = s.plan(2)  # pipelined: planned before p1's result is back
+    assert [(x.rid, x.start, x.num_tokens) for x in p2.slices] == [("a", 4, 1), ("b", 7, 7)]
+    assert p2.slices[1].sampling is None and p1.slices[1].sampling is not None  # sampling params travel once
+
+
+def test_blocks_grow_with_the_sequence_and_are_not_reserved_for_max_tokens() -> None:
+    s = make(num_blocks=64, block_size=4)
+    submit(s, "a", 5, max_tokens=200)
+    plan = s.plan(0)
+    assert len(plan.slices[0].new_blocks) == 2 and s.pool.num_used == 2
+    answer(s, plan)
+    for step in range(1, 4):  # positions 5, 6, 7 fit in block 2; position 8 needs a third block
+        plan = s.plan(step)
+        answer(s, plan)
+    assert s.pool.num_used == 2
+    answer(s, s.plan(4))
+    assert s.pool.num_used == 3
+
+
+def test_finish_on_eos_and_length_frees_blocks_and_drops_the_pipelined_token() -> None:
+    s = make()
+    submit(s, "a", 4, max_tokens=3)
+    submit(s, "b", 4, max_tokens=100)
+    p0 = s.plan(0)
+    p1 = s.plan(1)  # in flight together with p0
+    out = answer(s, p0, token=5)
+    assert [d.finish for d in out.deltas] == ["", ""]
+    out = s.on_result(StepResult(step=1, sampled=[Sampled(rid="a", token_id=5), Sampled(rid="b", token_id=0)]))  # b samples EOS
+    assert {d.rid: d.finish for d in out.deltas} == {"a": "", "b": FinishReason.STOP.value}
+    assert out.released == ["b"]
+    p2 = s.plan(2)
+    assert [x.rid for x in p2.slices] == ["a"]
+    out = answer(s, p2)
+    assert out.deltas[0].finish == FinishReason.LENGTH.value  # 3 tokens: max_tokens reached
+    assert s.plan(3).slices == []  # never schedules past max_tokens
+    assert s.pool.num_used == 0 and not s.requests
+    assert s.on_result(StepResult(step=1, sampled=[Sampled(rid="b", token_id=9)])).deltas == []  # late token dropped
+
+
+def test_ignore_eos_and_min_tokens() -> None:
+    s = make()
+    submit(s, "a", 2, max_tokens=3, ignore_eos=True)
+    submit(s, "b", 2, max_tokens=3, min_tokens=2)
+    finishes = {}
+    for step in range(4):
+        plan = s.plan(step)
+        for d in answer(s, plan, token=0).deltas:
+            finishes.setdefault(d.rid, []).append(d.finish)
+    assert finishes["a"] == ["", "", "length"]
+    assert finishes["b"] == ["", "stop"]
+
+
+def test_abort_frees_everything_at_once() -> None:
+    s = make()
+    submit(s, "a", 9, max_tokens=50)
+    submit(s, "b", 2, max_tokens=50)
+    answer(s, s.plan(0))
+    out = s.finish("a", FinishReason.ABORT)
+    assert out.released == ["a"] and out.deltas[0].finish == "abort"
+    s.finish("b", FinishReason.ABORT)
+    assert s.pool.num_used == 0 and not s.running and not s.waiting
+    assert s.finish("a", FinishReason.ABORT).deltas == []  # twice is harmless
+
+
+def test_abort_of_a_waiting_request() -> None:
+    s = make(max_num_seqs=1)
+    submit(s, "a", 2)
+    submit(s, "b", 2)
+    s.plan(0)
+    assert [r.rid for r in s.waiting] == ["b"]
+    out = s.finish("b", FinishReason.ABORT)
+    assert out.released == [] and not s.waiting
+
+
+def test_preemption_of_the_newest_under_kv_pressure_and_recompute() -> None:
+    s = make(num_blocks=4, block_size=4, budget=64)
+    submit(s, "old", 4, max_tokens=8)
+    submit(s, "new", 4, max_tokens=8)
+    answer(s, s.plan(0))  # both prefilled: 1 block each, 1 token out each
+    tokens = {"old": 1, "new": 1}
+    preempted = False
+    for step in range(1, 40):
+        plan = s.plan(step)
+        released = s.take_released()
+        if released:
+            assert released == ["new"]
+            preempted = True
+        out = answer(s, plan)
+        for d in out.deltas:
+            tokens[d.rid] += len(d.token_ids)
+        if not s.requests:
+            break
+    assert preempted and s.num_preemptions >= 1
+    assert tokens == {"old": 8, "new": 8}  # both finish with all their tokens despite the preemption
+    assert s.pool.num_used == 0
+
+
+def test_recomputed_request_resends_prompt_and_outputs() -> None:
+    s = make(num_blocks=2, block_size=4, budget=64, max_num_seqs=4)
+    submit(s, "a", 3, max_tokens=5)
+    submit(s, "b", 3, max_tokens=5)
+    answer(s, s.plan(0), token=11)
+    answer(s, s.plan(1), token=12)  # both at 5 tokens
+    plan = s.plan(2)  # both need position 5 in a second block, and there is none: b is preempted
+    assert s.take_released() == ["b"]
+    answer(s, plan, token=13)
+    s.finish("a", FinishReason.ABORT)
+    plan = s.plan(3)
+    (b,) = plan.slices
+    assert b.rid == "b" and b.start == 0 and b.token_ids == [1, 2, 3, 11, 12] and b.sample and b.sampling is not None
+
+
+def test_admission_errors() -> None:
+    s = make(num_blocks=4, block_size=4, max_waiting=1)
+    with pytest.raises(AdmissionError) as exc:
+        submit(s, "big", 10, max_tokens=10)
+    assert exc.value.status == 400 and "16" in exc.value.message
+    submit(s, "a", 2)
+    with pytest.raises(AdmissionError) as exc:
+        submit(s, "a", 2)
+    assert exc.value.status == 400
+    with pytest.raises(AdmissionError) as exc:
+        submit(s, "b", 2)
+    assert exc.value.status == 429
+
+
+def test_max_num_seqs_bounds_the_batch() -> None:
+    s = make(max_num_seqs=2, budget=100)
+    for i in range(4):
+        submit(s, f"r{i}", 2, sampling=SamplingParams(temperature=0))
+    plan = s.plan(0)
+    assert [x.rid for x in plan.slices] == ["r0", "r1"] and len(s.waiting) == 2

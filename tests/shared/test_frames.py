@@ -1,0 +1,69 @@
+"""Every frame type survives encode/decode, and garbage fails with a clear error."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from shared.codec import FrameDecodeError, decode, encode
+from shared.frames import (
+    Abort,
+    DetokOpen,
+    EngineStatus,
+    Error,
+    Finish,
+    Frame,
+    Heartbeat,
+    Release,
+    Sampled,
+    SamplingParams,
+    Slice,
+    StepPlan,
+    StepResult,
+    Submit,
+    TextBatch,
+    TextDelta,
+    TokenBatch,
+    TokenDelta,
+)
+
+EXAMPLES = [
+    Submit(rid="r1", prompt_ids=[1, 2, 3], max_tokens=16, sampling=SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=7), stop_token_ids=[2], stop=["\n\n"], ignore_eos=True, min_tokens=2, arrival_time=1.5, reply_to="api-0"),
+    Submit(rid="r2", prompt_ids=[5], max_tokens=1),
+    Abort(rid="r1"),
+    StepPlan(step=9, slices=[Slice(rid="r1", start=0, num_tokens=3, token_ids=[1, 2, 3], new_blocks=[4], sample=True, sampling=SamplingParams(seed=1)), Slice(rid="r2", start=7, num_tokens=1)]),
+    Release(rids=["r1", "r2"]),
+    StepResult(step=9, sampled=[Sampled(rid="r1", token_id=42)], forward_s=0.01),
+    StepResult(step=10, sampled=[], error="boom"),
+    TokenBatch(opened=[DetokOpen(rid="r1", prompt_tokens=3, stop=["x"], skip_special_tokens=False, reply_to="api-0")], deltas=[TokenDelta(rid="r1", token_ids=[42], finish="length")]),
+    TextBatch(deltas=[TextDelta(rid="r1", text="héllo 👋", completion_tokens=2, finish="stop", prompt_tokens=3)]),
+    Finish(rid="r1", matched="\n\n"),
+    Error(rid="", status=503, message="engine gone", type="server_error"),
+    Heartbeat(process="worker", pid=123, state="loading", detail="weights", progress=0.5),
+    EngineStatus(state="ready", running=2, waiting=1, kv_blocks_total=10, kv_blocks_used=3),
+]
+
+
+def test_examples_cover_every_frame_type() -> None:
+    assert {type(f) for f in EXAMPLES} == set(Frame.__args__)
+
+
+@pytest.mark.parametrize("frame", EXAMPLES, ids=lambda f: type(f).__name__)
+def test_round_trip(frame: object) -> None:
+    assert decode(encode(frame)) == frame
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"", b"\x00\x01\x02", b"\x92\xa7Unknown\x01", msgspec.msgpack.encode(["Submit", "r1"]), msgspec.msgpack.encode(["StepPlan", "not-an-int", []]), msgspec.msgpack.encode({"a": 1})],
+)
+def test_garbage_raises_frame_decode_error(garbage: bytes) -> None:
+    with pytest.raises(FrameDecodeError, match="bad frame"):
+        decode(garbage)
+
+
+def test_step_frames_do_not_grow_with_context() -> None:
+    """A decode slice carries no tokens, so a step's size is independent of context length."""
+    short = encode(StepPlan(step=1, slices=[Slice(rid="a" * 32, start=10, num_tokens=1)]))
+    long = encode(StepPlan(step=1, slices=[Slice(rid="a" * 32, start=100_000, num_tokens=1)]))
+    assert len(long) - len(short) <= 4
