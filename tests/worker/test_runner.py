@@ -1,0 +1,125 @@
+"""ModelRunner's request state and contract: seeds across batches, non-sampling chunks, release,
+clear errors for malformed plans, warm-up and the facts it reports."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from services.worker.runner import ModelRunner
+from shared.frames import SamplingParams, Slice, StepPlan
+
+from .harness import GREEDY, Checkpoint, drive
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    return random.Random(seed).choices(range(3, 256), k=length)
+
+
+@pytest.fixture
+def untied(tiny_llamas: dict[str, Checkpoint]) -> Checkpoint:
+    return tiny_llamas["untied"]
+
+
+def test_seeded_request_samples_the_same_tokens_whatever_shares_its_steps(untied: Checkpoint) -> None:
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7)
+    prompt = _prompt(0, 9)
+    alone, _ = drive(ModelRunner(untied.path, 32, 4), {"s": prompt}, 16, chunk=4, sampling={"s": seeded})
+    prompts = {"s": prompt, "a": _prompt(1, 12), "b": _prompt(2, 5)}
+    sampling = {"s": seeded, "a": SamplingParams(temperature=0.7, seed=8), "b": SamplingParams(temperature=1.3)}
+    crowded, stats = drive(ModelRunner(untied.path, 64, 4), prompts, 16, chunk=4, seed=1, arrivals={"b": 2}, sampling=sampling)
+    assert stats.mixed_steps > 0
+    assert crowded["s"] == alone["s"]
+    assert len(set(alone["s"])) > 2  # it really samples
+    other_seed, _ = drive(ModelRunner(untied.path, 32, 4), {"s": prompt}, 16, chunk=4, sampling={"s": SamplingParams(temperature=1.0, top_p=0.9, seed=9)})
+    assert other_seed["s"] != alone["s"]
+
+
+def test_non_final_chunks_sample_nothing_and_results_follow_plan_order(untied: Checkpoint) -> None:
+    runner = ModelRunner(untied.path, 16, 4)
+    result = runner.execute(
+        StepPlan(
+            0,
+            [
+                Slice("x", 0, 4, _prompt(0, 4), [3], sample=False, sampling=GREEDY),
+                Slice("y", 0, 3, _prompt(1, 3), [5], sampling=GREEDY),
+                Slice("z", 0, 2, _prompt(2, 2), [9], sampling=GREEDY),
+            ],
+        )
+    )
+    assert [s.rid for s in result.sampled] == ["y", "z"]
+    assert result.step == 0 and result.forward_s > 0 and not result.error
+    result = runner.execute(StepPlan(1, [Slice("z", 2, 1), Slice("x", 4, 2, _prompt(3, 2), [1]), Slice("y", 3, 1)]))
+    assert [s.rid for s in result.sampled] == ["z", "x", "y"]
+
+
+def test_release_drops_state_and_unknown_decodes_fail_clearly(untied: Checkpoint) -> None:
+    runner = ModelRunner(untied.path, 16, 4)
+    runner.execute(StepPlan(0, [Slice("a", 0, 3, [5, 6, 7], [0], sampling=GREEDY), Slice("b", 0, 3, [5, 6, 7], [1], sampling=GREEDY)]))
+    assert runner.describe()["requests"] == 2
+    runner.release(["a", "never-seen"])
+    assert runner.describe()["requests"] == 1
+    with pytest.raises(ValueError, match="decode slice for unknown request 'a'"):
+        runner.execute(StepPlan(1, [Slice("b", 3, 1), Slice("a", 3, 1)]))
+    # The failed step changed nothing: b decodes as it would have.
+    expected = ModelRunner(untied.path, 16, 4)
+    expected.execute(StepPlan(0, [Slice("b", 0, 3, [5, 6, 7], [1], sampling=GREEDY)]))
+    assert runner.execute(StepPlan(2, [Slice("b", 3, 1)])).sampled == expected.execute(StepPlan(1, [Slice("b", 3, 1)])).sampled
+
+
+@pytest.mark.parametrize(
+    ("slices", "message"),
+    [
+        ([Slice("q", 0, 1)], "decode slice for unknown request 'q'"),
+        ([Slice("p", 0, 3, [1, 2, 3], [0], sample=False), Slice("p", 3, 1)], "more than one slice"),
+        ([Slice("q", 0, 3, [1, 2], [0])], "carries 2 token ids but num_tokens=3"),
+        ([Slice("q", 0, 5, [1, 2, 3, 4, 5], [0])], "reaches position 4 but its 1 blocks of 4 hold 4 tokens"),
+        ([Slice("q", 0, 2, [1, 2], [16])], "names blocks outside 0..15"),
+    ],
+)
+def test_malformed_slices_raise_clear_errors(untied: Checkpoint, slices: list[Slice], message: str) -> None:
+    runner = ModelRunner(untied.path, 16, 4)
+    with pytest.raises(ValueError, match=message):
+        runner.execute(StepPlan(0, slices))
+    assert runner.describe()["requests"] == 0
+
+
+def test_decode_before_any_sampled_token_and_too_many_slices_fail(untied: Checkpoint) -> None:
+    runner = ModelRunner(untied.path, 16, 4, max_num_seqs=2)
+    runner.execute(StepPlan(0, [Slice("p", 0, 3, [1, 2, 3], [0], sample=False)]))
+    with pytest.raises(ValueError, match="has not sampled a token yet"):
+        runner.execute(StepPlan(1, [Slice("p", 3, 1)]))
+    with pytest.raises(ValueError, match="exceeds max_num_seqs=2"):
+        runner.execute(StepPlan(2, [Slice(r, 0, 1, [1], [i]) for i, r in enumerate("xyz")]))
+
+
+def test_warmup_leaves_no_state_and_describe_reads_the_live_objects(tiny_llamas: dict[str, Checkpoint]) -> None:
+    tied = tiny_llamas["tied-sharded"]
+    runner = ModelRunner(tied.path, num_blocks=10, block_size=4)
+    runner.warmup()
+    facts = runner.describe()
+    assert facts["requests"] == 0
+    assert facts["family"] == "llama" and facts["dtype"] == "float32"
+    assert (facts["num_blocks"], facts["block_size"]) == (10, 4)
+    config = tied.reference.config
+    assert facts["kv_cache_bytes"] == config.num_hidden_layers * 10 * 4 * 2 * config.num_key_value_heads * config.head_dim * 4
+    assert facts["param_count"] == tied.reference.num_parameters()  # the tied lm_head counted once
+    assert facts["threads"] == torch.get_num_threads()
+
+
+def test_unsupported_rope_type_and_family_are_rejected(tmp_path: pytest.TempPathFactory, untied: Checkpoint) -> None:
+    import json
+    import shutil
+
+    for name, patch, message in [
+        ("yarn", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}}, "rope type 'yarn' is not supported"),
+        ("gpt2", {"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
+    ]:
+        path = tmp_path / name
+        shutil.copytree(untied.path, path)
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps(config | patch))
+        with pytest.raises(ValueError, match=message):
+            ModelRunner(str(path), 4, 4)
