@@ -8,7 +8,6 @@ in the prefill chunks of ``StepPlan``; a decode slice carries no token at all.
 from __future__ import annotations
 
 import enum
-from typing import Union
 
 import msgspec
 
@@ -21,7 +20,7 @@ class _Part(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, froze
     """Base of the structs nested inside frames."""
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS token or a stop string
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"  # the client went away
@@ -165,16 +164,4 @@ class EngineStatus(_Frame):
     kv_blocks_used: int = 0
 
 
-Frame = Union[
-    Submit,
-    Abort,
-    StepPlan,
-    Release,
-    StepResult,
-    TokenBatch,
-    TextBatch,
-    Finish,
-    Error,
-    Heartbeat,
-    EngineStatus,
-]
+Frame = Submit | Abort | StepPlan | Release | StepResult | TokenBatch | TextBatch | Finish | Error | Heartbeat | EngineStatus

@@ -74,7 +74,12 @@ async def instrumentation(request: web.Request) -> web.Response:
             "replica": state.config.api_replica,
             "max_body_bytes": state.config.max_body_bytes,
             "in_flight": len(engine.streams),
-            "engine": {"state": engine.describe_state()[0], "detail": engine.describe_state()[1], "running": engine.status.running, "waiting": engine.status.waiting},
+            "engine": {
+                "state": engine.describe_state()[0],
+                "detail": engine.describe_state()[1],
+                "running": engine.status.running,
+                "waiting": engine.status.waiting,
+            },
             "addresses": {"inbox": engine.inbox.address, "scheduler": engine.to_scheduler.address},
         }
     )

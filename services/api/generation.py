@@ -125,4 +125,3 @@ async def collect(stream: AsyncIterator[tuple[int, TextDelta]], count: int) -> l
     for choice, texts in zip(choices, parts):
         choice.text = "".join(texts)
     return choices
-

@@ -7,7 +7,7 @@ or refused with a 400 that names it: nothing is silently ignored.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -34,7 +34,7 @@ class TextPart(_Body):
 
 class ChatMessage(_Body):
     role: str
-    content: Union[str, list[TextPart], None] = None
+    content: str | list[TextPart] | None = None
     name: str | None = None
 
 
@@ -52,7 +52,7 @@ class _SamplingBody(_Body):
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    stop: Union[str, list[str], None] = None
+    stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = 1
     stream: bool = False
@@ -63,7 +63,7 @@ class _SamplingBody(_Body):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logprobs: Union[bool, int, None] = None
+    logprobs: bool | int | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
@@ -74,7 +74,7 @@ class ChatCompletionRequest(_SamplingBody):
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Union[str, dict[str, Any], None] = None
+    tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -82,7 +82,7 @@ class ChatCompletionRequest(_SamplingBody):
 
 
 class CompletionRequest(_SamplingBody):
-    prompt: Union[str, list[Union[str, int, list[int]]], None] = None
+    prompt: str | list[str | int | list[int]] | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -129,7 +129,9 @@ def validate_sampling(body: _SamplingBody, served_model: str, max_tokens: int | 
     _check(0.0 <= min_p <= 1.0, "min_p", f"min_p must be between 0 and 1, got {min_p}")
     _check(1 <= body.n <= MAX_CHOICES, "n", f"n must be between 1 and {MAX_CHOICES}, got {body.n}")
     _check(body.min_tokens >= 0, "min_tokens", f"min_tokens must be at least 0, got {body.min_tokens}")
-    _check(max_tokens is None or body.min_tokens <= max_tokens, "min_tokens", f"min_tokens ({body.min_tokens}) must not exceed {max_tokens_param} ({max_tokens})")
+    _check(
+        max_tokens is None or body.min_tokens <= max_tokens, "min_tokens", f"min_tokens ({body.min_tokens}) must not exceed {max_tokens_param} ({max_tokens})"
+    )
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     _check(len(stops) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
     _check(all(stops), "stop", "stop strings must not be empty")
@@ -175,7 +177,11 @@ def validate_chat(body: ChatCompletionRequest, served_model: str) -> tuple[Gener
         _unsupported(body.response_format.type == "text", "response_format", f"response_format of type {body.response_format.type!r}")
     messages = []
     for i, message in enumerate(body.messages):
-        _check(message.role in ("system", "developer", "user", "assistant"), f"messages[{i}].role", f"unknown role {message.role!r} in messages[{i}]; expected system, developer, user or assistant")
+        _check(
+            message.role in ("system", "developer", "user", "assistant"),
+            f"messages[{i}].role",
+            f"unknown role {message.role!r} in messages[{i}]; expected system, developer, user or assistant",
+        )
         messages.append({"role": "system" if message.role == "developer" else message.role, "content": _content_text(message.content, i)})
     return generation, messages
 
@@ -190,7 +196,7 @@ def _content_text(content: str | list[TextPart] | None, index: int) -> str:
     return "".join(part.text for part in content)
 
 
-PromptInput = Union[str, list[int]]
+PromptInput = str | list[int]
 
 
 def validate_completion(body: CompletionRequest, served_model: str, vocab_size: int) -> tuple[Generation, list[PromptInput]]:

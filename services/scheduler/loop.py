@@ -25,7 +25,6 @@ from shared.frames import (
     FinishReason,
     Heartbeat,
     Release,
-    StepPlan,
     StepResult,
     Submit,
     TokenBatch,

@@ -124,12 +124,13 @@ def stack(tmp_path_factory) -> Stack:
             time.sleep(0.2)
         else:
             pytest.fail(f"the stack did not become ready:\n{stack.log()[-4000:]}")
+        children = [stack.instrumentation(name)["pid"] for name in ("api", "scheduler", "worker", "detokenizer")]
         yield stack
+        # Ctrl-C on the launcher stops every process it started.
+        process.send_signal(signal.SIGINT)
+        assert process.wait(30) == 0
+        assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")], "a child outlived the launcher"
     finally:
         if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+            process.kill()
         log.close()

@@ -51,7 +51,9 @@ def test_chat_paris_not_streamed(client: openai.OpenAI) -> None:
 
 
 def test_chat_paris_streamed_with_usage(client: openai.OpenAI) -> None:
-    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=32, temperature=0, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=32, temperature=0, stream=True, stream_options={"include_usage": True})
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert "Paris" in text
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -73,7 +75,15 @@ def test_eight_concurrent_streams_finish_with_correct_usage(client: openai.OpenA
     results: dict[int, tuple[str, int, str]] = {}
 
     def run(i: int) -> None:
-        stream = client.completions.create(model=MODEL, prompt=f"Count to {i + 3}:", max_tokens=24 + i, temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        stream = client.completions.create(
+            model=MODEL,
+            prompt=f"Count to {i + 3}:",
+            max_tokens=24 + i,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         chunks = list(stream)
         text = "".join(c.choices[0].text for c in chunks if c.choices)
         finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]

@@ -55,7 +55,7 @@ def test_finish_on_eos_and_length_frees_blocks_and_drops_the_pipelined_token() -
     submit(s, "a", 4, max_tokens=3)
     submit(s, "b", 4, max_tokens=100)
     p0 = s.plan(0)
-    p1 = s.plan(1)  # in flight together with p0
+    s.plan(1)  # in flight together with p0
     out = answer(s, p0, token=5)
     assert [d.finish for d in out.deltas] == ["", ""]
     out = s.on_result(StepResult(step=1, sampled=[Sampled(rid="a", token_id=5), Sampled(rid="b", token_id=0)]))  # b samples EOS

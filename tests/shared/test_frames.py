@@ -28,14 +28,34 @@ from shared.frames import (
 )
 
 EXAMPLES = [
-    Submit(rid="r1", prompt_ids=[1, 2, 3], max_tokens=16, sampling=SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=7), stop_token_ids=[2], stop=["\n\n"], ignore_eos=True, min_tokens=2, arrival_time=1.5, reply_to="api-0"),
+    Submit(
+        rid="r1",
+        prompt_ids=[1, 2, 3],
+        max_tokens=16,
+        sampling=SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=7),
+        stop_token_ids=[2],
+        stop=["\n\n"],
+        ignore_eos=True,
+        min_tokens=2,
+        arrival_time=1.5,
+        reply_to="api-0",
+    ),
     Submit(rid="r2", prompt_ids=[5], max_tokens=1),
     Abort(rid="r1"),
-    StepPlan(step=9, slices=[Slice(rid="r1", start=0, num_tokens=3, token_ids=[1, 2, 3], new_blocks=[4], sample=True, sampling=SamplingParams(seed=1)), Slice(rid="r2", start=7, num_tokens=1)]),
+    StepPlan(
+        step=9,
+        slices=[
+            Slice(rid="r1", start=0, num_tokens=3, token_ids=[1, 2, 3], new_blocks=[4], sample=True, sampling=SamplingParams(seed=1)),
+            Slice(rid="r2", start=7, num_tokens=1),
+        ],
+    ),
     Release(rids=["r1", "r2"]),
     StepResult(step=9, sampled=[Sampled(rid="r1", token_id=42)], forward_s=0.01),
     StepResult(step=10, sampled=[], error="boom"),
-    TokenBatch(opened=[DetokOpen(rid="r1", prompt_tokens=3, stop=["x"], skip_special_tokens=False, reply_to="api-0")], deltas=[TokenDelta(rid="r1", token_ids=[42], finish="length")]),
+    TokenBatch(
+        opened=[DetokOpen(rid="r1", prompt_tokens=3, stop=["x"], skip_special_tokens=False, reply_to="api-0")],
+        deltas=[TokenDelta(rid="r1", token_ids=[42], finish="length")],
+    ),
     TextBatch(deltas=[TextDelta(rid="r1", text="héllo 👋", completion_tokens=2, finish="stop", prompt_tokens=3)]),
     Finish(rid="r1", matched="\n\n"),
     Error(rid="", status=503, message="engine gone", type="server_error"),
@@ -55,7 +75,14 @@ def test_round_trip(frame: object) -> None:
 
 @pytest.mark.parametrize(
     "garbage",
-    [b"", b"\x00\x01\x02", b"\x92\xa7Unknown\x01", msgspec.msgpack.encode(["Submit", "r1"]), msgspec.msgpack.encode(["StepPlan", "not-an-int", []]), msgspec.msgpack.encode({"a": 1})],
+    [
+        b"",
+        b"\x00\x01\x02",
+        b"\x92\xa7Unknown\x01",
+        msgspec.msgpack.encode(["Submit", "r1"]),
+        msgspec.msgpack.encode(["StepPlan", "not-an-int", []]),
+        msgspec.msgpack.encode({"a": 1}),
+    ],
 )
 def test_garbage_raises_frame_decode_error(garbage: bytes) -> None:
     with pytest.raises(FrameDecodeError, match="bad frame"):

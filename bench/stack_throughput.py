@@ -1,0 +1,238 @@
+"""Decode throughput through the whole stack against the worker alone, measured in one run.
+
+Workload: prompts of a few dozen tokens, ``--output-tokens`` each with ignore_eos, greedy;
+once with one stream and once with ``--concurrency`` streams. The same workload is then run
+in-process: the scheduler's state machine driving a ModelRunner directly, with no sockets and
+no processes. The ratio stack / in-process is what the four-process design costs (or, thanks
+to pipelining, saves).
+
+    python -m bench.stack_throughput [--url http://127.0.0.1:8000] [--output-tokens 128] [--concurrency 8]
+
+Without --url it starts its own stack on a free port and stops it afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import aiohttp
+
+from shared.config import DEFAULT_MODEL_DIR
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a refrigerator works to a ten year old.",
+    "List some ideas for a weekend trip in the mountains and what to pack.",
+    "Describe the water cycle in detail.",
+    "What are the pros and cons of working from home?",
+    "Write a poem about the sea at night.",
+    "Summarize the plot of a detective novel you invent.",
+    "Give advice to someone learning to cook for the first time.",
+]
+
+
+async def _one_stream(session: aiohttp.ClientSession, url: str, model: str, prompt: str, output_tokens: int) -> dict:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": output_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    started = time.perf_counter()
+    stamps: list[float] = []
+    usage = None
+    async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                stamps.append(time.perf_counter())
+    return {"start": started, "stamps": stamps, "end": time.perf_counter(), "completion_tokens": usage["completion_tokens"] if usage else 0}
+
+
+async def _stack_run(url: str, model: str, concurrency: int, output_tokens: int) -> dict:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
+        await _one_stream(session, url, model, "Hello", 8)  # warm-up, not counted
+        started = time.perf_counter()
+        runs = await asyncio.gather(*(_one_stream(session, url, model, PROMPTS[i % len(PROMPTS)], output_tokens) for i in range(concurrency)))
+        wall = time.perf_counter() - started
+    tokens = sum(r["completion_tokens"] for r in runs)
+    ttft = sorted(r["stamps"][0] - r["start"] for r in runs if r["stamps"])
+    itl = sorted(b - a for r in runs for a, b in zip(r["stamps"], r["stamps"][1:]))
+    return {
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "output_tok_s": tokens / wall,
+        "ttft_p50_s": ttft[len(ttft) // 2] if ttft else None,
+        "itl_p50_s": itl[len(itl) // 2] if itl else None,
+    }
+
+
+def _in_process_run(model_dir: str, concurrency: int, output_tokens: int, runner, tokenizer) -> dict:
+    """The same workload through the scheduler core and the runner in one process, no pipelining."""
+    from services.scheduler.core import Scheduler
+    from services.scheduler.kv_blocks import BlockPool
+    from shared.frames import SamplingParams, Submit
+
+    scheduler = Scheduler(BlockPool(runner.num_blocks, runner.block_size), 64, 256, 1024)
+    for i in range(concurrency):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) else list(ids)
+        scheduler.submit(Submit(rid=f"bench-{i}", prompt_ids=list(ids), max_tokens=output_tokens, sampling=SamplingParams(temperature=0), ignore_eos=True))
+    started = time.perf_counter()
+    tokens = 0
+    step = 0
+    while scheduler.requests:
+        plan = scheduler.plan(step)
+        released = scheduler.take_released()
+        if released:
+            runner.release(released)
+        result = runner.execute(plan)
+        outcome = scheduler.on_result(result)
+        runner.release(outcome.released)
+        tokens += sum(len(d.token_ids) for d in outcome.deltas)
+        step += 1
+    wall = time.perf_counter() - started
+    return {"output_tokens": tokens, "wall_s": wall, "output_tok_s": tokens / wall, "steps": step}
+
+
+def _free_port() -> int:
+    from tests.e2e.conftest import free_port_block
+
+    return free_port_block()
+
+
+def _start_stack(model: str, port: int) -> subprocess.Popen:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.launcher", "--model", model, "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return process
+        except OSError:
+            pass
+        if process.poll() is not None:
+            raise RuntimeError(f"the stack exited with {process.returncode}")
+        time.sleep(0.5)
+    raise RuntimeError("the stack did not become ready")
+
+
+def _pids(url: str) -> dict[str, int]:
+    """Each process's pid, from its /instrumentation (the metrics ports follow the api port)."""
+    port = int(url.rsplit(":", 1)[1])
+    pids = {}
+    for offset, name in enumerate(("api", "scheduler", "worker", "detokenizer")):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port + offset}/instrumentation") as response:
+            pids[name] = json.load(response)["pid"]
+    return pids
+
+
+class _PeakRss:
+    """Samples each process's RSS every 50 ms in a thread and keeps the maximum."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.peak = dict.fromkeys(pids, 0.0)
+        self.running = True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+
+    def _sample(self) -> None:
+        while self.running:
+            for name, pid in self.pids.items():
+                self.peak[name] = max(self.peak[name], _rss_mb(pid))
+            time.sleep(0.05)
+
+    def stop(self) -> dict[str, float]:
+        self.running = False
+        self.thread.join()
+        return {name: round(value, 1) for name, value in self.peak.items()}
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", default="", help="an already running stack (default: start one)")
+    parser.add_argument("--model", default=DEFAULT_MODEL_DIR)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--out", default="bench/results/stack_throughput.json")
+    args = parser.parse_args()
+
+    process = None
+    url = args.url
+    if not url:
+        port = _free_port()
+        process = _start_stack(args.model, port)
+        url = f"http://127.0.0.1:{port}"
+    results: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}, "output_tokens": args.output_tokens}
+    try:
+        with urllib.request.urlopen(f"{url}/v1/models") as response:
+            model_id = json.load(response)["data"][0]["id"]
+        pids = _pids(url) if process is not None else {}
+        results["rss_mb_idle"] = {name: round(_rss_mb(pid), 1) for name, pid in pids.items()}
+        results["stack_1"] = asyncio.run(_stack_run(url, model_id, 1, args.output_tokens))
+        peak = _PeakRss(pids)
+        results[f"stack_{args.concurrency}"] = asyncio.run(_stack_run(url, model_id, args.concurrency, args.output_tokens))
+        results["rss_mb_peak_under_load"] = peak.stop()
+    finally:
+        if process is not None:
+            process.send_signal(signal.SIGINT)
+            process.wait(30)
+
+    from services.worker.runner import ModelRunner
+    from shared.tokenizer import load_tokenizer
+
+    runner = ModelRunner(args.model, num_blocks=1024, block_size=16)
+    runner.warmup()
+    tokenizer = load_tokenizer(args.model)
+    results["worker_1"] = _in_process_run(args.model, 1, args.output_tokens, runner, tokenizer)
+    results[f"worker_{args.concurrency}"] = _in_process_run(args.model, args.concurrency, args.output_tokens, runner, tokenizer)
+
+    print(f"{'workload':<24}{'stack tok/s':>14}{'worker alone tok/s':>22}{'stack / worker':>18}")
+    for n in (1, args.concurrency):
+        stack, worker = results[f"stack_{n}"], results[f"worker_{n}"]
+        print(
+            f"{f'{n} stream(s) x {args.output_tokens}':<24}{stack['output_tok_s']:>14.1f}{worker['output_tok_s']:>22.1f}{stack['output_tok_s'] / worker['output_tok_s']:>18.2f}"
+        )
+    for n in (1, args.concurrency):
+        stack = results[f"stack_{n}"]
+        print(f"stack, {n} stream(s): TTFT p50 {stack['ttft_p50_s'] * 1000:.0f} ms, ITL p50 {stack['itl_p50_s'] * 1000:.1f} ms")
+    if results.get("rss_mb_idle"):
+        print("RSS idle after load (MB):", results["rss_mb_idle"])
+        print(f"RSS peak under {args.concurrency} streams (MB):", results["rss_mb_peak_under_load"])
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
