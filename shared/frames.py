@@ -107,6 +107,7 @@ class TokenDelta(_Part):
     rid: str
     token_ids: list[int] = []
     finish: str = ""  # a FinishReason value once the scheduler has finished the request
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache; sent with the first token
 
 
 class TokenBatch(_Frame):
@@ -120,6 +121,7 @@ class TextDelta(_Part):
     completion_tokens: int = 0  # tokens of output so far, counted up to a matched stop string
     finish: str = ""
     prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 class TextBatch(_Frame):

@@ -26,6 +26,7 @@ class ChoiceResult:
     text: str = ""
     finish_reason: str | None = None
     completion_tokens: int = 0
+    cached_tokens: int = 0
 
 
 def context_limit(prompt_len: int, generation: Generation, max_model_len: int, prompt_param: str) -> int:
@@ -122,6 +123,7 @@ async def collect(stream: AsyncIterator[tuple[int, TextDelta]], count: int) -> l
         if delta.finish:
             choices[index].finish_reason = delta.finish
             choices[index].completion_tokens = delta.completion_tokens
+            choices[index].cached_tokens = delta.cached_tokens
     for choice, texts in zip(choices, parts):
         choice.text = "".join(texts)
     return choices

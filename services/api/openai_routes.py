@@ -32,12 +32,14 @@ async def _read_body(request: web.Request, kind: type) -> Any:
         raise from_validation_error(exc) from exc
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def _usage(prompt_tokens: int, choices: list[ChoiceResult], n: int) -> dict[str, Any]:
+    """Prompt tokens count once per prompt, so cached tokens come from each prompt's first sample."""
+    completion_tokens = sum(c.completion_tokens for c in choices)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in choices if c.index % n == 0)},
     }
 
 
@@ -133,7 +135,7 @@ async def _serve(
     try:
         if not generation.stream:
             choices = await collect(stream, len(submits))
-            return web.json_response(final(choices, _usage(prompt_tokens, sum(c.completion_tokens for c in choices))))
+            return web.json_response(final(choices, _usage(prompt_tokens, choices, generation.n)))
         return await _stream(request, stream, len(submits), generation, prompt_tokens, chunk, opening)
     finally:
         IN_FLIGHT.labels(state.model_id).dec()
@@ -153,7 +155,7 @@ async def _stream(
     first = await anext(stream, None)
     writer = SseWriter(request, with_usage_field=generation.include_usage)
     await writer.open()
-    completion_tokens = [0] * count
+    choices = [ChoiceResult(index=i) for i in range(count)]
     try:
         for payload in opening:
             await writer.send(payload)
@@ -163,10 +165,10 @@ async def _stream(
             if delta.text:
                 await writer.send(chunk(index, delta.text, None))
             if delta.finish:
-                completion_tokens[index] = delta.completion_tokens
+                choices[index].completion_tokens, choices[index].cached_tokens = delta.completion_tokens, delta.cached_tokens
                 await writer.send(chunk(index, None, delta.finish))
         if generation.include_usage:
-            await writer.send_usage(_usage(prompt_tokens, sum(completion_tokens)), chunk(0, None, None))
+            await writer.send_usage(_usage(prompt_tokens, choices, generation.n), chunk(0, None, None))
     except ApiError as exc:
         await writer.send_error(exc.body())
     await writer.close()

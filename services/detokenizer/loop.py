@@ -28,11 +28,12 @@ TRACKED = Gauge(f"{PREFIX}detokenizer_requests", "Requests being detokenized")
 
 
 class _Tracked:
-    __slots__ = ("state", "opened")
+    __slots__ = ("state", "opened", "cached_tokens")
 
     def __init__(self, state: RequestDetokState, opened: DetokOpen) -> None:
         self.state = state
         self.opened = opened
+        self.cached_tokens = 0
 
 
 class DetokenizerLoop:
@@ -85,6 +86,7 @@ class DetokenizerLoop:
         if tracked is None:
             IGNORED.inc()
             return None
+        tracked.cached_tokens = max(tracked.cached_tokens, delta.cached_tokens)
         update = tracked.state.push(delta.token_ids)
         text, finish = update.text, delta.finish
         if update.finished_by_stop is not None:
@@ -101,6 +103,7 @@ class DetokenizerLoop:
             completion_tokens=tracked.state.completion_tokens,
             finish=finish,
             prompt_tokens=tracked.opened.prompt_tokens,
+            cached_tokens=tracked.cached_tokens if finish else 0,
         )
 
     def instrumentation(self) -> dict:

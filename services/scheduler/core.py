@@ -4,7 +4,9 @@ A step's token budget goes first to running decodes (one token each), then to th
 prefill chunks of running requests, then to new admissions; so decodes never stall
 behind a long prompt. Blocks are allocated as positions are scheduled, never for a
 request's whole max_tokens up front; when a decode finds no free block, the most
-recently admitted running request is preempted and later recomputed.
+recently admitted running request is preempted and later recomputed. Full blocks enter
+the prefix cache as soon as their KV is scheduled; an admission starts after the longest
+cached prefix of its tokens.
 
 Pipelining: plans may be sent before earlier results are back. A decode slice carries
 no token (the worker feeds back its own last sample), so ``num_scheduled`` runs ahead
@@ -86,9 +88,8 @@ class Scheduler:
             if budget == 0 or len(slices) == self.max_num_seqs:
                 break
             if request.phase is Phase.RUNNING and not request.prefilling and self._wants_decode(request):
-                new_blocks = self._blocks_for_decode(request)
-                if new_blocks is not None:
-                    slices.append(self._slice(request, 1, new_blocks))
+                if self._grow_for_decode(request):
+                    slices.append(self._slice(request, 1))
                     budget -= 1
         for request in self.running:
             if budget == 0 or len(slices) == self.max_num_seqs:
@@ -99,17 +100,32 @@ class Scheduler:
             request = self.waiting[0]
             if request.pending_samples:  # a preempted request whose last tokens are still in flight
                 break
-            request.prefill_len = request.num_tokens
-            request.num_scheduled = 0
-            scheduled = self._schedule_prefill(request, budget, slices)
+            scheduled = self._admit(request, budget, slices)
             if scheduled == 0:
                 break
             budget -= scheduled
-            self.waiting.popleft()
-            request.phase = Phase.RUNNING
-            request.admitted_at = time.monotonic()
-            self.running.append(request)
         return StepPlan(step=step, slices=slices)
+
+    def _admit(self, request: Request, budget: int, slices: list[Slice]) -> int:
+        """Starts (or restarts) the request's prefill after its cached prefix; 0 if nothing fits."""
+        request.prefill_len = request.num_tokens
+        # At least the last token is computed, to get the logits that sample the next one.
+        cached, hashes = self.pool.match_prefix(request.tokens, request.prefill_len - 1)
+        request.blocks, request.block_hashes = cached, hashes
+        request.num_scheduled = len(cached) * self.pool.block_size
+        scheduled = self._schedule_prefill(request, budget, slices)
+        if scheduled == 0:
+            self.pool.free(cached)
+            request.blocks, request.block_hashes, request.num_scheduled = [], [], 0
+            return 0
+        self.pool.count_lookup(request.prefill_len - 1, request.num_scheduled - scheduled)
+        if request.cached_tokens is None:  # usage reports the first admission's reuse
+            request.cached_tokens = request.num_scheduled - scheduled
+        self.waiting.popleft()
+        request.phase = Phase.RUNNING
+        request.admitted_at = time.monotonic()
+        self.running.append(request)
+        return scheduled
 
     def _wants_decode(self, request: Request) -> bool:
         return request.outputs_promised < request.submit.max_tokens
@@ -122,31 +138,37 @@ class Scheduler:
         if chunk <= 0:
             return 0
         needed = self.pool.blocks_for(request.num_scheduled + chunk) - len(request.blocks)
-        new_blocks = self.pool.allocate(needed) or []
+        request.blocks.extend(self.pool.allocate(needed) or [])
         start = request.num_scheduled
-        slices.append(self._slice(request, chunk, new_blocks, token_ids=request.tokens[start : start + chunk]))
+        slices.append(self._slice(request, chunk, token_ids=request.tokens[start : start + chunk]))
         return chunk
 
-    def _blocks_for_decode(self, request: Request) -> list[int] | None:
-        """Blocks to add so the request's next position has a slot, preempting newer requests if needed."""
+    def _grow_for_decode(self, request: Request) -> bool:
+        """Gives the request's next position a slot, preempting newer requests if needed.
+
+        False if the request itself had to be preempted.
+        """
         needed = self.pool.blocks_for(request.num_scheduled + 1) - len(request.blocks)
         while True:
             blocks = self.pool.allocate(needed)
             if blocks is not None:
-                return blocks
+                request.blocks.extend(blocks)
+                return True
             victim = self.running[-1]
             self._preempt(victim)
             if victim is request:
-                return None
+                return False
 
-    def _slice(self, request: Request, num_tokens: int, new_blocks: list[int], token_ids: list[int] | None = None) -> Slice:
+    def _slice(self, request: Request, num_tokens: int, token_ids: list[int] | None = None) -> Slice:
         start = request.num_scheduled
         sample = start + num_tokens >= request.prefill_len
-        request.blocks.extend(new_blocks)
         request.num_scheduled += num_tokens
         request.pending_samples += sample
         sampling = None if request.sampling_sent else request.submit.sampling
         request.sampling_sent = True
+        new_blocks = request.blocks[request.blocks_sent :]  # the worker's table grows by these
+        request.blocks_sent = len(request.blocks)
+        self._register_full_blocks(request)
         return Slice(
             rid=request.rid,
             start=start,
@@ -157,11 +179,25 @@ class Scheduler:
             sampling=sampling,
         )
 
+    def _register_full_blocks(self, request: Request) -> None:
+        """Enters into the prefix cache every block whose tokens are known and whose KV is scheduled.
+
+        Plans run in order, so a later plan that reuses such a block finds its KV computed.
+        """
+        size = self.pool.block_size
+        full = min(request.num_scheduled, request.num_tokens) // size
+        if len(request.block_hashes) >= full:
+            return
+        tokens = request.tokens
+        for i in range(len(request.block_hashes), full):
+            parent = request.block_hashes[-1] if request.block_hashes else None
+            request.block_hashes.append(self.pool.register(request.blocks[i], parent, tuple(tokens[i * size : (i + 1) * size])))
+
     def _preempt(self, request: Request) -> None:
         """Frees the request's blocks and requeues it at the front; it is recomputed when readmitted."""
         self.running.remove(request)
         self.pool.free(request.blocks)
-        request.blocks = []
+        request.blocks, request.block_hashes, request.blocks_sent = [], [], 0
         request.num_scheduled = 0
         request.sampling_sent = False
         request.phase = Phase.WAITING
@@ -185,10 +221,11 @@ class Scheduler:
             request.pending_samples -= 1
             request.output_ids.append(sampled.token_id)
             reason = self._finish_reason(request, sampled.token_id)
+            cached = (request.cached_tokens or 0) if len(request.output_ids) == 1 else 0  # sent once, with the first token
+            outcome.deltas.append(TokenDelta(rid=request.rid, token_ids=[sampled.token_id], finish=reason.value if reason else "", cached_tokens=cached))
             if reason is None:
-                outcome.deltas.append(TokenDelta(rid=request.rid, token_ids=[sampled.token_id]))
+                self._register_full_blocks(request)
             else:
-                outcome.deltas.append(TokenDelta(rid=request.rid, token_ids=[sampled.token_id], finish=reason.value))
                 self._end(request, outcome)
         return outcome
 
@@ -199,6 +236,7 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is not None:
                 failed.append(request)
+                self.pool.forget(request.blocks)  # their KV may never have been written
                 self._end(request, Outcome())
         return failed
 
@@ -228,7 +266,7 @@ class Scheduler:
         elif request.phase is Phase.WAITING:  # never scheduled, or preempted (already released)
             self.waiting.remove(request)
         self.pool.free(request.blocks)
-        request.blocks = []
+        request.blocks, request.block_hashes = [], []
         request.phase = Phase.FINISHED
         del self.requests[request.rid]
         outcome.finished.append(request)

@@ -41,6 +41,8 @@ WAITING = Gauge(f"{PREFIX}num_requests_waiting", "Requests waiting for admission
 KV_USAGE = Gauge(f"{PREFIX}kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)")
 KV_BLOCKS_USED = Gauge(f"{PREFIX}kv_blocks_used", "KV blocks held by requests")
 KV_BLOCKS_TOTAL = Gauge(f"{PREFIX}kv_blocks_total", "KV blocks in the cache")
+PREFIX_QUERIES = Counter(f"{PREFIX}prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+PREFIX_HITS = Counter(f"{PREFIX}prefix_cache_hits", "Prompt tokens found in the prefix cache")
 PREEMPTIONS = Counter(f"{PREFIX}num_preemptions", "Running requests preempted for recomputation")
 STEPS = Counter(f"{PREFIX}scheduler_steps", "Step plans sent to the worker")
 STEP_TOKENS = Histogram(f"{PREFIX}step_tokens", "Tokens scheduled per step", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048))
@@ -69,7 +71,9 @@ class SchedulerLoop:
         self.log = log
         self.model = load_model_info(config.model)
         num_blocks = kv_cache_blocks(self.model, config.kv_cache_tokens, config.kv_cache_bytes, config.block_size, config.dtype)
-        self.core = Scheduler(BlockPool(num_blocks, config.block_size), config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting)
+        pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_cache)
+        self.core = Scheduler(pool, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting)
+        self._counted_queries = self._counted_hits = 0
         ctx = zmq.Context()
         self.inbox = Inbox(ctx, config.scheduler_address, "scheduler_inbox")
         self.to_worker = Outbox(ctx, config.worker_address, "scheduler_to_worker")
@@ -215,6 +219,10 @@ class SchedulerLoop:
         WAITING.set(len(self.core.waiting))
         KV_USAGE.set(self.core.pool.usage)
         KV_BLOCKS_USED.set(self.core.pool.num_used)
+        pool = self.core.pool
+        PREFIX_QUERIES.inc(pool.queries - self._counted_queries)
+        PREFIX_HITS.inc(pool.hits - self._counted_hits)
+        self._counted_queries, self._counted_hits = pool.queries, pool.hits
 
     # Introspection. ----------------------------------------------------------------------
 
@@ -236,6 +244,7 @@ class SchedulerLoop:
             "running": len(core.running),
             "waiting": len(core.waiting),
             "preemptions": core.num_preemptions,
+            "prefix_cache": {"enabled": pool.enable_prefix_cache, "cached_blocks": pool.num_cached, "queries": pool.queries, "hits": pool.hits},
             "peers": {name: {"state": p.state, "detail": p.detail, "progress": p.progress} for name, p in self.peers.items()},
             "addresses": {
                 "inbox": self.inbox.address,

@@ -20,6 +20,9 @@ class Request:
     submit: Submit
     output_ids: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the leading full blocks
+    blocks_sent: int = 0  # how many of ``blocks`` the worker's block table has
+    cached_tokens: int | None = None  # prompt tokens reused from the prefix cache at first admission
     num_scheduled: int = 0  # positions whose KV is computed or in a plan already sent
     prefill_len: int = 0  # positions to prefill since admission: the prompt, plus outputs when recomputed
     pending_samples: int = 0  # sampling slices sent whose token has not come back

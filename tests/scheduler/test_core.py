@@ -9,8 +9,8 @@ from services.scheduler.kv_blocks import BlockPool
 from shared.frames import FinishReason, Sampled, SamplingParams, StepPlan, StepResult, Submit
 
 
-def make(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 16, max_waiting: int = 100) -> Scheduler:
-    return Scheduler(BlockPool(num_blocks, block_size), max_num_seqs, budget, max_waiting)
+def make(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 16, max_waiting: int = 100, prefix_cache: bool = True) -> Scheduler:
+    return Scheduler(BlockPool(num_blocks, block_size, prefix_cache), max_num_seqs, budget, max_waiting)
 
 
 def submit(s: Scheduler, rid: str, prompt_len: int, max_tokens: int = 4, **kw) -> None:
@@ -129,7 +129,7 @@ def test_preemption_of_the_newest_under_kv_pressure_and_recompute() -> None:
 
 
 def test_recomputed_request_resends_prompt_and_outputs() -> None:
-    s = make(num_blocks=2, block_size=4, budget=64, max_num_seqs=4)
+    s = make(num_blocks=2, block_size=4, budget=64, max_num_seqs=4, prefix_cache=False)
     submit(s, "a", 3, max_tokens=5)
     submit(s, "b", 3, max_tokens=5)
     answer(s, s.plan(0), token=11)
@@ -163,3 +163,33 @@ def test_max_num_seqs_bounds_the_batch() -> None:
         submit(s, f"r{i}", 2, sampling=SamplingParams(temperature=0))
     plan = s.plan(0)
     assert [x.rid for x in plan.slices] == ["r0", "r1"] and len(s.waiting) == 2
+
+
+def test_prefix_cache_reuses_full_blocks_and_reports_cached_tokens() -> None:
+    s = make(num_blocks=16, block_size=4, budget=64)
+    system = [9, 8, 7, 6, 5, 4, 3, 2, 1]  # two full blocks and one token
+    s.submit(Submit(rid="a", prompt_ids=system + [100], max_tokens=2, stop_token_ids=[0]))
+    (a,) = s.plan(0).slices
+    assert (a.start, a.num_tokens) == (0, 10)
+    s.submit(Submit(rid="b", prompt_ids=system + [200, 201], max_tokens=2, stop_token_ids=[0]))
+    plan = s.plan(1)  # planned before a's result: a's blocks are already scheduled, so b may reuse them
+    b = next(x for x in plan.slices if x.rid == "b")
+    assert (b.start, b.num_tokens, b.token_ids) == (8, 3, [1, 200, 201])
+    assert b.new_blocks[:2] == a.new_blocks[:2] and len(b.new_blocks) == 3  # the worker's table gets the shared blocks
+    out = s.on_result(StepResult(step=1, sampled=[Sampled(rid="a", token_id=5), Sampled(rid="b", token_id=5)]))
+    assert {d.rid: d.cached_tokens for d in out.deltas} == {"b": 8, "a": 0}
+    assert (s.pool.queries, s.pool.hits) == (9 + 10, 8)
+    s.finish("a", FinishReason.ABORT)
+    s.finish("b", FinishReason.ABORT)
+    s.pool.check()
+    assert s.pool.num_used == 0 and s.pool.num_cached >= 2  # idle but still cached
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token() -> None:
+    s = make(num_blocks=16, block_size=4)
+    prompt = list(range(10, 18))  # exactly two blocks
+    s.submit(Submit(rid="a", prompt_ids=prompt, max_tokens=1, stop_token_ids=[0]))
+    answer(s, s.plan(0))
+    s.submit(Submit(rid="b", prompt_ids=prompt, max_tokens=1, stop_token_ids=[0]))
+    (b,) = s.plan(1).slices
+    assert (b.start, b.num_tokens, b.sample) == (4, 4, True)  # the last block is recomputed, not shared
