@@ -39,7 +39,7 @@ class Checkpoint:
 
 def build_tiny_llama(path: str, **overrides: object) -> LlamaForCausalLM:
     # initializer_range 0.2: at the default 0.02 a tiny model's top logits are nearly tied.
-    config = LlamaConfig(
+    defaults: dict[str, object] = dict(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=3,
@@ -51,8 +51,8 @@ def build_tiny_llama(path: str, **overrides: object) -> LlamaForCausalLM:
         rms_norm_eps=1e-6,
         bos_token_id=1,
         eos_token_id=2,
-        **overrides,
     )
+    config = LlamaConfig(**{**defaults, **overrides})
     torch.manual_seed(1234)
     model = LlamaForCausalLM(config).eval()
     shard = "20KB" if config.tie_word_embeddings else "50GB"

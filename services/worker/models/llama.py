@@ -1,7 +1,7 @@
 """The Llama decoder (RMSNorm, rotary, GQA attention over paged KV, SwiGLU MLP), eager torch.
 
-q/k/v and gate/up are fused into one weight each at load time; the residual add rides on the
-output projections' GEMM (``addmm``), so a decode layer is about a dozen torch ops.
+q/k/v and gate/up are fused into one weight each at load time and the residual add rides on the
+output projections, so a decode layer is about fifteen torch ops.
 """
 
 from __future__ import annotations
@@ -12,16 +12,17 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.attention import AttentionMetadata, KVCache, paged_attention
+from services.worker.linear import Linear, RowSplitLinear
 from services.worker.rotary import RotaryEmbedding, apply_rotary_, rope_config
 
 
 class _Layer(NamedTuple):
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    o_proj_t: torch.Tensor  # [heads * head_dim, hidden], the transpose of o_proj
+    qkv: Linear  # hidden -> (heads + 2 * kv_heads) * head_dim
+    o_proj: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down_t: torch.Tensor  # [intermediate, hidden]
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear
 
 
 class LlamaForCausalLM:
@@ -43,31 +44,32 @@ class LlamaForCausalLM:
         self.dtype = self.embed.dtype
         theta, scaling = rope_config(config)
         self.rotary = RotaryEmbedding(self.head_dim, theta, scaling, config.get("max_position_embeddings", 2048), self.dtype)
-        self.layers = [self._load_layer(weights, f"model.layers.{i}.") for i in range(self.num_layers)]
+        threads = torch.get_num_threads()
+        self.layers = [self._load_layer(weights, f"model.layers.{i}.", threads) for i in range(self.num_layers)]
         self.norm = weights["model.norm.weight"]
         if config.get("tie_word_embeddings", False):
-            self.lm_head = self.embed
+            self.lm_head = RowSplitLinear(self.embed, threads)
         elif "lm_head.weight" in weights:
-            self.lm_head = weights["lm_head.weight"]
+            self.lm_head = RowSplitLinear(weights["lm_head.weight"], threads)
         else:
             raise ValueError("the checkpoint has no lm_head.weight and tie_word_embeddings is false")
 
     @staticmethod
-    def _load_layer(w: dict[str, torch.Tensor], p: str) -> _Layer:
+    def _load_layer(w: dict[str, torch.Tensor], p: str, threads: int) -> _Layer:
         attn, mlp = p + "self_attn.", p + "mlp."
         return _Layer(
             input_norm=w[p + "input_layernorm.weight"],
-            qkv=torch.cat([w[f"{attn}{x}_proj.weight"] for x in "qkv"]),
-            o_proj_t=w[attn + "o_proj.weight"].t().contiguous(),
+            qkv=Linear(torch.cat([w[f"{attn}{x}_proj.weight"] for x in "qkv"]), threads),
+            o_proj=Linear(w[attn + "o_proj.weight"], threads),
             post_norm=w[p + "post_attention_layernorm.weight"],
-            gate_up=torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]),
-            down_t=w[mlp + "down_proj.weight"].t().contiguous(),
+            gate_up=Linear(torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]), threads),
+            down=Linear(w[mlp + "down_proj.weight"], threads),
         )
 
     def tensors(self) -> list[torch.Tensor]:
         """Every distinct parameter tensor (a tied lm_head counted once)."""
-        unique = {id(t): t for layer in self.layers for t in layer} | {id(t): t for t in (self.embed, self.norm, self.lm_head)}
-        return list(unique.values())
+        tensors = [getattr(t, "weight", t) for layer in self.layers for t in layer] + [self.embed, self.norm, self.lm_head.weight]
+        return list({id(t): t for t in tensors}.values())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] of a flat batch of T tokens from many requests."""
@@ -77,14 +79,14 @@ class LlamaForCausalLM:
         h = F.embedding(input_ids, self.embed)
         for layer, cache in zip(self.layers, kv_cache.layers):
             x = F.rms_norm(h, shape, layer.input_norm, self.eps)
-            qkv = F.linear(x, layer.qkv).view(total, heads + 2 * kv_heads, dim)
+            qkv = layer.qkv(x).view(total, heads + 2 * kv_heads, dim)
             apply_rotary_(qkv[:, : heads + kv_heads], cos, sin)
             out = paged_attention(qkv[:, :heads], qkv[:, heads:].view(total, 2, kv_heads, dim), cache, attn)
-            h = torch.addmm(h, out, layer.o_proj_t)
-            gate_up = F.linear(F.rms_norm(h, shape, layer.post_norm, self.eps), layer.gate_up)
+            h = layer.o_proj(out, residual=h)
+            gate_up = layer.gate_up(F.rms_norm(h, shape, layer.post_norm, self.eps))
             gate = F.silu(gate_up[:, :inter], inplace=True)
-            h = torch.addmm(h, gate.mul_(gate_up[:, inter:]), layer.down_t)
+            h = layer.down(gate.mul_(gate_up[:, inter:]), residual=h)
         return F.rms_norm(h, shape, self.norm, self.eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head)
+        return self.lm_head(hidden)
