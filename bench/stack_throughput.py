@@ -15,19 +15,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
-import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
 
 import aiohttp
 
+from bench.inprocess_engine import InProcessEngine
+from bench.stack_client import percentile, running_stack, served_model, stream_chat
+from services.scheduler.core import Scheduler
+from services.scheduler.kv_blocks import BlockPool
 from shared.config import DEFAULT_MODEL_DIR
+from shared.frames import SamplingParams, Submit
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -69,72 +72,32 @@ async def _one_stream(session: aiohttp.ClientSession, url: str, model: str, prom
 
 async def _stack_run(url: str, model: str, concurrency: int, output_tokens: int) -> dict:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
-        await _one_stream(session, url, model, "Hello", 8)  # warm-up, not counted
+        await stream_chat(session, url, model, [{"role": "user", "content": "Hello"}], 8)  # warm-up, not counted
         started = time.perf_counter()
-        runs = await asyncio.gather(*(_one_stream(session, url, model, PROMPTS[i % len(PROMPTS)], output_tokens) for i in range(concurrency)))
+        runs = await asyncio.gather(
+            *(stream_chat(session, url, model, [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], output_tokens) for i in range(concurrency))
+        )
         wall = time.perf_counter() - started
-    tokens = sum(r["completion_tokens"] for r in runs)
-    ttft = sorted(r["stamps"][0] - r["start"] for r in runs if r["stamps"])
-    itl = sorted(b - a for r in runs for a, b in zip(r["stamps"], r["stamps"][1:]))
+    tokens = sum(r["usage"].get("completion_tokens", 0) for r in runs)
     return {
         "output_tokens": tokens,
         "wall_s": wall,
         "output_tok_s": tokens / wall,
-        "ttft_p50_s": ttft[len(ttft) // 2] if ttft else None,
-        "itl_p50_s": itl[len(itl) // 2] if itl else None,
+        "ttft_p50_s": percentile([r["stamps"][0] - r["start"] for r in runs if r["stamps"]], 50),
+        "itl_p50_s": percentile([b - a for r in runs for a, b in zip(r["stamps"], r["stamps"][1:])], 50),
     }
 
 
-def _in_process_run(model_dir: str, concurrency: int, output_tokens: int, runner, tokenizer) -> dict:
-    """The same workload through the scheduler core and the runner in one process, no pipelining."""
-    from services.scheduler.core import Scheduler
-    from services.scheduler.kv_blocks import BlockPool
-    from shared.frames import SamplingParams, Submit
-
+def _in_process_run(concurrency: int, output_tokens: int, runner, tokenizer) -> dict:
+    """The same workload through the scheduler core and the runner in one process."""
     scheduler = Scheduler(BlockPool(runner.num_blocks, runner.block_size), 64, 256, 1024)
+    submits = []
     for i in range(concurrency):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) else list(ids)
-        scheduler.submit(Submit(rid=f"bench-{i}", prompt_ids=list(ids), max_tokens=output_tokens, sampling=SamplingParams(temperature=0), ignore_eos=True))
-    started = time.perf_counter()
-    tokens = 0
-    step = 0
-    while scheduler.requests:
-        plan = scheduler.plan(step)
-        released = scheduler.take_released()
-        if released:
-            runner.release(released)
-        result = runner.execute(plan)
-        outcome = scheduler.on_result(result)
-        runner.release(outcome.released)
-        tokens += sum(len(d.token_ids) for d in outcome.deltas)
-        step += 1
-    wall = time.perf_counter() - started
-    return {"output_tokens": tokens, "wall_s": wall, "output_tok_s": tokens / wall, "steps": step}
-
-
-def _free_port() -> int:
-    from tests.e2e.conftest import free_port_block
-
-    return free_port_block()
-
-
-def _start_stack(model: str, port: int) -> subprocess.Popen:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "services.launcher", "--model", model, "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                if response.status == 200:
-                    return process
-        except OSError:
-            pass
-        if process.poll() is not None:
-            raise RuntimeError(f"the stack exited with {process.returncode}")
-        time.sleep(0.5)
-    raise RuntimeError("the stack did not become ready")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], add_generation_prompt=True, tokenize=False)
+        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+        submits.append(Submit(rid=f"bench-{i}", prompt_ids=prompt_ids, max_tokens=output_tokens, sampling=SamplingParams(temperature=0), ignore_eos=True))
+    run = InProcessEngine(scheduler, runner).run(submits)
+    return {"output_tokens": run.output_tokens, "wall_s": run.wall_s, "output_tok_s": run.output_tokens / run.wall_s, "steps": run.steps}
 
 
 def _pids(url: str) -> dict[str, int]:
@@ -186,35 +149,25 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/stack_throughput.json")
     args = parser.parse_args()
 
-    process = None
-    url = args.url
-    if not url:
-        port = _free_port()
-        process = _start_stack(args.model, port)
-        url = f"http://127.0.0.1:{port}"
     results: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}, "output_tokens": args.output_tokens}
-    try:
-        with urllib.request.urlopen(f"{url}/v1/models") as response:
-            model_id = json.load(response)["data"][0]["id"]
-        pids = _pids(url) if process is not None else {}
+    with contextlib.ExitStack() as stack:
+        url = args.url or stack.enter_context(running_stack(args.model))
+        model_id = served_model(url)
+        pids = _pids(url)
         results["rss_mb_idle"] = {name: round(_rss_mb(pid), 1) for name, pid in pids.items()}
         results["stack_1"] = asyncio.run(_stack_run(url, model_id, 1, args.output_tokens))
         peak = _PeakRss(pids)
         results[f"stack_{args.concurrency}"] = asyncio.run(_stack_run(url, model_id, args.concurrency, args.output_tokens))
         results["rss_mb_peak_under_load"] = peak.stop()
-    finally:
-        if process is not None:
-            process.send_signal(signal.SIGINT)
-            process.wait(30)
 
-    from services.worker.runner import ModelRunner
+    from services.worker.runner import ModelRunner  # torch: imported only for the in-process half
     from shared.tokenizer import load_tokenizer
 
     runner = ModelRunner(args.model, num_blocks=1024, block_size=16)
     runner.warmup()
     tokenizer = load_tokenizer(args.model)
-    results["worker_1"] = _in_process_run(args.model, 1, args.output_tokens, runner, tokenizer)
-    results[f"worker_{args.concurrency}"] = _in_process_run(args.model, args.concurrency, args.output_tokens, runner, tokenizer)
+    results["worker_1"] = _in_process_run(1, args.output_tokens, runner, tokenizer)
+    results[f"worker_{args.concurrency}"] = _in_process_run(args.concurrency, args.output_tokens, runner, tokenizer)
 
     print(f"{'workload':<24}{'stack tok/s':>14}{'worker alone tok/s':>22}{'stack / worker':>18}")
     for n in (1, args.concurrency):
@@ -225,7 +178,7 @@ def main() -> None:
     for n in (1, args.concurrency):
         stack = results[f"stack_{n}"]
         print(f"stack, {n} stream(s): TTFT p50 {stack['ttft_p50_s'] * 1000:.0f} ms, ITL p50 {stack['itl_p50_s'] * 1000:.1f} ms")
-    if results.get("rss_mb_idle"):
+    if results["rss_mb_idle"]:
         print("RSS idle after load (MB):", results["rss_mb_idle"])
         print(f"RSS peak under {args.concurrency} streams (MB):", results["rss_mb_peak_under_load"])
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

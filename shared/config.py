@@ -46,6 +46,7 @@ class StackConfig:
     max_num_batched_tokens: int = _opt(256, "token budget of one step (prefill chunk size)")
     max_waiting: int = _opt(1024, "most requests waiting for admission before 429")
     enable_prefix_cache: bool = _opt(True, "reuse the KV of full blocks shared with earlier prompts")
+    pipeline_depth: int = _opt(2, "step plans in flight at once (1: strictly alternate plan and result)")
     max_model_len: int = _opt(0, "context limit (0: the model's max_position_embeddings)")
     dtype: str = _opt("float32", "weight and activation dtype on the CPU")
     num_threads: int = _opt(0, "torch threads of the worker (0: all cores)")

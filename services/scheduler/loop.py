@@ -1,4 +1,4 @@
-"""The scheduler process's loop: frames in, plans out, at most PIPELINE_DEPTH plans in flight.
+"""The scheduler process's loop: frames in, plans out, at most ``pipeline_depth`` plans in flight.
 
 With two plans in flight the worker always has the next step queued when it finishes
 one, so it never waits on the scheduler; the scheduler plans while the worker computes.
@@ -33,8 +33,6 @@ from shared.frames import (
 from shared.metrics import PREFIX, PROCESS_UP, start_metrics_server
 from shared.model_info import kv_cache_blocks, load_model_info
 from shared.transport import Inbox, Outbox
-
-PIPELINE_DEPTH = 2
 
 RUNNING = Gauge(f"{PREFIX}num_requests_running", "Requests in the running batch")
 WAITING = Gauge(f"{PREFIX}num_requests_waiting", "Requests waiting for admission")
@@ -119,12 +117,12 @@ class SchedulerLoop:
         next_status = 0.0
         idle = True  # the last plan was empty: wait for a frame instead of spinning
         while not self.stopping:
-            can_plan = self.ready and len(self.in_flight) < PIPELINE_DEPTH and not idle
+            can_plan = self.ready and len(self.in_flight) < self.config.pipeline_depth and not idle
             timeout_ms = 0 if can_plan else int(self.config.heartbeat_s * 1000)
             for frame in self.inbox.recv(timeout_ms):
                 idle = False
                 self._handle(frame)
-            if self.ready and len(self.in_flight) < PIPELINE_DEPTH:
+            if self.ready and len(self.in_flight) < self.config.pipeline_depth:
                 idle = not self._plan_and_send()
             now = time.monotonic()
             if now >= next_status:
@@ -240,7 +238,7 @@ class SchedulerLoop:
             "max_num_seqs": core.max_num_seqs,
             "max_num_batched_tokens": core.max_num_batched_tokens,
             "max_waiting": core.max_waiting,
-            "pipeline_depth": PIPELINE_DEPTH,
+            "pipeline_depth": self.config.pipeline_depth,
             "running": len(core.running),
             "waiting": len(core.waiting),
             "preemptions": core.num_preemptions,

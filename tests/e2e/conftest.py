@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,32 +13,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from bench.stack_client import free_port_block
 from shared.config import DEFAULT_MODEL_DIR
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def free_port_block(count: int = 4) -> int:
-    """A port p such that p .. p+count-1 are all free on loopback."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count > 65535:
-            continue
-        try:
-            socks = []
-            for offset in range(count):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", base + offset))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError("no free block of ports")
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:

@@ -1,0 +1,105 @@
+"""What the benchmarks share: starting a stack on a free port, streaming requests, percentiles."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import aiohttp
+
+
+def free_port_block(count: int = 4) -> int:
+    """A port p such that p .. p+count-1 are free on loopback (the api and the metrics ports)."""
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + count > 65535:
+            continue
+        socks = []
+        try:
+            for offset in range(count):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", base + offset))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError("no free block of ports")
+
+
+@contextmanager
+def running_stack(model: str, *flags: str, timeout_s: float = 600) -> Iterator[str]:
+    """Starts the launcher with these flags on free ports; yields the base URL; stops it afterwards."""
+    port = free_port_block()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.launcher", "--model", model, "--port", str(port), *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the stack exited with {process.returncode}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("the stack did not become ready")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(60)
+
+
+def served_model(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/v1/models") as response:
+        return json.load(response)["data"][0]["id"]
+
+
+async def stream_chat(session: aiohttp.ClientSession, url: str, model: str, messages: list[dict], output_tokens: int) -> dict:
+    """One greedy streamed chat request with ignore_eos; returns its start, token timestamps and usage."""
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": output_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    started = time.perf_counter()
+    stamps: list[float] = []
+    usage: dict = {}
+    async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                stamps.append(time.perf_counter())
+    return {"start": started, "stamps": stamps, "end": time.perf_counter(), "usage": usage}
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
