@@ -2,7 +2,8 @@
 
 Every process is a child of this one (and dies with it); the launcher stays in the
 foreground, prints the URL once ``/health`` answers 200, and on Ctrl-C or SIGTERM stops
-every process it started. If a child dies, the launcher stops the stack and exits non-zero.
+every process it started. A child that dies is restarted (the others fail its in-flight
+requests and wait for it); one that keeps dying stops the stack with a non-zero exit.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from shared.config import DEFAULT_MODEL_DIR, StackConfig
 PROCESSES = ("scheduler", "worker", "detokenizer", "api")
 STOP_GRACE_S = 10.0
 READY_TIMEOUT_S = 600.0
+MAX_RESTARTS = 5  # within RESTART_WINDOW_S, before the launcher gives up
+RESTART_WINDOW_S = 60.0
 
 
 def _die_with_parent() -> None:
@@ -39,10 +42,13 @@ class Launcher:
         self.stopping = False
 
     def start(self) -> None:
-        argv = self.config.to_argv()
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         for name in PROCESSES:
-            self.children[name] = subprocess.Popen([sys.executable, "-m", f"services.{name}", *argv], cwd=root, preexec_fn=_die_with_parent)
+            self._spawn(name)
+
+    def _spawn(self, name: str) -> None:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        argv = [sys.executable, "-m", f"services.{name}", *self.config.to_argv()]
+        self.children[name] = subprocess.Popen(argv, cwd=root, preexec_fn=_die_with_parent)
 
     def wait_ready(self) -> bool:
         url = f"http://{self.config.host}:{self.config.port}/health"
@@ -66,12 +72,20 @@ class Launcher:
         return None
 
     def supervise(self) -> int:
+        """Restarts any child that dies; gives up (non-zero exit) if one keeps dying."""
+        restarts: list[float] = []
         while not self.stopping:
-            dead = self._dead_child()
-            if dead:
-                print(f"tokenyard: {dead}; stopping the stack", file=sys.stderr, flush=True)
-                return 1
-            time.sleep(0.5)
+            for name, child in self.children.items():
+                if child.poll() is None:
+                    continue
+                now = time.monotonic()
+                restarts = [t for t in restarts if now - t < RESTART_WINDOW_S] + [now]
+                if len(restarts) > MAX_RESTARTS:
+                    print(f"tokenyard: {name} exited with code {child.returncode}; {MAX_RESTARTS} restarts in {RESTART_WINDOW_S:g}s, giving up", file=sys.stderr, flush=True)
+                    return 1
+                print(f"tokenyard: {name} (pid {child.pid}) exited with code {child.returncode}; restarting it", file=sys.stderr, flush=True)
+                self._spawn(name)
+            time.sleep(0.2)
         return 0
 
     def stop(self) -> None:

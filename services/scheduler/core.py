@@ -240,6 +240,14 @@ class Scheduler:
                 self._end(request, Outcome())
         return failed
 
+    def fail_all(self) -> list[Request]:
+        """Ends every request (a peer process was lost with their state); frees all their blocks."""
+        failed = list(self.requests.values())
+        for request in failed:
+            self.pool.forget(request.blocks)
+            self._end(request, Outcome())
+        return failed
+
     def _finish_reason(self, request: Request, token_id: int) -> FinishReason | None:
         submit = request.submit
         generated = len(request.output_ids)

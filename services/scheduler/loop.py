@@ -58,6 +58,8 @@ class _Peer:
         self.detail = ""
         self.progress = 0.0
         self.seen = 0.0
+        self.pid = 0
+        self.serving = False  # was ready and has not been lost since
 
     def alive(self, timeout_s: float) -> bool:
         return time.monotonic() - self.seen < timeout_s
@@ -78,7 +80,7 @@ class SchedulerLoop:
         self.to_detokenizer = Outbox(ctx, config.detokenizer_address, "scheduler_to_detokenizer")
         self.to_api = Outbox(ctx, config.api_address, "scheduler_to_api")
         self.peers = {"worker": _Peer(), "detokenizer": _Peer()}
-        self.in_flight: dict[int, list[str]] = {}  # step -> rids planned in it
+        self.in_flight: dict[int, tuple[float, list[str]]] = {}  # step -> (sent at, rids planned in it)
         self.next_step = 0
         self.stopping = False
         KV_BLOCKS_TOTAL.set(num_blocks)
@@ -90,9 +92,16 @@ class SchedulerLoop:
         timeout = self.config.engine_timeout_s
         return all(p.state == "ready" and p.alive(timeout) for p in self.peers.values())
 
+    def stalled_for(self) -> float:
+        """Seconds the oldest step in flight has gone unanswered (0 when none is)."""
+        return time.monotonic() - min(self.in_flight.values(), key=lambda v: v[0])[0] if self.in_flight else 0.0
+
     def status(self) -> EngineStatus:
         worker = self.peers["worker"]
-        if self.ready:
+        stalled = self.stalled_for()
+        if stalled > self.config.stall_timeout_s:
+            state, detail = "unhealthy", f"the worker has not answered step {min(self.in_flight)} for {stalled:.0f}s"
+        elif self.ready:
             state, detail = "ready", ""
         elif any(p.state == "failed" for p in self.peers.values()):
             state, detail = "failed", "; ".join(f"{n}: {p.detail}" for n, p in self.peers.items() if p.state == "failed")
@@ -126,6 +135,7 @@ class SchedulerLoop:
                 idle = not self._plan_and_send()
             now = time.monotonic()
             if now >= next_status:
+                self._check_peers()
                 self.to_api.send(self.status())
                 self._update_gauges()
                 next_status = now + self.config.heartbeat_s
@@ -148,7 +158,7 @@ class SchedulerLoop:
         STEPS.inc()
         STEP_TOKENS.observe(sum(s.num_tokens for s in plan.slices))
         self.to_worker.send(plan)
-        self.in_flight[plan.step] = [s.rid for s in plan.slices]
+        self.in_flight[plan.step] = (time.monotonic(), [s.rid for s in plan.slices])
         self.next_step += 1
         self._update_gauges()
         return True
@@ -182,7 +192,9 @@ class SchedulerLoop:
         self.to_api.send(Error(rid=rid, status=status, message=message, type=kind))
 
     def _on_result(self, result: StepResult) -> None:
-        rids = self.in_flight.pop(result.step, [])
+        if result.step not in self.in_flight:
+            return  # a step of a worker incarnation that was declared lost
+        _, rids = self.in_flight.pop(result.step)
         if not result.error:
             self._send(self.core.on_result(result))
             return
@@ -199,9 +211,32 @@ class SchedulerLoop:
         peer = self.peers.get(beat.process)
         if peer is None:
             return
+        if peer.serving and beat.pid != peer.pid:  # restarted between two heartbeats
+            self._peer_lost(beat.process, f"restarted (pid {peer.pid} -> {beat.pid})")
         if peer.state != beat.state:
-            self.log.info("peer_state", peer=beat.process, state=beat.state, detail=beat.detail)
-        peer.state, peer.detail, peer.progress, peer.seen = beat.state, beat.detail, beat.progress, time.monotonic()
+            self.log.info("peer_state", peer=beat.process, state=beat.state, detail=beat.detail, pid=beat.pid)
+        peer.state, peer.detail, peer.progress, peer.seen, peer.pid = beat.state, beat.detail, beat.progress, time.monotonic(), beat.pid
+        peer.serving = peer.serving or beat.state == "ready"
+
+    def _check_peers(self) -> None:
+        for name, peer in self.peers.items():
+            if peer.serving and not peer.alive(self.config.engine_timeout_s):
+                self._peer_lost(name, f"silent for {self.config.engine_timeout_s:g}s")
+
+    def _peer_lost(self, name: str, why: str) -> None:
+        """A process that held request state is gone: every request fails now, none hangs."""
+        peer = self.peers[name]
+        peer.serving, peer.state = False, "lost"
+        failed = self.core.fail_all()
+        self.in_flight.clear()
+        self.log.error("peer_lost", peer=name, why=why, failed_requests=len(failed))
+        for request in failed:
+            FINISHED.labels(FinishReason.ERROR.value).inc()
+            self.to_api.send(Error(rid=request.rid, status=503, message=f"the {name} process was lost ({why}); retry the request"))
+        if failed:  # the survivors drop their state of these requests too
+            self.to_worker.send(Release(rids=[r.rid for r in failed]))
+            self.to_detokenizer.send(TokenBatch(deltas=[TokenDelta(rid=r.rid, finish=FinishReason.ERROR.value) for r in failed]))
+        self._update_gauges()
 
     def _send(self, outcome: Outcome) -> None:
         if outcome.released:

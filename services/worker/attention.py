@@ -52,9 +52,7 @@ class AttentionMetadata:
     max_position: int
 
     @classmethod
-    def build(
-        cls, starts: list[int], lens: list[int], tables: list[list[int]], num_decodes: int, block_size: int, dtype: torch.dtype
-    ) -> AttentionMetadata:
+    def build(cls, starts: list[int], lens: list[int], tables: list[list[int]], num_decodes: int, block_size: int, dtype: torch.dtype) -> AttentionMetadata:
         """Slices given in flat-batch order: ``num_decodes`` decodes (``lens`` 1), then prefill chunks."""
         width = max(map(len, tables))
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
@@ -99,7 +97,7 @@ def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def paged_attention(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """Store this step's ``kv`` [T, 2, kv_heads, D] in ``cache``, then attend: ``q`` [T, heads, D] → [T, heads * D]."""
     cache.index_copy_(0, meta.write_slots, kv)
-    total, heads, dim = q.shape
+    heads, dim = q.shape[1:]
     kv_heads = kv.shape[2]
     outs = []
     if b := meta.num_decodes:

@@ -30,7 +30,8 @@ class Linear:
         rows = x.shape[0]
         if rows > SPLIT_MAX_ROWS or self.slices == 1:
             return x @ self.weight if residual is None else torch.addmm(residual, x, self.weight)
-        out = torch.bmm(x.view(rows, self.slices, -1).transpose(0, 1), self._sliced).sum(0)
+        sliced_x = x.view(self.slices, 1, -1) if rows == 1 else x.view(rows, self.slices, -1).transpose(0, 1)
+        out = torch.bmm(sliced_x, self._sliced).sum(0)
         return out if residual is None else out.add_(residual)
 
 

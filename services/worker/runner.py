@@ -31,6 +31,7 @@ class _Request:
     generator: torch.Generator | None
     table: list[int] = field(default_factory=list)
     last_token: int | None = None
+    end: int = 0  # positions computed so far: where the next slice must start
 
 
 class ModelRunner:
@@ -90,6 +91,7 @@ class ModelRunner:
                 generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
                 request = self._requests[s.rid] = _Request(params, generator)
             request.table.extend(s.new_blocks)
+            request.end = s.start + s.num_tokens
 
         # Decode slices first: attention batches them in one call and prefill chunks follow.
         ordered = [s for s in slices if not s.token_ids] + [s for s in slices if s.token_ids]
@@ -99,9 +101,7 @@ class ModelRunner:
         for s in ordered[num_decodes:]:
             input_ids += s.token_ids
         lens = [s.num_tokens for s in ordered]
-        meta = AttentionMetadata.build(
-            [s.start for s in ordered], lens, [r.table for r in requests], num_decodes, self.block_size, self.model.dtype
-        )
+        meta = AttentionMetadata.build([s.start for s in ordered], lens, [r.table for r in requests], num_decodes, self.block_size, self.model.dtype)
         hidden = self.model.forward(torch.tensor(input_ids), meta.positions, meta, self.kv_cache)
 
         to_sample = [j for j, s in enumerate(ordered) if s.sample]
@@ -127,8 +127,12 @@ class ModelRunner:
                     raise ValueError(f"decode slice for {s.rid!r} has num_tokens={s.num_tokens}, expected 1")
             elif len(s.token_ids) != s.num_tokens:
                 raise ValueError(f"slice for {s.rid!r} carries {len(s.token_ids)} token ids but num_tokens={s.num_tokens}")
+            elif min(s.token_ids) < 0 or max(s.token_ids) >= self.model.vocab_size:
+                raise ValueError(f"slice for {s.rid!r} carries token ids outside the vocabulary of {self.model.vocab_size}")
             if s.start < 0 or s.num_tokens < 1:
                 raise ValueError(f"slice for {s.rid!r} has start={s.start}, num_tokens={s.num_tokens}")
+            if request is not None and s.start != request.end:
+                raise ValueError(f"slice for {s.rid!r} starts at {s.start} but the request has computed {request.end} positions")
             if any(not 0 <= b < self.num_blocks for b in s.new_blocks):
                 raise ValueError(f"slice for {s.rid!r} names blocks outside 0..{self.num_blocks - 1}: {s.new_blocks}")
             capacity = (len(request.table) if request else 0) + len(s.new_blocks)
@@ -144,7 +148,8 @@ class ModelRunner:
         blocks = list(range(-(-(tokens + 1) // self.block_size)))
         rid, params = "__warmup__", SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=0)
         try:
-            self.execute(StepPlan(-1, [Slice(rid, 0, tokens, list(range(tokens)), blocks, sampling=params)]))
+            prompt = [i % self.model.vocab_size for i in range(tokens)]
+            self.execute(StepPlan(-1, [Slice(rid, 0, tokens, prompt, blocks, sampling=params)]))
             self.execute(StepPlan(-1, [Slice(rid, tokens, 1)]))
         finally:
             self.release([rid])

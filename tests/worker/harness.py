@@ -114,9 +114,7 @@ def drive(
     rng = random.Random(seed)
     free = list(range(runner.num_blocks))
     rng.shuffle(free)
-    reqs = {
-        rid: _Req(p, (arrivals or {}).get(rid, 0), (sampling or {}).get(rid, GREEDY)) for rid, p in prompts.items()
-    }
+    reqs = {rid: _Req(p, (arrivals or {}).get(rid, 0), (sampling or {}).get(rid, GREEDY)) for rid, p in prompts.items()}
     done: dict[str, list[int]] = {}
     stats = DriveStats()
     bs = runner.block_size

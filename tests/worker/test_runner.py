@@ -3,7 +3,10 @@ clear errors for malformed plans, warm-up and the facts it reports."""
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,6 +80,7 @@ def test_release_drops_state_and_unknown_decodes_fail_clearly(untied: Checkpoint
         ([Slice("q", 0, 3, [1, 2], [0])], "carries 2 token ids but num_tokens=3"),
         ([Slice("q", 0, 5, [1, 2, 3, 4, 5], [0])], "reaches position 4 but its 1 blocks of 4 hold 4 tokens"),
         ([Slice("q", 0, 2, [1, 2], [16])], "names blocks outside 0..15"),
+        ([Slice("q", 0, 2, [1, 256], [0])], "token ids outside the vocabulary of 256"),
     ],
 )
 def test_malformed_slices_raise_clear_errors(untied: Checkpoint, slices: list[Slice], message: str) -> None:
@@ -86,11 +90,16 @@ def test_malformed_slices_raise_clear_errors(untied: Checkpoint, slices: list[Sl
     assert runner.describe()["requests"] == 0
 
 
-def test_decode_before_any_sampled_token_and_too_many_slices_fail(untied: Checkpoint) -> None:
+def test_decode_before_any_sampled_token_a_wrong_position_and_too_many_slices_fail(untied: Checkpoint) -> None:
     runner = ModelRunner(untied.path, 16, 4, max_num_seqs=2)
     runner.execute(StepPlan(0, [Slice("p", 0, 3, [1, 2, 3], [0], sample=False)]))
     with pytest.raises(ValueError, match="has not sampled a token yet"):
         runner.execute(StepPlan(1, [Slice("p", 3, 1)]))
+    with pytest.raises(ValueError, match="starts at 2 but the request has computed 3 positions"):
+        runner.execute(StepPlan(1, [Slice("p", 2, 1, [4])]))
+    runner.execute(StepPlan(1, [Slice("p", 3, 1, [4])]))
+    with pytest.raises(ValueError, match="starts at 5 but the request has computed 4 positions"):
+        runner.execute(StepPlan(2, [Slice("p", 5, 1)]))
     with pytest.raises(ValueError, match="exceeds max_num_seqs=2"):
         runner.execute(StepPlan(2, [Slice(r, 0, 1, [1], [i]) for i, r in enumerate("xyz")]))
 
@@ -109,10 +118,7 @@ def test_warmup_leaves_no_state_and_describe_reads_the_live_objects(tiny_llamas:
     assert facts["threads"] == torch.get_num_threads()
 
 
-def test_unsupported_rope_type_and_family_are_rejected(tmp_path: pytest.TempPathFactory, untied: Checkpoint) -> None:
-    import json
-    import shutil
-
+def test_unsupported_rope_type_and_family_are_rejected(tmp_path: Path, untied: Checkpoint) -> None:
     for name, patch, message in [
         ("yarn", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}}, "rope type 'yarn' is not supported"),
         ("gpt2", {"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
@@ -123,3 +129,13 @@ def test_unsupported_rope_type_and_family_are_rejected(tmp_path: pytest.TempPath
         (path / "config.json").write_text(json.dumps(config | patch))
         with pytest.raises(ValueError, match=message):
             ModelRunner(str(path), 4, 4)
+
+
+def test_bfloat16_runs_close_to_the_fp32_reference(untied: Checkpoint) -> None:
+    runner = ModelRunner(untied.path, 16, 4, dtype="bfloat16")
+    prompt = _prompt(5, 10)
+    ours = runner.logits(StepPlan(0, [Slice("b", 0, 10, prompt, [4, 1, 7], sampling=GREEDY)]))["b"].float()
+    with torch.no_grad():
+        theirs = untied.reference(torch.tensor([prompt])).logits[0, -1]
+    assert runner.describe()["dtype"] == "bfloat16"
+    assert ((ours - theirs).norm() / theirs.norm()).item() < 0.05

@@ -25,34 +25,46 @@ PROMPTS = {
 }
 
 
+class SmolLM2:
+    """transformers' model on the default checkpoint, the test prompts, and their greedy references (memoised)."""
+
+    def __init__(self) -> None:
+        tokenizer = Tokenizer.from_file(os.path.join(DEFAULT_MODEL_DIR, "tokenizer.json"))
+        self.prompts = {rid: tokenizer.encode(text).ids for rid, text in PROMPTS.items()}
+        self.reference = LlamaForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
+        self._greedy: dict[str, list[int]] = {}
+
+    def greedy(self, rid: str) -> list[int]:
+        if rid not in self._greedy:
+            self._greedy[rid] = reference_greedy(self.reference, self.prompts[rid], MAX_NEW)
+        return self._greedy[rid]
+
+
 @pytest.fixture(scope="module")
-def smollm2() -> tuple[LlamaForCausalLM, dict[str, list[int]]]:
+def smollm2() -> SmolLM2:
     if not os.path.isfile(os.path.join(DEFAULT_MODEL_DIR, "config.json")):
         pytest.fail(f"the default model is missing at {DEFAULT_MODEL_DIR}: run `make setup` to convert it")
-    tokenizer = Tokenizer.from_file(os.path.join(DEFAULT_MODEL_DIR, "tokenizer.json"))
-    prompts = {rid: tokenizer.encode(text).ids for rid, text in PROMPTS.items()}
-    return LlamaForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval(), prompts
+    return SmolLM2()
 
 
-def test_logits_and_greedy_tokens_match_transformers_alone(smollm2: tuple[LlamaForCausalLM, dict[str, list[int]]]) -> None:
-    reference, prompts = smollm2
-    prompt = prompts["capital"]
+def test_logits_and_greedy_tokens_match_transformers_alone(smollm2: SmolLM2) -> None:
+    prompt = smollm2.prompts["capital"]
     runner = ModelRunner(DEFAULT_MODEL_DIR, num_blocks=32, block_size=4)
     blocks = [17, 4, 29, 0, 11, 8]
     ours = runner.logits(StepPlan(0, [Slice("l", 0, len(prompt), prompt, blocks[: -(-len(prompt) // 4)], sampling=GREEDY)]))["l"]
     with torch.no_grad():
-        theirs = reference(torch.tensor([prompt])).logits[0, -1]
+        theirs = smollm2.reference(torch.tensor([prompt])).logits[0, -1]
     assert ((ours - theirs).norm() / theirs.norm()).item() <= 1e-4
+    runner.release(["l"])
 
     out, _ = drive(runner, {"capital": prompt}, MAX_NEW, chunk=3)
-    assert out["capital"] == reference_greedy(reference, prompt, MAX_NEW)
+    assert out["capital"] == smollm2.greedy("capital")
 
 
-def test_greedy_tokens_match_transformers_in_a_mixed_batch(smollm2: tuple[LlamaForCausalLM, dict[str, list[int]]]) -> None:
-    reference, prompts = smollm2
+def test_greedy_tokens_match_transformers_in_a_mixed_batch(smollm2: SmolLM2) -> None:
     runner = ModelRunner(DEFAULT_MODEL_DIR, num_blocks=96, block_size=4)
     arrivals = {"capital": 0, "recipe": 0, "code": 2, "story": 4}
-    out, stats = drive(runner, prompts, MAX_NEW, chunk=4, seed=5, arrivals=arrivals)
+    out, stats = drive(runner, smollm2.prompts, MAX_NEW, chunk=4, seed=5, arrivals=arrivals)
     assert stats.mixed_steps >= 2
-    for rid, prompt in prompts.items():
-        assert out[rid] == reference_greedy(reference, prompt, MAX_NEW), rid
+    for rid in PROMPTS:
+        assert out[rid] == smollm2.greedy(rid), rid

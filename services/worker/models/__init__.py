@@ -24,6 +24,7 @@ class CausalLM(Protocol):
     num_kv_heads: int
     head_dim: int
     vocab_size: int
+    dtype: torch.dtype
 
     def __init__(self, config: dict, weights: dict[str, torch.Tensor]) -> None: ...
 

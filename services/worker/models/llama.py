@@ -1,7 +1,7 @@
 """The Llama decoder (RMSNorm, rotary, GQA attention over paged KV, SwiGLU MLP), eager torch.
 
 q/k/v and gate/up are fused into one weight each at load time and the residual add rides on the
-output projections, so a decode layer is about fifteen torch ops.
+output projections: a decode layer is about thirty small kernels plus views.
 """
 
 from __future__ import annotations

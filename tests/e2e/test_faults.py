@@ -1,0 +1,84 @@
+"""Fault injection on a stack of its own: a killed process fails its requests cleanly and comes back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import pytest
+
+from bench.stack_client import free_port_block
+from tests.e2e.conftest import ROOT, Stack, http_get, metric_value
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def fresh_stack(tmp_path_factory) -> Stack:
+    port = free_port_block()
+    log_path = str(tmp_path_factory.mktemp("faults") / "stack.log")
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "services.launcher", "--port", str(port), "--kv-cache-tokens", "4096"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    stack = Stack(port=port, process=process, log_path=log_path)
+    try:
+        wait_healthy(stack, 300)
+        yield stack
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def wait_healthy(stack: Stack, timeout: float) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        assert stack.process.poll() is None, stack.log()[-3000:]
+        try:
+            if http_get(f"{stack.base_url}/health", timeout=2)[0] == 200:
+                return time.monotonic() - started
+        except OSError:
+            pass
+        time.sleep(0.25)
+    pytest.fail(f"the stack did not become healthy again:\n{stack.log()[-3000:]}")
+
+
+@pytest.mark.parametrize("victim", ["worker", "detokenizer", "scheduler"])
+def test_killed_process_fails_streams_then_the_stack_serves_again(fresh_stack: Stack, victim: str) -> None:
+    stack = fresh_stack
+    client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    outcomes: list[str] = []
+
+    def stream() -> None:
+        try:
+            chunks = client.completions.create(model=MODEL, prompt="Tell me a very long story.", max_tokens=3000, stream=True, extra_body={"ignore_eos": True})
+            for _ in chunks:
+                pass
+            outcomes.append("finished")
+        except (openai.APIError, openai.APIConnectionError) as exc:
+            outcomes.append(f"error: {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=stream) for _ in range(4)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while metric_value(stack.metrics("scheduler"), "tokenyard:num_requests_running") < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pid = stack.instrumentation(victim)["pid"]
+    os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "a client hung after the kill"
+    assert len(outcomes) == 4 and all(o.startswith("error") for o in outcomes), outcomes
+    wait_healthy(stack, 240)
+    assert stack.instrumentation(victim)["pid"] != pid
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=16, temperature=0)
+    assert "Paris" in reply.choices[0].message.content
+    text = stack.metrics("scheduler")
+    assert metric_value(text, "tokenyard:kv_blocks_used") == 0 and metric_value(text, "tokenyard:num_requests_running") == 0
