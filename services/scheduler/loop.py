@@ -197,6 +197,7 @@ class SchedulerLoop:
         _, rids = self.in_flight.pop(result.step)
         if not result.error:
             self._send(self.core.on_result(result))
+            self._update_gauges()
             return
         self.log.error("step_failed", step=result.step, error=result.error, requests=len(rids))
         failed = self.core.fail_step(result, rids)
@@ -213,10 +214,13 @@ class SchedulerLoop:
             return
         if peer.serving and beat.pid != peer.pid:  # restarted between two heartbeats
             self._peer_lost(beat.process, f"restarted (pid {peer.pid} -> {beat.pid})")
-        if peer.state != beat.state:
+        changed = peer.state != beat.state
+        if changed:
             self.log.info("peer_state", peer=beat.process, state=beat.state, detail=beat.detail, pid=beat.pid)
         peer.state, peer.detail, peer.progress, peer.seen, peer.pid = beat.state, beat.detail, beat.progress, time.monotonic(), beat.pid
         peer.serving = peer.serving or beat.state == "ready"
+        if changed:  # readiness changes reach the api at once, not at the next periodic status
+            self.to_api.send(self.status())
 
     def _check_peers(self) -> None:
         for name, peer in self.peers.items():
@@ -230,6 +234,7 @@ class SchedulerLoop:
         failed = self.core.fail_all()
         self.in_flight.clear()
         self.log.error("peer_lost", peer=name, why=why, failed_requests=len(failed))
+        self.to_api.send(self.status())
         for request in failed:
             FINISHED.labels(FinishReason.ERROR.value).inc()
             self.to_api.send(Error(rid=request.rid, status=503, message=f"the {name} process was lost ({why}); retry the request"))
