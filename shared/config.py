@@ -55,7 +55,7 @@ class StackConfig:
     stall_timeout_s: float = _opt(60.0, "a step unanswered this long marks the worker stalled (unhealthy)")
     max_body_bytes: int = _opt(8 * 1024 * 1024, "largest accepted HTTP request body")
     log_level: str = _opt("info", "log level")
-    log_json: bool = _opt(False, "log JSON lines instead of console text")
+    log_format: str = _opt("auto", "log as json, console, or auto (console on a terminal, JSON lines otherwise)")
 
     # Derived values. -----------------------------------------------------------------
 

@@ -1,4 +1,8 @@
-"""structlog set-up shared by every process: one line per event, tagged with the process name."""
+"""structlog set-up shared by every process: one line per event, tagged with the process name.
+
+JSON lines by default (console text on a terminal). Events about a request carry its ``rid``,
+so one request can be followed through the logs of every process.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,11 @@ import sys
 import structlog
 
 
-def setup_logging(process: str, level: str = "info", json_lines: bool = False) -> structlog.stdlib.BoundLogger:
+def setup_logging(process: str, level: str = "info", fmt: str = "auto") -> structlog.stdlib.BoundLogger:
+    if fmt not in ("auto", "json", "console"):
+        raise ValueError(f"log format must be auto, json or console, not {fmt!r}")
     logging.basicConfig(format="%(message)s", stream=sys.stderr, level=level.upper())
+    json_lines = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
     renderer = structlog.processors.JSONRenderer() if json_lines else structlog.dev.ConsoleRenderer(colors=False)
     structlog.configure(
         processors=[

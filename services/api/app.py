@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     from shared.logging import setup_logging
 
     config = StackConfig.from_argv(argv, "tokenyard api")
-    setup_logging("api", config.log_level, config.log_json)
+    setup_logging("api", config.log_level, config.log_format)
     started = time.perf_counter()
     app = create_app(config)
     log.info("api_starting", listen=f"http://{config.host}:{config.port}", model=config.model, setup_s=round(time.perf_counter() - started, 2))

@@ -75,6 +75,7 @@ class DetokenizerLoop:
         for opened in batch.opened:
             state = RequestDetokState(self.tokenizer, opened.stop, opened.skip_special_tokens)
             self.requests[opened.rid] = _Tracked(state, opened)
+            self.log.info("request_opened", rid=opened.rid, stop_strings=len(opened.stop))
         out = [delta for delta in map(self._detokenize, batch.deltas) if delta is not None]
         if out:
             self.to_api.send(TextBatch(deltas=out))
@@ -97,6 +98,7 @@ class DetokenizerLoop:
             text += tracked.state.finish()
         if finish:
             del self.requests[delta.rid]
+            self.log.info("request_finished", rid=delta.rid, reason=finish, completion_tokens=tracked.state.completion_tokens, stop=update.finished_by_stop)
         return TextDelta(
             rid=delta.rid,
             text=text,
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     from shared.logging import setup_logging
 
     config = StackConfig.from_argv(argv, "tokenyard detokenizer")
-    log = setup_logging("detokenizer", config.log_level, config.log_json)
+    log = setup_logging("detokenizer", config.log_level, config.log_format)
     loop = DetokenizerLoop(config, log)
     start_metrics_server(config.metrics_host, config.metrics_port("detokenizer"), loop.instrumentation, loop.health)
     log.info("detokenizer_started", inbox=loop.inbox.address)

@@ -154,7 +154,9 @@ class SchedulerLoop:
         now = time.monotonic()
         for s in plan.slices:
             if s.sampling is not None:  # first slice since (re)admission
-                QUEUE_TIME.observe(now - self.core.requests[s.rid].queued_at)
+                request = self.core.requests[s.rid]
+                QUEUE_TIME.observe(now - request.queued_at)
+                self.log.info("request_admitted", rid=s.rid, step=plan.step, cached_tokens=s.start, recompute=bool(request.output_ids))
         STEPS.inc()
         STEP_TOKENS.observe(sum(s.num_tokens for s in plan.slices))
         self.to_worker.send(plan)
@@ -183,7 +185,9 @@ class SchedulerLoop:
             return
         try:
             self._send(self.core.submit(submit))
+            self.log.info("request_queued", rid=submit.rid, prompt_tokens=len(submit.prompt_ids), max_tokens=submit.max_tokens)
         except AdmissionError as exc:
+            self.log.info("request_rejected", rid=submit.rid, status=exc.status, reason=exc.message)
             self._reject(submit.rid, exc.status, exc.message)
 
     def _reject(self, rid: str, status: int, message: str) -> None:
@@ -251,6 +255,7 @@ class SchedulerLoop:
         for delta in outcome.deltas:
             if delta.finish:
                 FINISHED.labels(delta.finish).inc()
+                self.log.info("request_finished", rid=delta.rid, reason=delta.finish)
 
     def _update_gauges(self) -> None:
         RUNNING.set(len(self.core.running))
@@ -301,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     from shared.logging import setup_logging
 
     config = StackConfig.from_argv(argv, "tokenyard scheduler")
-    log = setup_logging("scheduler", config.log_level, config.log_json)
+    log = setup_logging("scheduler", config.log_level, config.log_format)
     loop = SchedulerLoop(config, log)
     start_metrics_server(config.metrics_host, config.metrics_port("scheduler"), loop.instrumentation, loop.health)
     PROCESS_UP.labels("scheduler").set(1)

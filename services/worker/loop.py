@@ -19,7 +19,7 @@ import zmq
 from prometheus_client import Counter, Histogram
 
 from shared.config import StackConfig
-from shared.frames import Heartbeat, Release, StepPlan, StepResult
+from shared.frames import Heartbeat, Release, SamplingParams, Slice, StepPlan, StepResult
 from shared.metrics import PREFIX, PROCESS_UP, start_metrics_server
 from shared.model_info import kv_cache_blocks, load_model_info
 from shared.transport import Inbox, Outbox
@@ -55,13 +55,14 @@ class WorkerLoop:
         self.runner = None
         self.state = "loading"
         self.detail = ""
+        self.progress = 0.0
         self.stopping = False
         self.steps_run = 0
 
     def _heartbeats(self) -> None:
         outbox = Outbox(self.ctx, self.config.scheduler_address, "worker_heartbeat")
         while not self.stopping:
-            outbox.send(Heartbeat(process="worker", pid=os.getpid(), state=self.state, detail=self.detail))
+            outbox.send(Heartbeat(process="worker", pid=os.getpid(), state=self.state, detail=self.detail, progress=self.progress))
             time.sleep(self.config.heartbeat_s)
         outbox.close()
 
@@ -71,14 +72,34 @@ class WorkerLoop:
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
         self.detail = f"loading weights from {self.model.path}"
+        read_ahead(self.model.path)
         started = time.perf_counter()
         self.runner = ModelRunner(self.config.model, self.num_blocks, self.config.block_size, self.config.dtype, self.config.max_num_seqs)
         loaded = time.perf_counter()
-        self.state, self.detail = "warming", "warm-up steps"
-        self.runner.warmup()
+        self.state = "warming"
+        self.warm_up()
         self.log.info("worker_ready", load_s=round(loaded - started, 2), warmup_s=round(time.perf_counter() - loaded, 2), kv_blocks=self.num_blocks)
-        self.state, self.detail = "ready", ""
+        self.state, self.detail, self.progress = "ready", "", 1.0
         PROCESS_UP.labels("worker").set(1)
+
+    def warm_up(self) -> None:
+        """One prefill at each length of a ladder, each with a decode step, so no first request pays a one-off cost.
+
+        A failure is logged and serving goes on: warm-up is an optimisation, not a gate.
+        """
+        ladder = warmup_lengths(self.config.max_num_batched_tokens, self.num_blocks * self.config.block_size)
+        block_size = self.config.block_size
+        try:
+            for i, length in enumerate(ladder):
+                self.detail, self.progress = f"warm-up prefill {i + 1}/{len(ladder)} ({length} tokens)", i / len(ladder)
+                blocks = list(range(-(-(length + 1) // block_size)))
+                first = Slice(rid="warmup", start=0, num_tokens=length, token_ids=[0] * length, new_blocks=blocks, sampling=SamplingParams(temperature=0))
+                self.runner.execute(StepPlan(step=-1, slices=[first]))
+                self.runner.execute(StepPlan(step=-1, slices=[Slice(rid="warmup", start=length, num_tokens=1)]))
+                self.runner.release(["warmup"])
+        except Exception:
+            self.runner.release(["warmup"])
+            self.log.exception("warmup_failed", length=length)
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
@@ -98,10 +119,14 @@ class WorkerLoop:
                     self.to_scheduler.send(self._execute(frame))
                 elif isinstance(frame, Release):
                     self.runner.release(frame.rids)
+                    self.log.info("requests_released", rids=frame.rids)
                 else:
                     self.log.warning("unexpected_frame", frame=type(frame).__name__)
 
     def _execute(self, plan: StepPlan) -> StepResult:
+        for s in plan.slices:
+            if s.sampling is not None:  # a request's first slice since (re)admission
+                self.log.info("request_started", rid=s.rid, step=plan.step, start=s.start, tokens=s.num_tokens)
         kind = step_kind(plan)
         started = time.perf_counter()
         try:
@@ -133,6 +158,7 @@ class WorkerLoop:
             "block_size": self.config.block_size,
             "max_num_seqs": self.config.max_num_seqs,
             "steps_run": self.steps_run,
+            "warmup_lengths": warmup_lengths(self.config.max_num_batched_tokens, self.num_blocks * self.config.block_size),
             "addresses": {"inbox": self.inbox.address, "scheduler": self.to_scheduler.address},
         }
         if self.runner is not None:
@@ -140,7 +166,29 @@ class WorkerLoop:
         return info
 
     def health(self) -> tuple[int, dict]:
-        return (200 if self.state == "ready" else 503), {"state": self.state, "detail": self.detail}
+        return (200 if self.state == "ready" else 503), {"state": self.state, "detail": self.detail, "progress": round(self.progress, 3)}
+
+
+def warmup_lengths(budget: int, capacity: int) -> list[int]:
+    """Short lengths, then powers of two and their neighbours, up to the step budget (and the KV capacity)."""
+    lengths = {1, 2, 3, 4, 5, 6, 7}
+    power = 8
+    while power <= budget:
+        lengths |= {power - 1, power, power + 1}
+        power *= 2
+    lengths.add(budget)
+    return sorted(n for n in lengths if n <= min(budget, capacity - 1))
+
+
+def read_ahead(model_dir: str) -> None:
+    """Asks the kernel to start reading the weights now, so loading (and first requests) don't fault them in."""
+    for name in os.listdir(model_dir):
+        if name.endswith(".safetensors") and hasattr(os, "posix_fadvise"):
+            fd = os.open(os.path.join(model_dir, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
 
 
 def _cpu_name() -> str:
@@ -158,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     from shared.logging import setup_logging
 
     config = StackConfig.from_argv(argv, "tokenyard worker")
-    log = setup_logging("worker", config.log_level, config.log_json)
+    log = setup_logging("worker", config.log_level, config.log_format)
     loop = WorkerLoop(config, log)
     start_metrics_server(config.metrics_host, config.metrics_port("worker"), loop.instrumentation, loop.health)
     log.info("worker_started", inbox=loop.inbox.address, model=config.model)
