@@ -6,7 +6,7 @@ import os
 import random
 
 import pytest
-from conftest import stream
+from .conftest import stream
 
 from services.detokenizer.incremental import REPLACEMENT
 from services.detokenizer.request import RequestDetokState

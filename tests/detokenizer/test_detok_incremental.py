@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import SAMPLES, UNSEEN, stream
+from .conftest import SAMPLES, UNSEEN, stream
 
 from services.detokenizer.incremental import REPLACEMENT, IncrementalDetokenizer
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import UNSEEN
+from .conftest import UNSEEN
 
 from services.detokenizer.request import RequestDetokState, Update
 
