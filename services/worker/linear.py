@@ -17,22 +17,25 @@ def _slices(size: int, threads: int) -> int:
 
 
 class Linear:
-    """``x @ weight.T (+ residual)``, stored transposed ([in, out]) and split along ``in``: the
-    slices' partial products are summed."""
+    """``x @ weight.T (+ bias) (+ residual)``, stored transposed ([in, out]) and split along ``in``:
+    the slices' partial products are summed."""
 
-    def __init__(self, weight: torch.Tensor, threads: int) -> None:
+    def __init__(self, weight: torch.Tensor, threads: int, bias: torch.Tensor | None = None) -> None:
         out_features, in_features = weight.shape
-        self.weight = weight.t().contiguous()
+        self.weight, self.bias = weight.t().contiguous(), bias
         self.slices = _slices(in_features, threads)
         self._sliced = self.weight.view(self.slices, in_features // self.slices, out_features)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
         if rows > SPLIT_MAX_ROWS or self.slices == 1:
-            return x @ self.weight if residual is None else torch.addmm(residual, x, self.weight)
-        sliced_x = x.view(self.slices, 1, -1) if rows == 1 else x.view(rows, self.slices, -1).transpose(0, 1)
-        out = torch.bmm(sliced_x, self._sliced).sum(0)
-        return out if residual is None else out.add_(residual)
+            out = x @ self.weight if residual is None else torch.addmm(residual, x, self.weight)
+        else:
+            sliced_x = x.view(self.slices, 1, -1) if rows == 1 else x.view(rows, self.slices, -1).transpose(0, 1)
+            out = torch.bmm(sliced_x, self._sliced).sum(0)
+            if residual is not None:
+                out.add_(residual)
+        return out if self.bias is None else out.add_(self.bias)
 
 
 class RowSplitLinear:

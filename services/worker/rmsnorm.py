@@ -18,3 +18,8 @@ class RMSNorm:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         inv = x.square().sum(-1, keepdim=True).add_(self.eps_n).rsqrt_()
         return (x * inv).mul_(self.scaled_weight)
+
+    def norm_(self, x: torch.Tensor) -> None:
+        """Normalise ``x`` in place (it may be a view, e.g. q and k inside a fused qkv output)."""
+        inv = x.square().sum(-1, keepdim=True).add_(self.eps_n).rsqrt_()
+        x.mul_(inv).mul_(self.scaled_weight)

@@ -174,4 +174,5 @@ class ModelRunner:
             "threads": torch.get_num_threads(),
             "max_num_seqs": self.max_num_seqs,
             "requests": len(self._requests),
+            **self.model.describe(),
         }

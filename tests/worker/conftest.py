@@ -1,19 +1,45 @@
-"""Fixtures of the worker tests: the tiny Llama checkpoints, built once per session."""
+"""Fixtures of the worker tests: tiny random checkpoints of each family, built once per session when first asked for."""
 
 from __future__ import annotations
 
 import pytest
 
-from .harness import TINY_LLAMAS, Checkpoint, build_tiny_llama
+from .harness import TINY_LLAMAS, TINY_QWEN3_MOES, TINY_QWEN3S, Checkpoint, build_tiny
+
+
+def _build(factory: pytest.TempPathFactory, family: str, variants: dict[str, dict]) -> dict[str, Checkpoint]:
+    root = factory.mktemp(f"tiny-{family}")
+    return {name: Checkpoint(str(root / name), build_tiny(family, str(root / name), **kw)) for name, kw in variants.items()}
 
 
 @pytest.fixture(scope="session")
 def tiny_llamas(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Checkpoint]:
-    root = tmp_path_factory.mktemp("tiny-llama")
-    return {name: Checkpoint(str(root / name), build_tiny_llama(str(root / name), **kw)) for name, kw in TINY_LLAMAS.items()}
+    return _build(tmp_path_factory, "llama", TINY_LLAMAS)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3s(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Checkpoint]:
+    return _build(tmp_path_factory, "qwen3", TINY_QWEN3S)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Checkpoint]:
+    return _build(tmp_path_factory, "qwen3_moe", TINY_QWEN3_MOES)
 
 
 @pytest.fixture(params=list(TINY_LLAMAS))
 def tiny(request: pytest.FixtureRequest, tiny_llamas: dict[str, Checkpoint]) -> Checkpoint:
-    """Each tiny checkpoint in turn: untied, Llama 3 rope scaling, tied + sharded + explicit head_dim."""
+    """Each tiny Llama in turn: untied, Llama 3 rope scaling, tied + sharded + explicit head_dim."""
     return tiny_llamas[request.param]
+
+
+@pytest.fixture(params=list(TINY_QWEN3S))
+def tiny_qwen3(request: pytest.FixtureRequest, tiny_qwen3s: dict[str, Checkpoint]) -> Checkpoint:
+    """Each tiny Qwen3 in turn: untied with q/k/v/o biases and head_dim 32 of hidden 64 / 4 heads; tied + sharded."""
+    return tiny_qwen3s[request.param]
+
+
+@pytest.fixture(params=list(TINY_QWEN3_MOES))
+def tiny_qwen3_moe(request: pytest.FixtureRequest, tiny_qwen3_moes: dict[str, Checkpoint]) -> Checkpoint:
+    """Each tiny Qwen3-MoE in turn: top-2 renormalised with a dense middle layer; top-3 raw in every second layer, tied."""
+    return tiny_qwen3_moes[request.param]

@@ -1,5 +1,6 @@
-"""Test harness of the worker: tiny random Llama checkpoints, their transformers reference, and a
-miniature scheduler that drives a ``ModelRunner`` with ``StepPlan`` frames the way the real one does.
+"""Test harness of the worker: tiny random checkpoints of each model family, their transformers
+reference, a miniature scheduler that drives a ``ModelRunner`` with ``StepPlan`` frames the way the
+real one does, and the parity checks every family must pass against transformers.
 """
 
 from __future__ import annotations
@@ -8,12 +9,29 @@ import random
 from dataclasses import dataclass, field
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from services.worker.runner import ModelRunner
 from shared.frames import SamplingParams, Slice, StepPlan
 
 GREEDY = SamplingParams(temperature=0.0)
+MAX_NEW = 32
+
+# model_type -> transformers' config and model classes, and the tiny sizes that family adds.
+FAMILIES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[str, object]]] = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {}),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+}
 
 TINY_LLAMAS = {
     "untied": {},
@@ -30,14 +48,28 @@ TINY_LLAMAS = {
     "tied-sharded": {"tie_word_embeddings": True, "head_dim": 32},
 }
 
+TINY_QWEN3S = {
+    "untied-bias": {"attention_bias": True, "head_dim": 32},  # head_dim != hidden / heads
+    "tied-sharded": {"tie_word_embeddings": True},
+}
+
+TINY_QWEN3_MOES = {
+    # three layers: MoE in 0 and 2, dense in 1; top-2 renormalised
+    "renorm-dense-middle": {"norm_topk_prob": True, "mlp_only_layers": [1], "intermediate_size": 96},
+    # MoE in layer 1 only; top-3 of the raw softmax; tied, sharded, head_dim != hidden / heads
+    "sparse-step-tied": {"decoder_sparse_step": 2, "num_experts_per_tok": 3, "tie_word_embeddings": True, "head_dim": 32},
+}
+
 
 @dataclass(frozen=True)
 class Checkpoint:
     path: str
-    reference: LlamaForCausalLM  # transformers' model on the same weights, fp32, eval mode
+    reference: PreTrainedModel  # transformers' model on the same weights, fp32, eval mode
 
 
-def build_tiny_llama(path: str, **overrides: object) -> LlamaForCausalLM:
+def build_tiny(family: str, path: str, **overrides: object) -> PreTrainedModel:
+    """A random ``family`` checkpoint saved at ``path`` by transformers; returns transformers' model on it."""
+    config_class, model_class, family_defaults = FAMILIES[family]
     # initializer_range 0.2: at the default 0.02 a tiny model's top logits are nearly tied.
     defaults: dict[str, object] = dict(
         hidden_size=64,
@@ -52,15 +84,19 @@ def build_tiny_llama(path: str, **overrides: object) -> LlamaForCausalLM:
         bos_token_id=1,
         eos_token_id=2,
     )
-    config = LlamaConfig(**{**defaults, **overrides})
+    config = config_class(**{**defaults, **family_defaults, **overrides})
     torch.manual_seed(1234)
-    model = LlamaForCausalLM(config).eval()
+    model = model_class(config).eval()
     shard = "20KB" if config.tie_word_embeddings else "50GB"
     model.save_pretrained(path, max_shard_size=shard)
     return model
 
 
-def reference_greedy(model: LlamaForCausalLM, prompt: list[int], max_new: int, min_margin: float = 1e-4) -> list[int]:
+def build_tiny_llama(path: str, **overrides: object) -> PreTrainedModel:
+    return build_tiny("llama", path, **overrides)
+
+
+def reference_greedy(model: PreTrainedModel, prompt: list[int], max_new: int, min_margin: float = 1e-4) -> list[int]:
     """transformers' greedy continuation; fails if a step's top-1/top-2 gap is so small that rounding could flip it.
 
     Our fp32 logits differ from transformers' by ~1e-5 absolute here, so a 1e-4 gap is safe.
@@ -156,3 +192,60 @@ def drive(
                 free[at:at] = r.table
         stats.steps += 1
     return done, stats
+
+
+def prompt_of(seed: int, length: int) -> list[int]:
+    return random.Random(seed).choices(range(3, 256), k=length)
+
+
+def rel_err(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    return ((ours - theirs).norm() / theirs.norm()).item()
+
+
+def _chunked_prefill(runner: ModelRunner, prompt: list[int], blocks: list[int]) -> StepPlan:
+    """Send every chunk of 5 but the last (they sample nothing); return the plan of the last. Blocks of 4."""
+    for i, start in enumerate(range(0, len(prompt) - 5, 5)):
+        new = blocks[-(-start // 4) : -(-(start + 5) // 4)]
+        plan = StepPlan(i, [Slice("r", start, 5, prompt[start : start + 5], new, sample=False, sampling=GREEDY if i == 0 else None)])
+        assert runner.execute(plan).sampled == []
+    start = len(prompt) - len(prompt) % 5
+    return StepPlan(9, [Slice("r", start, len(prompt) - start, prompt[start:], blocks[-(-start // 4) : -(-len(prompt) // 4)])])
+
+
+def check_logits_after_chunked_prefill_and_in_decode(tiny: Checkpoint, max_rel_err: float = 1e-4) -> None:
+    """Last-position logits of a 23-token prompt prefilled in chunks of 5 on shuffled blocks, then of one decode step."""
+    prompt, blocks = prompt_of(0, 23), [11, 3, 7, 0, 14, 5, 9]
+    runner = ModelRunner(tiny.path, num_blocks=16, block_size=4)
+    ours = runner.logits(_chunked_prefill(runner, prompt, blocks))["r"]
+    with torch.no_grad():
+        theirs = tiny.reference(torch.tensor([prompt])).logits[0, -1]
+    assert rel_err(ours, theirs) <= max_rel_err
+
+    # A decode slice feeds back the last sampled token: sample it, then check the next logits.
+    runner = ModelRunner(tiny.path, num_blocks=16, block_size=4)
+    token = runner.execute(_chunked_prefill(runner, prompt, blocks)).sampled[0].token_id
+    assert token == int(theirs.argmax())
+    ours = runner.logits(StepPlan(10, [Slice("r", 23, 1, new_blocks=blocks[6:7])]))["r"]
+    with torch.no_grad():
+        theirs = tiny.reference(torch.tensor([prompt + [token]])).logits[0, -1]
+    assert rel_err(ours, theirs) <= max_rel_err
+
+
+def check_greedy_alone(tiny: Checkpoint) -> None:
+    """32 greedy tokens of one request, prefilled in three chunks, equal transformers' generate."""
+    prompt = prompt_of(1, 11)
+    runner = ModelRunner(tiny.path, num_blocks=32, block_size=4)
+    out, stats = drive(runner, {"solo": prompt}, MAX_NEW, chunk=5)
+    assert stats.steps == 3 + MAX_NEW - 1  # three prefill chunks, the last one samples
+    assert out["solo"] == reference_greedy(tiny.reference, prompt, MAX_NEW)
+
+
+def check_greedy_in_mixed_batches(tiny: Checkpoint) -> None:
+    """Four requests arriving at different steps, batched with chunked prefills beside decodes, each equal generate."""
+    prompts = {f"r{i}": prompt_of(10 + i, n) for i, n in enumerate((3, 9, 14, 22))}
+    runner = ModelRunner(tiny.path, num_blocks=64, block_size=4)
+    arrivals = {"r0": 0, "r1": 0, "r2": 2, "r3": 5}  # later prompts are prefilled beside earlier decodes
+    out, stats = drive(runner, prompts, MAX_NEW, chunk=5, seed=3, arrivals=arrivals)
+    assert stats.mixed_steps >= 4 and stats.multi_prefill_steps >= 1
+    for rid, prompt in prompts.items():
+        assert out[rid] == reference_greedy(tiny.reference, prompt, MAX_NEW), rid

@@ -5,12 +5,14 @@ Adding a family is one module under ``models/`` and one entry in ``MODEL_FAMILIE
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from services.worker.attention import AttentionMetadata, KVCache
 from services.worker.models.llama import LlamaForCausalLM
+from services.worker.models.qwen3 import Qwen3ForCausalLM
+from services.worker.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
 class CausalLM(Protocol):
@@ -34,9 +36,15 @@ class CausalLM(Protocol):
 
     def tensors(self) -> list[torch.Tensor]: ...
 
+    def describe(self) -> dict[str, Any]:
+        """Family-specific facts for the instrumentation endpoint, e.g. the kernel backends chosen at load."""
+        ...
+
 
 MODEL_FAMILIES: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
 }
 
 

@@ -1,0 +1,188 @@
+"""The decoder every dense and MoE family shares: embed → layers of (attention, MLP) → norm → lm_head.
+
+Attention fuses q/k/v into one weight (with the optional bias, and Qwen3's per-head q/k RMSNorm
+applied in place before rotary); the SwiGLU MLP fuses gate/up; the residual add rides on the output
+projections. A family subclasses ``DecoderForCausalLM`` and says only what differs: ``QK_NORM`` and
+how a layer's MLP is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from services.worker.attention import AttentionMetadata, KVCache, paged_attention
+from services.worker.linear import Linear, RowSplitLinear
+from services.worker.rmsnorm import RMSNorm
+from services.worker.rotary import RotaryEmbedding, apply_rotary_, rope_config
+
+Weights = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """The config.json fields the shared decoder reads, with transformers' defaults."""
+
+    family: str
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+    vocab_size: int
+    eps: float
+    attention_bias: bool
+    tie_word_embeddings: bool
+    max_positions: int
+    threads: int
+
+    @classmethod
+    def read(cls, config: dict) -> DecoderConfig:
+        family = config.get("model_type", "llama")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{family} hidden_act {config['hidden_act']!r} is not supported (only silu)")
+        if config.get("use_sliding_window") or "sliding_attention" in (config.get("layer_types") or []):
+            raise ValueError(f"{family} checkpoints with sliding-window attention are not supported")
+        heads = config["num_attention_heads"]
+        return cls(
+            family=family,
+            hidden_size=config["hidden_size"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            num_layers=config["num_hidden_layers"],
+            vocab_size=config["vocab_size"],
+            eps=config.get("rms_norm_eps", 1e-6),
+            attention_bias=bool(config.get("attention_bias", False)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            max_positions=config.get("max_position_embeddings", 2048),
+            threads=torch.get_num_threads(),
+        )
+
+
+class Attention:
+    """Input-normed hidden states → ``residual + o_proj(attention)`` over the paged KV cache."""
+
+    def __init__(self, w: Weights, prefix: str, cfg: DecoderConfig, qk_norm: bool) -> None:
+        p = prefix + "self_attn."
+        self.heads, self.kv_heads, self.dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv_bias = torch.cat([w[f"{p}{x}_proj.bias"] for x in "qkv"]) if cfg.attention_bias else None
+        self.qkv = Linear(torch.cat([w[f"{p}{x}_proj.weight"] for x in "qkv"]), cfg.threads, qkv_bias)  # hidden -> (heads + 2 kv_heads) * dim
+        self.o_proj = Linear(w[p + "o_proj.weight"], cfg.threads, w[p + "o_proj.bias"] if cfg.attention_bias else None)
+        self.qk_norm, self._norm_weights = None, []
+        if qk_norm:
+            q_norm, k_norm = w[p + "q_norm.weight"], w[p + "k_norm.weight"]
+            # One norm call over q and k heads together: row j of the weight is head j's own q_norm or k_norm.
+            self.qk_norm = RMSNorm(torch.cat([q_norm.expand(self.heads, -1), k_norm.expand(self.kv_heads, -1)]), cfg.eps)
+            self._norm_weights = [q_norm, k_norm]
+
+    def tensors(self) -> list[torch.Tensor]:
+        parts = [self.qkv.weight, self.qkv.bias, self.o_proj.weight, self.o_proj.bias, *self._norm_weights]
+        return [t for t in parts if t is not None]
+
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor
+    ) -> torch.Tensor:
+        total, heads, kv_heads, dim = x.shape[0], self.heads, self.kv_heads, self.dim
+        qkv = self.qkv(x).view(total, heads + 2 * kv_heads, dim)
+        qk = qkv[:, : heads + kv_heads]
+        if self.qk_norm is not None:
+            self.qk_norm.norm_(qk)
+        apply_rotary_(qk, cos, sin)
+        out = paged_attention(qkv[:, :heads], qkv[:, heads:].view(total, 2, kv_heads, dim), cache, meta)
+        return self.o_proj(out, residual=residual)
+
+
+class MLP(Protocol):
+    """A layer's feed-forward block: post-attention-normed ``x`` → ``residual + mlp(x)``."""
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor: ...
+
+    def tensors(self) -> list[torch.Tensor]: ...
+
+
+class DenseMLP:
+    """SwiGLU ``down(silu(gate(x)) * up(x))``, gate and up fused into one weight."""
+
+    def __init__(self, w: Weights, prefix: str, threads: int) -> None:
+        p = prefix + "mlp."
+        self.intermediate = w[p + "gate_proj.weight"].shape[0]
+        self.gate_up = Linear(torch.cat([w[p + "gate_proj.weight"], w[p + "up_proj.weight"]]), threads)
+        self.down = Linear(w[p + "down_proj.weight"], threads)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.gate_up.weight, self.down.weight]
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up(x)
+        gate = F.silu(gate_up[:, : self.intermediate], inplace=True)
+        return self.down(gate.mul_(gate_up[:, self.intermediate :]), residual=residual)
+
+
+class DecoderLayer(NamedTuple):
+    input_norm: RMSNorm
+    attn: Attention
+    post_norm: RMSNorm
+    mlp: MLP
+
+
+class DecoderForCausalLM:
+    """Implements ``CausalLM`` for the Llama-shaped decoders; subclasses override ``QK_NORM`` and ``mlp``."""
+
+    QK_NORM = False  # Qwen3: RMSNorm over each q and k head before rotary
+
+    def __init__(self, config: dict, weights: Weights) -> None:
+        cfg = self.cfg = DecoderConfig.read(config)
+        self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.vocab_size = cfg.vocab_size
+        self.embed = weights["model.embed_tokens.weight"]
+        self.dtype = self.embed.dtype
+        theta, scaling = rope_config(config)
+        self.rotary = RotaryEmbedding(cfg.head_dim, theta, scaling, cfg.max_positions, self.dtype)
+        self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
+        self.norm = RMSNorm(weights["model.norm.weight"], cfg.eps)
+        if cfg.tie_word_embeddings:
+            self.lm_head = RowSplitLinear(self.embed, cfg.threads)
+        elif "lm_head.weight" in weights:
+            self.lm_head = RowSplitLinear(weights["lm_head.weight"], cfg.threads)
+        else:
+            raise ValueError("the checkpoint has no lm_head.weight and tie_word_embeddings is false")
+
+    def _layer(self, w: Weights, index: int) -> DecoderLayer:
+        p, eps = f"model.layers.{index}.", self.cfg.eps
+        return DecoderLayer(
+            input_norm=RMSNorm(w[p + "input_layernorm.weight"], eps),
+            attn=Attention(w, p, self.cfg, self.QK_NORM),
+            post_norm=RMSNorm(w[p + "post_attention_layernorm.weight"], eps),
+            mlp=self.mlp(w, p, index),
+        )
+
+    def mlp(self, w: Weights, prefix: str, index: int) -> MLP:
+        """The feed-forward block of layer ``index`` (weights under ``prefix``): dense SwiGLU by default."""
+        return DenseMLP(w, prefix, self.cfg.threads)
+
+    def describe(self) -> dict[str, Any]:
+        """Family-specific facts for the instrumentation endpoint (e.g. the kernel backends chosen at load)."""
+        return {}
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every distinct parameter tensor (a tied lm_head counted once)."""
+        tensors = [self.embed, self.norm.weight, self.lm_head.weight]
+        for layer in self.layers:
+            tensors += [layer.input_norm.weight, layer.post_norm.weight, *layer.attn.tensors(), *layer.mlp.tensors()]
+        return list({id(t): t for t in tensors}.values())
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] of a flat batch of T tokens from many requests."""
+        cos, sin = self.rotary.lookup(positions, attn.max_position)
+        h = F.embedding(input_ids, self.embed)
+        for layer, cache in zip(self.layers, kv_cache.layers):
+            h = layer.attn(layer.input_norm(h), h, cos, sin, attn, cache)
+            h = layer.mlp(layer.post_norm(h), h)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
