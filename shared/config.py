@@ -48,6 +48,8 @@ class StackConfig:
     enable_prefix_cache: bool = _opt(True, "reuse the KV of full blocks shared with earlier prompts")
     pipeline_depth: int = _opt(2, "step plans in flight at once (1: strictly alternate plan and result)")
     max_model_len: int = _opt(0, "context limit (0: the model's max_position_embeddings)")
+    tool_call_parser: str = _opt("", "tool-call format: hermes, qwen3_coder, llama3_json or none (default: chosen by the model)")
+    reasoning_parser: str = _opt("", "reasoning format: think or none (default: chosen by the model)")
     dtype: str = _opt("float32", "weight and activation dtype on the CPU")
     num_threads: int = _opt(0, "torch threads of the worker (0: all cores)")
     heartbeat_s: float = _opt(0.5, "interval of heartbeats and engine status frames")

@@ -122,6 +122,7 @@ class TextDelta(_Part):
     finish: str = ""
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    matched: str = ""  # the stop string that finished the request, if one did
 
 
 class TextBatch(_Frame):

@@ -1,1 +1,1 @@
-"""The api process: the OpenAI-compatible HTTP surface in front of the engine."""
+"""The api process: the OpenAI- and Anthropic-compatible HTTP surface in front of the engine."""

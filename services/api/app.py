@@ -5,17 +5,23 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
+from importlib import metadata
 
 import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.api.engine_client import EngineClient
+from services.api.anthropic_routes import routes as anthropic_routes
+from services.api.chat import ChatFormat
+from services.api.engine_client import Engine, EngineClient
 from services.api.errors import ApiError
 from services.api.metrics import HTTP_REQUESTS
 from services.api.openai_routes import routes as openai_routes
-from services.api.state import ApiState
+from services.api.responses_routes import routes as responses_routes
+from services.api.state import API_STATE, ApiState
 from services.api.templating import PromptBuilder
+from services.api.tokenize_routes import routes as tokenize_routes
 from shared.config import StackConfig
 from shared.metrics import PROCESS_UP
 from shared.model_info import load_model_info
@@ -25,31 +31,46 @@ log = structlog.get_logger()
 
 @web.middleware
 async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
-    """Every failure leaves as an OpenAI-shaped error; every answer is counted by route and status."""
+    """Every failure leaves as an error in the route's protocol shape; every answer is counted by route and status."""
     route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
+    anthropic = request.path.startswith("/v1/messages")
     try:
         response = await handler(request)
     except ApiError as exc:
-        response = exc.response()
+        response = exc.response(anthropic)
     except web.HTTPRequestEntityTooLarge as exc:
-        response = ApiError(413, f"the request body is larger than the limit of {exc.max_size} bytes", code="request_too_large").response()
+        response = ApiError(413, f"the request body is larger than the limit of {exc.max_size} bytes", code="request_too_large").response(anthropic)
     except web.HTTPException as exc:
-        response = ApiError(exc.status, exc.reason or "error").response()
+        response = ApiError(exc.status, exc.reason or "error").response(anthropic)
     except (asyncio.CancelledError, ConnectionResetError):
         HTTP_REQUESTS.labels(route, "499").inc()  # the client went away
         raise
     except Exception:
         log.exception("unhandled_error", path=request.path)
-        response = ApiError(500, "internal server error").response()
+        response = ApiError(500, "internal server error").response(anthropic)
     HTTP_REQUESTS.labels(route, str(response.status)).inc()
     return response
 
 
 async def health(request: web.Request) -> web.Response:
-    state: ApiState = request.app["state"]
+    state = request.app[API_STATE]
     engine_state, detail = state.engine.describe_state()
     status = 200 if state.engine.ready else 503
     return web.json_response({"status": "ok" if status == 200 else engine_state, "detail": detail}, status=status)
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": _VERSION})
+
+
+def _package_version() -> str:
+    try:
+        return metadata.version("tokenyard")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+_VERSION = _package_version()
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -57,7 +78,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def instrumentation(request: web.Request) -> web.Response:
-    state: ApiState = request.app["state"]
+    state = request.app[API_STATE]
     engine = state.engine
     return web.json_response(
         {
@@ -70,6 +91,9 @@ async def instrumentation(request: web.Request) -> web.Response:
             "max_model_len": state.max_model_len,
             "eos_token_ids": state.eos_token_ids,
             "chat_template": state.prompts.has_chat_template,
+            "tool_call_parser": state.chat_format.tool_parser,
+            "reasoning_tags": state.chat_format.reasoning_tags,
+            "native_tools": state.chat_format.native_tools,
             "listen": f"http://{state.config.host}:{state.config.port}",
             "replica": state.config.api_replica,
             "max_body_bytes": state.config.max_body_bytes,
@@ -80,23 +104,29 @@ async def instrumentation(request: web.Request) -> web.Response:
                 "running": engine.status.running,
                 "waiting": engine.status.waiting,
             },
-            "addresses": {"inbox": engine.inbox.address, "scheduler": engine.to_scheduler.address},
+            "addresses": engine.addresses(),
         }
     )
 
 
-def create_app(config: StackConfig) -> web.Application:
+def create_app(config: StackConfig, engine_factory: Callable[[StackConfig], Engine] = EngineClient) -> web.Application:
+    """The api; tests pass an ``engine_factory`` that builds a scripted engine instead of the ZeroMQ client."""
     app = web.Application(middlewares=[error_middleware], client_max_size=config.max_body_bytes)
     model = load_model_info(config.model)
 
     async def on_startup(app: web.Application) -> None:
-        engine = EngineClient(config)
+        prompts = PromptBuilder(config.model)
+        # tool_call_parser / reasoning_parser: "" chooses by chat template and model family (see services.api.chat).
+        chat_format = ChatFormat.for_model(
+            model.family, prompts.chat_template, config.tool_call_parser, config.reasoning_parser
+        )
+        engine = engine_factory(config)
         engine.start()
-        app["state"] = ApiState(config=config, model=model, prompts=PromptBuilder(config.model), engine=engine)
+        app[API_STATE] = ApiState(config=config, model=model, prompts=prompts, engine=engine, chat_format=chat_format)
         PROCESS_UP.labels("api").set(1)
 
     async def on_cleanup(app: web.Application) -> None:
-        state: ApiState = app["state"]
+        state = app[API_STATE]
         await state.engine.close()
         state.prompts.close()
 
@@ -105,7 +135,11 @@ def create_app(config: StackConfig) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/instrumentation", instrumentation)
+    app.router.add_get("/version", version)
     app.router.add_routes(openai_routes)
+    app.router.add_routes(responses_routes)
+    app.router.add_routes(anthropic_routes)
+    app.router.add_routes(tokenize_routes)
     return app
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 import structlog
 import zmq
@@ -25,6 +26,30 @@ _FAILED = {  # finish reasons that end a request without a result
     FinishReason.ERROR.value: (500, "the engine failed this request"),
     FinishReason.ABORT.value: (503, "the engine aborted this request"),
 }
+
+
+class Engine(Protocol):
+    """What the api's handlers need from the engine; ``EngineClient`` over ZeroMQ, or a scripted stand-in in tests.
+
+    ``generate`` yields a request's deltas up to and including the finishing one, raises
+    ApiError if the engine refuses or fails it, and aborts it if closed early.
+    """
+
+    status: EngineStatus
+    streams: dict[str, asyncio.Queue[TextDelta | ApiError]]
+
+    @property
+    def ready(self) -> bool: ...
+
+    def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def describe_state(self) -> tuple[str, str]: ...
+
+    def addresses(self) -> dict[str, str]: ...
+
+    def generate(self, submit: Submit) -> AsyncIterator[TextDelta]: ...
 
 
 class EngineClient:
@@ -52,6 +77,9 @@ class EngineClient:
         self.inbox.close()
         self.to_scheduler.close()
         self.ctx.term()
+
+    def addresses(self) -> dict[str, str]:
+        return {"inbox": self.inbox.address, "scheduler": self.to_scheduler.address}
 
     # Health. ---------------------------------------------------------------------------
 

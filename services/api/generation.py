@@ -13,9 +13,10 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from services.api.engine_client import EngineClient
+from services.api.engine_client import Engine
 from services.api.errors import ApiError
-from services.api.metrics import RequestTimer
+from services.api.metrics import IN_FLIGHT, RequestTimer
+from services.api.output_parsing import Event, OutputParser
 from services.api.protocol import Generation
 from shared.frames import Submit, TextDelta
 
@@ -47,7 +48,7 @@ def context_limit(prompt_len: int, generation: Generation, max_model_len: int, p
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{prompt_len + generation.max_tokens} tokens ({prompt_len} in the prompt, {generation.max_tokens} in the completion). "
             "Please reduce the length of the prompt or the completion.",
-            param="max_tokens",
+            param=generation.max_tokens_param,
             code="context_length_exceeded",
         )
     return generation.max_tokens
@@ -79,7 +80,7 @@ def build_submits(generation: Generation, prompts: list[list[int]], max_tokens: 
     return submits
 
 
-async def merged_stream(engine: EngineClient, submits: list[Submit], model_name: str) -> AsyncIterator[tuple[int, TextDelta]]:
+async def merged_stream(engine: Engine, submits: list[Submit], model_name: str) -> AsyncIterator[tuple[int, TextDelta]]:
     """(choice index, delta) pairs from every engine request until all have finished.
 
     An ApiError from any engine request is raised here (and the others are aborted).
@@ -114,6 +115,18 @@ async def merged_stream(engine: EngineClient, submits: list[Submit], model_name:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+@contextlib.asynccontextmanager
+async def engine_run(engine: Engine, submits: list[Submit], model_name: str) -> AsyncIterator[AsyncIterator[tuple[int, TextDelta]]]:
+    """One HTTP request's engine requests as one merged stream, counted in flight, and aborted if the answer ends early."""
+    stream = merged_stream(engine, submits, model_name)
+    IN_FLIGHT.labels(model_name).inc()
+    try:
+        yield stream
+    finally:
+        IN_FLIGHT.labels(model_name).dec()
+        await stream.aclose()
+
+
 async def collect(stream: AsyncIterator[tuple[int, TextDelta]], count: int) -> list[ChoiceResult]:
     """Every choice's full text, for non-streaming responses."""
     choices = [ChoiceResult(index=i) for i in range(count)]
@@ -127,3 +140,30 @@ async def collect(stream: AsyncIterator[tuple[int, TextDelta]], count: int) -> l
     for choice, texts in zip(choices, parts):
         choice.text = "".join(texts)
     return choices
+
+
+async def parsed_stream(stream: AsyncIterator[tuple[int, TextDelta]], parsers: list[OutputParser]) -> AsyncIterator[tuple[int, list[Event], TextDelta]]:
+    """(choice index, parsed events, delta): each choice's text through its own parser, flushed at its finish."""
+    async for index, delta in stream:
+        events = parsers[index].feed(delta.text)
+        if delta.finish:
+            events += parsers[index].finish()
+        yield index, events, delta
+
+
+async def collect_parsed(stream: AsyncIterator[tuple[int, TextDelta]], parsers: list[OutputParser]) -> list[ChoiceResult]:
+    """Every choice's finish and counts for a non-streaming response; the text is in each parser."""
+    choices = [ChoiceResult(index=i) for i in range(len(parsers))]
+    async for index, _, delta in parsed_stream(stream, parsers):
+        if delta.finish:
+            choices[index].finish_reason = delta.finish
+            choices[index].completion_tokens = delta.completion_tokens
+            choices[index].cached_tokens = delta.cached_tokens
+    for choice, parser in zip(choices, parsers):
+        choice.text = parser.content
+    return choices
+
+
+def stop_matched(delta: TextDelta) -> str:
+    """The stop string that finished the request, once the detokenizer reports it (``TextDelta.matched``)."""
+    return delta.matched

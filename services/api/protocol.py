@@ -10,8 +10,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+from aiohttp import web
 
-from services.api.errors import ApiError
+from services.api.chat import ChatTurn
+from services.api.errors import ApiError, from_validation_error
+from services.api.reasoning import check_effort
+from services.api.tools import ToolChoice, ToolSpec, check_tools, template_call
 from shared.frames import SamplingParams
 
 MAX_STOP_STRINGS = 16
@@ -32,10 +36,45 @@ class TextPart(_Body):
     text: str = ""
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str = ""
+
+
+class ChatToolCall(_Body):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class ChatMessage(_Body):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ChatToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: which call it answers
+    reasoning_content: str | None = None  # an assistant's earlier reasoning, for templates that show it
+
+
+class FunctionDef(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    type: str
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: str
+    function: NamedFunction
 
 
 class ResponseFormat(_Body):
@@ -73,9 +112,10 @@ class ChatCompletionRequest(_SamplingBody):
     max_completion_tokens: int | None = None
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -95,7 +135,7 @@ class Generation:
     model: str
     n: int
     stream: bool
-    include_usage: bool
+    include_usage: bool  # a closing chunk with the usage
     max_tokens: int | None  # None: whatever the context leaves
     sampling: SamplingParams
     stop: list[str] = field(default_factory=list)
@@ -103,87 +143,173 @@ class Generation:
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    continuous_usage: bool = False  # usage so far on every chunk
+    max_tokens_param: str = "max_tokens"
 
 
-def decode_body(data: bytes, kind: type[_Body]) -> Any:
+def decode_body(data: bytes, kind: type[msgspec.Struct]) -> Any:
     return msgspec.json.decode(data, type=kind)
 
 
-def _check(condition: bool, param: str, message: str) -> None:
+async def read_body(request: web.Request, kind: type[msgspec.Struct]) -> Any:
+    """The request body as ``kind``, or a 400 naming the field that does not fit."""
+    body = await request.read()
+    try:
+        return decode_body(body, kind)
+    except msgspec.MsgspecError as exc:
+        raise from_validation_error(exc) from exc
+
+
+def convert_part(value: Any, kind: type[msgspec.Struct], where: str) -> Any:
+    """One decoded JSON value (e.g. an item of a polymorphic list) as ``kind``; errors name the field under ``where``."""
+    try:
+        return msgspec.convert(value, type=kind)
+    except msgspec.MsgspecError as exc:
+        error = from_validation_error(exc)
+        param = f"{where}.{error.param}" if error.param else where
+        message = error.message.replace(str(error.param), param) if error.param else f"{error.message} (in {where})"
+        raise ApiError(400, message, param=param) from exc
+
+
+def check(condition: bool, param: str, message: str) -> None:
     if not condition:
         raise ApiError(400, message, param=param)
 
 
+def check_model(model: str | None, served_model: str) -> None:
+    check(model is not None, "model", "you must provide a model parameter")
+    if model != served_model:
+        raise ApiError(404, f"The model `{model}` does not exist; this server serves `{served_model}`.", param="model", code="model_not_found")
+
+
+def check_sampling(temperature: float | None, top_p: float | None, top_k: int | None, min_p: float | None = None, seed: int | None = None) -> SamplingParams:
+    temperature = 1.0 if temperature is None else temperature
+    check(0.0 <= temperature <= 2.0, "temperature", f"temperature must be between 0 and 2, got {temperature}")
+    top_p_value = 1.0 if top_p is None else top_p
+    check(0.0 < top_p_value <= 1.0, "top_p", f"top_p must be in (0, 1], got {top_p_value}")
+    top_k_value = 0 if top_k is None or top_k == -1 else top_k
+    check(top_k_value >= 0, "top_k", f"top_k must be -1 (disabled) or at least 0, got {top_k}")
+    min_p = 0.0 if min_p is None else min_p
+    check(0.0 <= min_p <= 1.0, "min_p", f"min_p must be between 0 and 1, got {min_p}")
+    return SamplingParams(temperature=temperature, top_p=top_p_value, top_k=top_k_value, min_p=min_p, seed=seed)
+
+
+def check_stops(stop: str | list[str] | None, param: str) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    check(len(stops) <= MAX_STOP_STRINGS, param, f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+    check(all(stops), param, "stop strings must not be empty")
+    return stops
+
+
+def check_max_tokens(max_tokens: int | None, param: str) -> None:
+    check(max_tokens is None or max_tokens >= 1, param, f"{param} must be at least 1, got {max_tokens}")
+
+
 def validate_sampling(body: _SamplingBody, served_model: str, max_tokens: int | None, max_tokens_param: str) -> Generation:
-    _check(body.model is not None, "model", "you must provide a model parameter")
-    if body.model != served_model:
-        raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{served_model}`.", param="model", code="model_not_found")
-    _check(max_tokens is None or max_tokens >= 1, max_tokens_param, f"{max_tokens_param} must be at least 1, got {max_tokens}")
-    temperature = 1.0 if body.temperature is None else body.temperature
-    _check(0.0 <= temperature <= 2.0, "temperature", f"temperature must be between 0 and 2, got {temperature}")
-    top_p = 1.0 if body.top_p is None else body.top_p
-    _check(0.0 < top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {top_p}")
-    top_k = 0 if body.top_k is None or body.top_k == -1 else body.top_k
-    _check(top_k >= 0, "top_k", f"top_k must be -1 (disabled) or at least 0, got {body.top_k}")
-    min_p = 0.0 if body.min_p is None else body.min_p
-    _check(0.0 <= min_p <= 1.0, "min_p", f"min_p must be between 0 and 1, got {min_p}")
-    _check(1 <= body.n <= MAX_CHOICES, "n", f"n must be between 1 and {MAX_CHOICES}, got {body.n}")
-    _check(body.min_tokens >= 0, "min_tokens", f"min_tokens must be at least 0, got {body.min_tokens}")
-    _check(
+    check_model(body.model, served_model)
+    check_max_tokens(max_tokens, max_tokens_param)
+    sampling = check_sampling(body.temperature, body.top_p, body.top_k, body.min_p, body.seed)
+    check(1 <= body.n <= MAX_CHOICES, "n", f"n must be between 1 and {MAX_CHOICES}, got {body.n}")
+    check(body.min_tokens >= 0, "min_tokens", f"min_tokens must be at least 0, got {body.min_tokens}")
+    check(
         max_tokens is None or body.min_tokens <= max_tokens, "min_tokens", f"min_tokens ({body.min_tokens}) must not exceed {max_tokens_param} ({max_tokens})"
     )
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    _check(len(stops) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
-    _check(all(stops), "stop", "stop strings must not be empty")
-    _unsupported(body.presence_penalty == 0.0, "presence_penalty", "a non-zero presence_penalty")
-    _unsupported(body.frequency_penalty == 0.0, "frequency_penalty", "a non-zero frequency_penalty")
-    _unsupported(body.repetition_penalty == 1.0, "repetition_penalty", "a repetition_penalty other than 1")
-    _unsupported(not body.logprobs, "logprobs", "logprobs")
-    _unsupported(not body.logit_bias, "logit_bias", "logit_bias")
-    include_usage = False
+    stops = check_stops(body.stop, "stop")
+    unsupported(body.presence_penalty == 0.0, "presence_penalty", "a non-zero presence_penalty")
+    unsupported(body.frequency_penalty == 0.0, "frequency_penalty", "a non-zero frequency_penalty")
+    unsupported(body.repetition_penalty == 1.0, "repetition_penalty", "a repetition_penalty other than 1")
+    unsupported(not body.logprobs, "logprobs", "logprobs")
+    unsupported(not body.logit_bias, "logit_bias", "logit_bias")
+    include_usage = continuous_usage = False
     if body.stream_options is not None:
-        _check(body.stream, "stream_options", "stream_options is only allowed when stream is true")
-        include_usage = body.stream_options.include_usage
+        check(body.stream, "stream_options", "stream_options is only allowed when stream is true")
+        include_usage, continuous_usage = body.stream_options.include_usage, body.stream_options.continuous_usage_stats
     return Generation(
         model=served_model,
         n=body.n,
         stream=body.stream,
         include_usage=include_usage,
         max_tokens=max_tokens,
-        sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=body.seed),
+        sampling=sampling,
         stop=stops,
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
         min_tokens=body.min_tokens,
         skip_special_tokens=body.skip_special_tokens,
+        continuous_usage=continuous_usage,
+        max_tokens_param=max_tokens_param,
     )
 
 
-def _unsupported(condition: bool, param: str, what: str) -> None:
+def unsupported(condition: bool, param: str, what: str) -> None:
     if not condition:
         raise ApiError(400, f"{what} is not supported by this server yet", param=param)
 
 
-def validate_chat(body: ChatCompletionRequest, served_model: str) -> tuple[Generation, list[dict[str, Any]]]:
-    _check(len(body.messages) > 0, "messages", "messages must be a non-empty list")
+def validate_chat(body: ChatCompletionRequest, served_model: str, efforts: tuple[str, ...]) -> tuple[Generation, ChatTurn]:
+    check(len(body.messages) > 0, "messages", "messages must be a non-empty list")
     if body.max_tokens is not None and body.max_completion_tokens is not None and body.max_tokens != body.max_completion_tokens:
         raise ApiError(400, "max_tokens and max_completion_tokens disagree; send one of them", param="max_completion_tokens")
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     generation = validate_sampling(body, served_model, body.max_completion_tokens or body.max_tokens, param)
-    _unsupported(not body.tools, "tools", "tool calling")
-    _unsupported(body.tool_choice in (None, "none"), "tool_choice", "tool_choice")
-    _unsupported(body.top_logprobs is None, "top_logprobs", "top_logprobs")
+    unsupported(body.top_logprobs is None, "top_logprobs", "top_logprobs")
     if body.response_format is not None:
-        _unsupported(body.response_format.type == "text", "response_format", f"response_format of type {body.response_format.type!r}")
-    messages = []
-    for i, message in enumerate(body.messages):
-        _check(
-            message.role in ("system", "developer", "user", "assistant"),
-            f"messages[{i}].role",
-            f"unknown role {message.role!r} in messages[{i}]; expected system, developer, user or assistant",
-        )
-        messages.append({"role": "system" if message.role == "developer" else message.role, "content": _content_text(message.content, i)})
-    return generation, messages
+        unsupported(body.response_format.type == "text", "response_format", f"response_format of type {body.response_format.type!r}")
+    tools = [chat_tool(tool, i) for i, tool in enumerate(body.tools or [])]
+    choice = _chat_tool_choice(body.tool_choice, bool(tools), body.parallel_tool_calls)
+    check_tools(tools, choice, "tools", "tool_choice", name_field="function.name")
+    turn = ChatTurn(
+        messages=[chat_message(message, i) for i, message in enumerate(body.messages)],
+        tools=tools,
+        tool_choice=choice,
+        effort=check_effort(body.reasoning_effort, efforts, "reasoning_effort"),
+        template_kwargs=dict(body.chat_template_kwargs or {}),
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final=body.continue_final_message,
+    )
+    return generation, turn
+
+
+def chat_tool(tool: ChatTool, index: int) -> ToolSpec:
+    check(tool.type == "function", f"tools[{index}].type", f"tools of type {tool.type!r} are not supported; only 'function'")
+    unsupported(not tool.function.strict, f"tools[{index}].function.strict", "strict function schemas (they need constrained decoding)")
+    return ToolSpec(tool.function.name, tool.function.description or "", tool.function.parameters)
+
+
+def _chat_tool_choice(choice: str | NamedToolChoice | None, has_tools: bool, parallel: bool | None) -> ToolChoice:
+    parallel = True if parallel is None else parallel
+    if choice is None:
+        return ToolChoice("auto" if has_tools else "none", parallel=parallel)
+    if isinstance(choice, NamedToolChoice):
+        check(choice.type == "function", "tool_choice.type", f"tool_choice of type {choice.type!r} is not supported; only 'function'")
+        return ToolChoice("named", choice.function.name, parallel)
+    check(choice in ("none", "auto", "required"), "tool_choice", f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}")
+    return ToolChoice(choice, parallel=parallel)  # type: ignore[arg-type]
+
+
+_CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def chat_message(message: ChatMessage, i: int) -> dict[str, Any]:
+    where = f"messages[{i}]"
+    check(message.role in _CHAT_ROLES, f"{where}.role", f"unknown role {message.role!r} in {where}; expected {', '.join(_CHAT_ROLES)}")
+    out: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role, "content": _content_text(message.content, i)}
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_calls:
+        check(message.role == "assistant", f"{where}.tool_calls", "only assistant messages carry tool_calls")
+        for j, call in enumerate(message.tool_calls):
+            check(call.type == "function", f"{where}.tool_calls[{j}].type", f"tool calls of type {call.type!r} are not supported; only 'function'")
+        out["tool_calls"] = [template_call(call.id, call.function.name, call.function.arguments) for call in message.tool_calls]
+    if message.role == "tool":
+        check(bool(message.tool_call_id), f"{where}.tool_call_id", f"{where} has role 'tool' but no tool_call_id")
+        out["tool_call_id"] = message.tool_call_id
+    else:
+        check(message.tool_call_id is None, f"{where}.tool_call_id", "only tool messages carry a tool_call_id")
+    if message.reasoning_content is not None:
+        check(message.role == "assistant", f"{where}.reasoning_content", "only assistant messages carry reasoning_content")
+        out["reasoning_content"] = message.reasoning_content
+    return out
 
 
 def _content_text(content: str | list[TextPart] | None, index: int) -> str:
@@ -192,7 +318,7 @@ def _content_text(content: str | list[TextPart] | None, index: int) -> str:
     if isinstance(content, str):
         return content
     for j, part in enumerate(content):
-        _check(part.type == "text", f"messages[{index}].content[{j}].type", f"content parts of type {part.type!r} are not supported; only 'text'")
+        check(part.type == "text", f"messages[{index}].content[{j}].type", f"content parts of type {part.type!r} are not supported; only 'text'")
     return "".join(part.text for part in content)
 
 
@@ -200,16 +326,16 @@ PromptInput = str | list[int]
 
 
 def validate_completion(body: CompletionRequest, served_model: str, vocab_size: int) -> tuple[Generation, list[PromptInput]]:
-    _check(body.prompt is not None, "prompt", "you must provide a prompt")
+    check(body.prompt is not None, "prompt", "you must provide a prompt")
     generation = validate_sampling(body, served_model, 16 if body.max_tokens is None else body.max_tokens, "max_tokens")
-    _unsupported(body.suffix is None, "suffix", "suffix")
-    _unsupported(body.best_of in (None, 1), "best_of", "best_of other than 1")
+    unsupported(body.suffix is None, "suffix", "suffix")
+    unsupported(body.best_of in (None, 1), "best_of", "best_of other than 1")
     prompts = _prompts(body.prompt)
-    _check(len(prompts) * generation.n <= MAX_CHOICES * 4, "prompt", f"too many choices: {len(prompts)} prompts x n={generation.n}")
+    check(len(prompts) * generation.n <= MAX_CHOICES * 4, "prompt", f"too many choices: {len(prompts)} prompts x n={generation.n}")
     for i, prompt in enumerate(prompts):
-        _check(len(prompt) > 0, "prompt", f"prompt {i} is empty")
+        check(len(prompt) > 0, "prompt", f"prompt {i} is empty")
         if isinstance(prompt, list):
-            _check(all(0 <= t < vocab_size for t in prompt), "prompt", f"prompt {i} has token ids outside the vocabulary [0, {vocab_size})")
+            check(all(0 <= t < vocab_size for t in prompt), "prompt", f"prompt {i} has token ids outside the vocabulary [0, {vocab_size})")
     return generation, prompts
 
 
@@ -217,10 +343,10 @@ def _prompts(prompt: str | list[str | int | list[int]]) -> list[PromptInput]:
     """One prompt (text or token ids) or a batch of them; mixed lists are refused."""
     if isinstance(prompt, str):
         return [prompt]
-    _check(len(prompt) > 0, "prompt", "prompt must not be an empty list")
+    check(len(prompt) > 0, "prompt", "prompt must not be an empty list")
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]  # type: ignore[list-item]
-    _check(
+    check(
         all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt),
         "prompt",
         "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists",

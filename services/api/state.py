@@ -6,7 +6,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.api.engine_client import EngineClient
+from aiohttp import web
+
+from services.api.chat import ChatFormat
+from services.api.engine_client import Engine
 from services.api.templating import PromptBuilder
 from shared.config import StackConfig
 from shared.model_info import ModelInfo
@@ -17,7 +20,9 @@ class ApiState:
     config: StackConfig
     model: ModelInfo
     prompts: PromptBuilder
-    engine: EngineClient
+    engine: Engine
+    chat_format: ChatFormat
+    keepalive_s: float = 10.0  # Anthropic streams send a ping after this long without an event
     started: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -43,4 +48,11 @@ class ApiState:
             "owned_by": "tokenyard",
             "root": self.model.path,
             "max_model_len": self.max_model_len,
+            "context_length": self.max_model_len,
+            "reasoning_efforts": list(self.chat_format.efforts),
+            "tool_call_parser": self.chat_format.tool_parser,
         }
+
+
+API_STATE = web.AppKey("api_state", ApiState)
+"""Where the application keeps its ApiState."""

@@ -4,30 +4,54 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 from services.api.errors import ApiError
 from shared.tokenizer import load_tokenizer
+
+
+class RenderedPrompt(NamedTuple):
+    text: str  # the rendered template (its tail tells whether the template opened a reasoning block)
+    ids: list[int]
 
 
 class PromptBuilder:
     def __init__(self, model_dir: str, threads: int = 2) -> None:
         self.tokenizer = load_tokenizer(model_dir)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
-        self.has_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
+        template = getattr(self.tokenizer, "chat_template", None)
+        if isinstance(template, dict):  # several named templates: the default one
+            template = template.get("default") or next(iter(template.values()), None)
+        self.chat_template: str = template or ""
+        self.has_chat_template = bool(self.chat_template)
 
     async def _run(self, fn, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
-    async def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, continue_final: bool, template_kwargs: dict[str, Any]) -> list[int]:
+    async def chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        continue_final: bool,
+        template_kwargs: dict[str, Any],
+        tools: list[dict[str, Any]] | None = None,
+    ) -> RenderedPrompt:
         if not self.has_chat_template:
             raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
-        return await self._run(self._chat, messages, add_generation_prompt, continue_final, template_kwargs)
+        return await self._run(self._chat, messages, add_generation_prompt, continue_final, template_kwargs, tools)
 
-    def _chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, continue_final: bool, template_kwargs: dict[str, Any]) -> list[int]:
+    def _chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        continue_final: bool,
+        template_kwargs: dict[str, Any],
+        tools: list[dict[str, Any]] | None,
+    ) -> RenderedPrompt:
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
+                tools=tools,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt and not continue_final,
                 continue_final_message=continue_final,
@@ -35,13 +59,20 @@ class PromptBuilder:
             )
         except Exception as exc:  # jinja raise_exception(), a bad kwarg, a role the template refuses
             raise ApiError(400, f"the chat template could not render these messages: {exc}", param="messages") from exc
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return RenderedPrompt(text, self.tokenizer.encode(text, add_special_tokens=False))
 
-    async def encode(self, text: str) -> list[int]:
-        return await self._run(self.tokenizer.encode, text)
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self._run(lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    async def count_tokens(self, text: str) -> int:
+        """Tokens in a piece of output text (no special tokens added), e.g. an answer's reasoning."""
+        return len(await self.encode(text, add_special_tokens=False)) if text else 0
 
     async def decode(self, token_ids: list[int]) -> str:
         return await self._run(self.tokenizer.decode, token_ids)
+
+    async def token_strings(self, token_ids: list[int]) -> list[str]:
+        return await self._run(self.tokenizer.convert_ids_to_tokens, token_ids)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

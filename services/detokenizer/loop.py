@@ -106,6 +106,7 @@ class DetokenizerLoop:
             finish=finish,
             prompt_tokens=tracked.opened.prompt_tokens,
             cached_tokens=tracked.cached_tokens if finish else 0,
+            matched=update.finished_by_stop or "",
         )
 
     def instrumentation(self) -> dict:

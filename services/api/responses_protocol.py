@@ -1,0 +1,243 @@
+"""OpenAI Responses request bodies (stateless), and their validation into a ``Generation`` and a ``ChatTurn``.
+
+Nothing is stored: ``store`` may be false or left out, and whatever needs a stored
+response (``previous_response_id``, ``background``, ``conversation``, item references)
+is refused with a 400 that names the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from services.api.chat import ChatTurn
+from services.api.errors import ApiError
+from services.api.protocol import Generation, check, check_max_tokens, check_model, check_sampling, convert_part, unsupported
+from services.api.reasoning import check_effort
+from services.api.tools import ToolChoice, ToolSpec, check_tools, template_call
+
+
+class _Body(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    pass
+
+
+class ReasoningConfig(_Body):
+    effort: str | None = None
+    summary: str | None = None  # accepted; no summary is generated (the reasoning item carries the full text)
+
+
+class TextFormat(_Body):
+    type: str
+
+
+class TextConfig(_Body):
+    format: TextFormat | None = None
+    verbosity: str | None = None
+
+
+class ResponsesRequest(_Body):
+    model: str | None = None
+    input: str | list[dict[str, Any]] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: ReasoningConfig | None = None
+    stream: bool = False
+    store: bool | None = None
+    previous_response_id: str | None = None
+    background: bool | None = None
+    conversation: str | dict[str, Any] | None = None
+    include: list[str] | None = None
+    metadata: dict[str, str] | None = None
+    text: TextConfig | None = None
+    truncation: str | None = None
+    top_logprobs: int | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # a hint; the prefix cache is automatic
+
+
+class InputText(_Body):
+    type: str
+    text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class MessageItem(_Body):
+    role: str
+    content: str | list[dict[str, Any]]
+    type: str = "message"
+    id: str | None = None
+    status: str | None = None
+    phase: str | None = None
+
+
+class FunctionCallItem(_Body):
+    type: str
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(_Body):
+    type: str
+    call_id: str
+    output: str | list[dict[str, Any]]
+    id: str | None = None
+    status: str | None = None
+
+
+class ReasoningItem(_Body):
+    type: str
+    summary: list[dict[str, Any]] = []
+    content: list[dict[str, Any]] | None = None
+    id: str | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
+class FunctionTool(_Body):
+    type: str
+    name: str
+    parameters: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+_PART_TYPES = {"user": ("input_text",), "system": ("input_text",), "developer": ("input_text",), "assistant": ("output_text", "refusal")}
+
+
+def validate_responses(body: ResponsesRequest, served_model: str, efforts: tuple[str, ...]) -> tuple[Generation, ChatTurn]:
+    check_model(body.model, served_model)
+    check(body.input is not None, "input", "you must provide an input")
+    unsupported(not body.previous_response_id, "previous_response_id", "previous_response_id (this server stores no responses; send the whole conversation)")
+    unsupported(not body.background, "background", "background responses (this server stores no responses)")
+    unsupported(body.store is not True, "store", "store: true (this server stores no responses; send store: false or leave it out)")
+    unsupported(body.conversation is None, "conversation", "conversations (this server stores no responses)")
+    unsupported(not body.include, "include", f"include {body.include}")
+    unsupported(body.top_logprobs is None, "top_logprobs", "top_logprobs")
+    unsupported(body.truncation in (None, "disabled"), "truncation", f"truncation {body.truncation!r}")
+    if body.text is not None:
+        unsupported(body.text.format is None or body.text.format.type == "text", "text.format", "text formats other than 'text'")
+        unsupported(body.text.verbosity is None, "text.verbosity", "text.verbosity")
+    check_max_tokens(body.max_output_tokens, "max_output_tokens")
+    generation = Generation(
+        model=served_model,
+        n=1,
+        stream=body.stream,
+        include_usage=False,
+        max_tokens=body.max_output_tokens,
+        sampling=check_sampling(body.temperature, body.top_p, None),
+        max_tokens_param="max_output_tokens",
+    )
+    tools = [_tool(tool, i) for i, tool in enumerate(body.tools or [])]
+    choice = _tool_choice(body.tool_choice, bool(tools), body.parallel_tool_calls)
+    check_tools(tools, choice, "tools", "tool_choice")
+    messages = _input_messages(body.input)  # type: ignore[arg-type]
+    if body.instructions:
+        messages.insert(0, {"role": "system", "content": body.instructions})
+    check(bool(messages), "input", "input must not be empty")
+    effort = check_effort(body.reasoning.effort if body.reasoning else None, efforts, "reasoning.effort")
+    return generation, ChatTurn(messages=messages, tools=tools, tool_choice=choice, effort=effort)
+
+
+def _tool(raw: dict[str, Any], index: int) -> ToolSpec:
+    where = f"tools[{index}]"
+    check(raw.get("type") == "function", f"{where}.type", f"tools of type {raw.get('type')!r} are not supported; only 'function'")
+    tool: FunctionTool = convert_part(raw, FunctionTool, where)
+    unsupported(not tool.strict, f"{where}.strict", "strict function schemas (they need constrained decoding); send strict: false")
+    return ToolSpec(tool.name, tool.description or "", tool.parameters)
+
+
+def _tool_choice(raw: str | dict[str, Any] | None, has_tools: bool, parallel: bool | None) -> ToolChoice:
+    parallel = True if parallel is None else parallel
+    if raw is None:
+        return ToolChoice("auto" if has_tools else "none", parallel=parallel)
+    if isinstance(raw, dict):
+        check(
+            raw.get("type") == "function" and isinstance(raw.get("name"), str),
+            "tool_choice",
+            'tool_choice must name a function: {"type": "function", "name": ...}',
+        )
+        check(set(raw) <= {"type", "name"}, "tool_choice", f"unknown fields in tool_choice: {sorted(set(raw) - {'type', 'name'})}")
+        return ToolChoice("named", raw["name"], parallel)
+    check(raw in ("none", "auto", "required"), "tool_choice", f"tool_choice must be 'none', 'auto', 'required' or a named function, got {raw!r}")
+    return ToolChoice(raw, parallel=parallel)  # type: ignore[arg-type]
+
+
+def tool_choice_echo(choice: ToolChoice) -> str | dict[str, str]:
+    return {"type": "function", "name": choice.name} if choice.mode == "named" else choice.mode
+
+
+def _input_messages(raw: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Input items as chat-template messages; calls join the assistant turn before them, reasoning the one after."""
+    if isinstance(raw, str):
+        return [{"role": "user", "content": raw}]
+    messages: list[dict[str, Any]] = []
+    reasoning: list[str] = []
+    for i, item in enumerate(raw):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise ApiError(400, f"{where} must be an object", param=where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            message: MessageItem = convert_part(item, MessageItem, where)
+            messages.append(_message(message, where, reasoning))
+            reasoning = []
+        elif kind == "function_call":
+            call: FunctionCallItem = convert_part(item, FunctionCallItem, where)
+            entry = template_call(call.call_id, call.name, call.arguments)
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(entry)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [entry]} | _reasoning(reasoning))
+                reasoning = []
+        elif kind == "function_call_output":
+            output: FunctionCallOutputItem = convert_part(item, FunctionCallOutputItem, where)
+            text = output.output if isinstance(output.output, str) else _parts_text(output.output, ("input_text",), f"{where}.output")
+            messages.append({"role": "tool", "tool_call_id": output.call_id, "content": text})
+        elif kind == "reasoning":
+            item_reasoning: ReasoningItem = convert_part(item, ReasoningItem, where)
+            unsupported(item_reasoning.encrypted_content is None, f"{where}.encrypted_content", "encrypted reasoning")
+            parts = item_reasoning.content or item_reasoning.summary
+            reasoning.append("".join(str(p.get("text", "")) for p in parts))
+        else:
+            raise ApiError(
+                400, f"input items of type {kind!r} are not supported; use message, function_call, function_call_output or reasoning", param=f"{where}.type"
+            )
+    return messages
+
+
+def _reasoning(parts: list[str]) -> dict[str, str]:
+    return {"reasoning_content": "\n".join(parts)} if parts else {}
+
+
+def _message(message: MessageItem, where: str, reasoning: list[str]) -> dict[str, Any]:
+    check(message.role in _PART_TYPES, f"{where}.role", f"unknown role {message.role!r}; expected user, system, developer or assistant")
+    content = message.content if isinstance(message.content, str) else _parts_text(message.content, _PART_TYPES[message.role], f"{where}.content")
+    out = {"role": "system" if message.role == "developer" else message.role, "content": content}
+    if message.role == "assistant":
+        out |= _reasoning(reasoning)
+    return out
+
+
+def _parts_text(parts: list[dict[str, Any]], accepted: tuple[str, ...], where: str) -> str:
+    texts = []
+    for j, raw in enumerate(parts):
+        kind = raw.get("type") if isinstance(raw, dict) else None
+        check(kind in accepted, f"{where}[{j}].type", f"content parts of type {kind!r} are not supported here; expected {' or '.join(accepted)}")
+        if kind == "refusal":
+            texts.append(str(raw.get("refusal", "")))
+            continue
+        part: InputText = convert_part(raw, InputText, f"{where}[{j}]")
+        texts.append(part.text)
+    return "".join(texts)

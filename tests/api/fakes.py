@@ -1,0 +1,90 @@
+"""A scripted engine for the api's tests: each request is answered with the text pieces a test queued."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from services.api.errors import ApiError
+from shared.frames import EngineStatus, Submit, TextDelta
+
+
+class MatchedDelta(TextDelta):
+    """A finishing delta that names the stop string, as ``TextDelta.matched`` will once the frame has it."""
+
+    matched: str = ""
+
+
+@dataclass
+class Script:
+    pieces: list[str]
+    finish: str = "stop"
+    matched: str = ""
+    cached_tokens: int = 0
+    delay_s: float = 0.0  # before each piece
+    error: ApiError | None = None  # raised after the pieces instead of finishing
+
+
+@dataclass
+class ScriptedEngine:
+    """Implements ``services.api.engine_client.Engine``; answers requests in order with the queued scripts."""
+
+    scripts: list[Script] = field(default_factory=list)
+    submits: list[Submit] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    status: EngineStatus = field(default_factory=lambda: EngineStatus(state="ready", detail="scripted"))
+    streams: dict = field(default_factory=dict)
+
+    def script(self, *pieces: str, **options) -> ScriptedEngine:
+        self.scripts.append(Script(list(pieces), **options))
+        return self
+
+    @property
+    def ready(self) -> bool:
+        return self.status.state == "ready"
+
+    def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    def describe_state(self) -> tuple[str, str]:
+        return self.status.state, self.status.detail
+
+    def addresses(self) -> dict[str, str]:
+        return {"inbox": "scripted://"}
+
+    async def generate(self, submit: Submit) -> AsyncIterator[TextDelta]:
+        if not self.ready:
+            raise ApiError(503, "the engine is not ready (scripted)", headers={"Retry-After": "1"})
+        self.submits.append(submit)
+        script = self.scripts.pop(0) if self.scripts else Script(["Hello", " world"])
+        finished = False
+        try:
+            for i, piece in enumerate(script.pieces):
+                if script.delay_s:
+                    await asyncio.sleep(script.delay_s)
+                last = i == len(script.pieces) - 1 and script.error is None
+                tokens = min(i + 1, submit.max_tokens)
+                if last:
+                    finished = True
+                    finish = "length" if script.finish == "length" else script.finish
+                    yield MatchedDelta(
+                        rid=submit.rid,
+                        text=piece,
+                        completion_tokens=tokens,
+                        finish=finish,
+                        prompt_tokens=len(submit.prompt_ids),
+                        cached_tokens=script.cached_tokens,
+                        matched=script.matched,
+                    )
+                else:
+                    yield TextDelta(rid=submit.rid, text=piece, completion_tokens=tokens, prompt_tokens=len(submit.prompt_ids))
+            if script.error is not None:
+                finished = True
+                raise script.error
+        finally:
+            if not finished:
+                self.aborted.append(submit.rid)

@@ -1,0 +1,202 @@
+"""Chat completions around a scripted engine, through the openai SDK: reasoning, tool calls, tool choice, usage."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from tests.api.conftest import Api
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": "Weather now", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}}}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+async def test_reasoning_is_split_from_content_streamed_or_not(qwen: Api) -> None:
+    pieces = ("<thi", "nk>\nThe capital", " is Paris.</th", "ink>\n\nParis.")
+    client = qwen.openai()
+    qwen.engine.script(*pieces)
+    reply = await client.chat.completions.create(model=qwen.model, messages=ASK)
+    message = reply.choices[0].message
+    assert message.content == "Paris." and message.reasoning_content == "The capital is Paris."  # type: ignore[attr-defined]
+    assert reply.usage.completion_tokens_details.reasoning_tokens == 5  # "The capital is Paris." in SmolLM2's tokenizer
+    qwen.engine.script(*pieces)
+    chunks = [c async for c in await client.chat.completions.create(model=qwen.model, messages=ASK, stream=True)]
+    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert (reasoning, content) == ("The capital is Paris.", "Paris.")
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+async def test_reasoning_effort_reaches_the_template(qwen: Api) -> None:
+    client = qwen.openai()
+    await client.chat.completions.create(model=qwen.model, messages=ASK, reasoning_effort="high")
+    assert qwen.prompt().startswith("[effort=high]")
+    await client.chat.completions.create(model=qwen.model, messages=ASK, reasoning_effort="none")
+    assert qwen.prompt().endswith("<think>\n\n</think>\n\n")
+    # explicit chat_template_kwargs win over the effort
+    await client.chat.completions.create(
+        model=qwen.model, messages=ASK, reasoning_effort="none", extra_body={"chat_template_kwargs": {"enable_thinking": True}}
+    )
+    assert qwen.prompt().endswith("<|im_start|>assistant\n")
+    with pytest.raises(openai.BadRequestError) as error:
+        await client.chat.completions.create(model=qwen.model, messages=ASK, reasoning_effort="extreme")  # type: ignore[arg-type]
+    assert error.value.body["param"] == "reasoning_effort"
+
+
+async def test_reasoning_opened_by_the_template_and_never_closed(qwen: Api) -> None:
+    client = qwen.openai()
+    qwen.engine.script("The user ", "asks.</think>", "Answer.")
+    reply = await client.chat.completions.create(model=qwen.model, messages=ASK, extra_body={"chat_template_kwargs": {"open_think": True}})
+    assert qwen.prompt().endswith("<think>\n")
+    assert (reply.choices[0].message.reasoning_content, reply.choices[0].message.content) == ("The user asks.", "Answer.")  # type: ignore[attr-defined]
+    qwen.engine.script("<think>Long thoughts", " cut short", finish="length")
+    reply = await client.chat.completions.create(model=qwen.model, messages=ASK, max_tokens=2)
+    assert reply.choices[0].message.reasoning_content == "Long thoughts cut short" and reply.choices[0].message.content == ""  # type: ignore[attr-defined]
+    assert reply.choices[0].finish_reason == "length"
+
+
+async def test_tool_call_answer_and_tools_in_the_prompt(qwen: Api) -> None:
+    qwen.engine.script("<think>Need weather.</think>\n\n", CALL)
+    reply = await qwen.openai().chat.completions.create(model=qwen.model, messages=ASK, tools=[WEATHER, TIME])
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    prompt = qwen.prompt()
+    assert '"name": "get_weather"' in prompt and '"name": "get_time"' in prompt and "<tools>" in prompt
+
+
+async def test_streamed_tool_call_sends_id_and_name_first(qwen: Api) -> None:
+    qwen.engine.script("Checking.", "\n<tool_", 'call>\n{"name": "get_weather", "argu', 'ments": {"city": "Paris"}}\n</tool_call>', "\n")
+    stream = await qwen.openai().chat.completions.create(model=qwen.model, messages=ASK, tools=[WEATHER], stream=True)
+    chunks = [c async for c in stream]
+    calls = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert calls[0].id and calls[0].function.name == "get_weather" and calls[0].function.arguments == ""
+    assert all(d.id is None and d.function.name is None for d in calls[1:])
+    assert json.loads("".join(d.function.arguments for d in calls)) == {"city": "Paris"}
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Checking."
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
+
+
+async def test_earlier_calls_and_tool_results_reach_the_template(qwen: Api) -> None:
+    messages = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "22 C, sunny"},
+    ]
+    qwen.engine.script("It is 22 C and sunny.")
+    reply = await qwen.openai().chat.completions.create(model=qwen.model, messages=messages, tools=[WEATHER])
+    assert reply.choices[0].message.content == "It is 22 C and sunny." and reply.choices[0].finish_reason == "stop"
+    prompt = qwen.prompt()
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert "<tool_response>\n22 C, sunny\n</tool_response>" in prompt
+
+
+async def test_tool_choice_modes(qwen: Api) -> None:
+    client = qwen.openai()
+    qwen.engine.script("I would rather not.")
+    reply = await client.chat.completions.create(model=qwen.model, messages=ASK, tools=[WEATHER, TIME], tool_choice="required")
+    assert "You must answer by calling one or more of the provided tools." in qwen.prompt()
+    assert reply.choices[0].finish_reason == "stop" and reply.choices[0].message.content == "I would rather not."  # no call: returned as it came
+    await client.chat.completions.create(
+        model=qwen.model, messages=ASK, tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}}
+    )
+    assert "calling the tool `get_time`" in qwen.prompt() and '"name": "get_weather"' not in qwen.prompt()
+    qwen.engine.script(CALL)
+    reply = await client.chat.completions.create(model=qwen.model, messages=ASK, tools=[WEATHER], tool_choice="none")
+    assert "<tools>" not in qwen.prompt() and reply.choices[0].message.content == CALL and reply.choices[0].finish_reason == "stop"
+    qwen.engine.script(CALL + "\n" + CALL.replace("Paris", "Rome"))
+    reply = await client.chat.completions.create(model=qwen.model, messages=ASK, tools=[WEATHER], parallel_tool_calls=False)
+    assert [json.loads(c.function.arguments)["city"] for c in reply.choices[0].message.tool_calls] == ["Paris"]
+
+
+async def test_malformed_call_is_plain_content(qwen: Api) -> None:
+    broken = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"\n</tool_call>'
+    qwen.engine.script(broken)
+    reply = await qwen.openai().chat.completions.create(model=qwen.model, messages=ASK, tools=[WEATHER])
+    assert reply.choices[0].message.content == broken and not reply.choices[0].message.tool_calls and reply.choices[0].finish_reason == "stop"
+
+
+async def test_template_without_tools_gets_the_hermes_prompt(smol: Api) -> None:
+    smol.engine.script(CALL)
+    messages = [
+        *ASK,
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+    ]
+    messages.append({"role": "tool", "tool_call_id": "c1", "content": "rain"})
+    reply = await smol.openai().chat.completions.create(model=smol.model, messages=messages, tools=[WEATHER])
+    assert reply.choices[0].message.tool_calls[0].function.name == "get_weather"
+    prompt = smol.prompt()
+    assert "<tools>" in prompt and '"name": "get_weather"' in prompt
+    assert "<tool_response>\nrain\n</tool_response>" in prompt and '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>' in prompt
+
+
+async def test_models_list_context_and_efforts(qwen: Api, smol: Api) -> None:
+    (card,) = (await qwen.openai().models.list()).data
+    assert card.context_length == card.max_model_len > 0  # type: ignore[attr-defined]
+    assert card.reasoning_efforts == ["none", "minimal", "low", "medium", "high", "xhigh", "max"]  # type: ignore[attr-defined]
+    (card,) = (await smol.openai().models.list()).data
+    assert card.reasoning_efforts == ["none"]  # type: ignore[attr-defined]
+    with pytest.raises(openai.BadRequestError) as error:
+        await smol.openai().chat.completions.create(model=smol.model, messages=ASK, reasoning_effort="high")
+    assert error.value.body["param"] == "reasoning_effort" and "does not reason" in error.value.body["message"]
+
+
+async def test_refusals_name_the_field(qwen: Api) -> None:
+    base = {"model": qwen.model, "messages": ASK}
+    cases = [
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [{**WEATHER, "function": {**WEATHER["function"], "strict": True}}]}, "tools[0].function.strict"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "code_interpreter", "function": {"name": "x"}}]}, "tools[0].type"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"logit_bias": {"1": 2.0}}, "logit_bias"),
+        ({"logprobs": True}, "logprobs"),
+    ]
+    for extra, param in cases:
+        status, body = await qwen.post("/v1/chat/completions", {**base, **extra})
+        assert status == 400 and body["error"]["param"] == param, (extra, body)
+
+
+async def test_continuous_usage_on_every_chunk(smol: Api) -> None:
+    smol.engine.script("a", "b", "c")
+    stream = await smol.openai().chat.completions.create(
+        model=smol.model,
+        messages=ASK,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+    )
+    chunks = [c async for c in stream]
+    assert all(c.usage is not None for c in chunks)
+    assert [c.usage.completion_tokens for c in chunks] == [0, 1, 2, 3, 3, 3]  # role, a, b, c, finish, the closing usage chunk
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens_details.reasoning_tokens == 0
+    smol.engine.script("a", "b")
+    stream = await smol.openai().completions.create(
+        model=smol.model,
+        prompt="x",
+        stream=True,
+        stream_options={"continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+    )
+    assert [c.usage.completion_tokens async for c in stream] == [1, 2, 2]
+
+
+async def test_each_choice_has_its_own_parser(qwen: Api) -> None:
+    qwen.engine.script(CALL).script("No call.")
+    reply = await qwen.openai().chat.completions.create(model=qwen.model, messages=ASK, tools=[WEATHER], n=2)
+    finishes = sorted((c.finish_reason, bool(c.message.tool_calls)) for c in reply.choices)
+    assert finishes == [("stop", False), ("tool_calls", True)]
