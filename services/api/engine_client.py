@@ -111,26 +111,28 @@ class EngineClient:
             raise ApiError(503, f"the engine is not ready ({state}: {detail})", headers={"Retry-After": "1"})
         queue: asyncio.Queue[TextDelta | ApiError] = asyncio.Queue()
         self.streams[submit.rid] = queue
-        finished = False
+        outcome = "aborted"  # unless a finishing delta or an error arrives
+        log.info("request_submitted", rid=submit.rid, prompt_tokens=len(submit.prompt_ids), max_tokens=submit.max_tokens)
         try:
             self.to_scheduler.send(submit)
             while True:
                 item = await queue.get()
                 if isinstance(item, ApiError):
-                    finished = True
+                    outcome = f"error {item.status}"
                     raise item
                 if item.finish in _FAILED:
-                    finished = True
+                    outcome = f"error {_FAILED[item.finish][0]}"
                     raise ApiError(*_FAILED[item.finish])
                 if item.finish:
-                    finished = True
+                    outcome = item.finish
                 yield item
-                if finished:
+                if item.finish:
                     return
         finally:
             self.streams.pop(submit.rid, None)
-            if not finished:
+            if outcome == "aborted":
                 self.to_scheduler.send(Abort(rid=submit.rid))
+            log.info("request_ended", rid=submit.rid, outcome=outcome)
 
     # Receiving. ------------------------------------------------------------------------
 

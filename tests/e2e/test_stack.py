@@ -166,3 +166,19 @@ def test_every_process_exports_metrics(stack: Stack) -> None:
     assert "tokenyard:step_tokens_bucket" in stack.metrics("scheduler")
     assert "tokenyard:worker_forward_seconds_bucket" in stack.metrics("worker")
     assert "tokenyard:detokenize_batch_seconds_bucket" in stack.metrics("detokenizer")
+
+
+def test_one_request_can_be_followed_through_every_process_log(stack: Stack, client: openai.OpenAI) -> None:
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say something about logs."}], max_tokens=4, temperature=0)
+    time.sleep(0.5)  # let every process flush its last lines
+    events = []
+    for line in stack.log().splitlines():
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            continue  # the launcher's own plain lines
+    submitted = [e["rid"] for e in events if e.get("process") == "api" and e.get("event") == "request_submitted"]
+    assert submitted, "the api logs no request_submitted events"
+    rid = submitted[-1]
+    seen = {e["process"] for e in events if e.get("rid") == rid or rid in e.get("rids", [])}
+    assert seen == {"api", "scheduler", "worker", "detokenizer"}, seen
