@@ -8,6 +8,7 @@ run as one batched GEMM (``bmm`` gives each core its own slice); many-row steps 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 SPLIT_MAX_ROWS = 8  # measured: the split wins up to 8 rows, plain GEMM beyond
 
@@ -17,17 +18,29 @@ def _slices(size: int, threads: int) -> int:
 
 
 class Linear:
-    """``x @ weight.T (+ bias) (+ residual)``, stored transposed ([in, out]) and split along ``in``:
-    the slices' partial products are summed."""
+    """``x @ weight.T (+ bias) (+ residual)``.
+
+    fp32: stored transposed ([in, out]) and, for steps of few rows, split along ``in`` (the
+    slices' partial products are summed). bf16/fp16: kept as [out, in] for oneDNN, whose
+    AMX/AVX-512 kernels are fast at every row count, while its bf16 ``bmm`` is not.
+    """
 
     def __init__(self, weight: torch.Tensor, threads: int, bias: torch.Tensor | None = None) -> None:
         out_features, in_features = weight.shape
-        self.weight, self.bias = weight.t().contiguous(), bias
+        self.bias = bias
+        self.split = weight.dtype == torch.float32
+        if not self.split:
+            self.weight, self.slices = weight.contiguous(), 1
+            return
+        self.weight = weight.t().contiguous()
         self.slices = _slices(in_features, threads)
         self._sliced = self.weight.view(self.slices, in_features // self.slices, out_features)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
+        if not self.split:
+            out = F.linear(x, self.weight, self.bias)
+            return out if residual is None else out.add_(residual)
         if rows > SPLIT_MAX_ROWS or self.slices == 1:
             out = x @ self.weight if residual is None else torch.addmm(residual, x, self.weight)
         else:
@@ -45,12 +58,12 @@ class RowSplitLinear:
     def __init__(self, weight: torch.Tensor, threads: int) -> None:
         out_features, in_features = weight.shape
         self.weight = weight
-        self.slices = _slices(out_features, threads)
+        self.slices = _slices(out_features, threads) if weight.dtype == torch.float32 else 1
         self._sliced_t = weight.view(self.slices, out_features // self.slices, in_features).transpose(1, 2)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if rows > SPLIT_MAX_ROWS or self.slices == 1:
-            return x @ self.weight.t()
+            return F.linear(x, self.weight)
         out = torch.bmm(x.expand(self.slices, *x.shape), self._sliced_t)  # [slices, rows, out / slices]
         return out.transpose(0, 1).reshape(rows, -1)
