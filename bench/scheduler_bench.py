@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 
 import aiohttp
 
-from bench.stack_client import percentile, running_stack, served_model, stream_chat
+from bench.stack_client import percentile, running_stack, served_model, stream_chat, write_results
 from shared.config import DEFAULT_MODEL_DIR
 
 SYSTEM = " ".join(f"Rule {i}: always answer politely, precisely and briefly, citing the relevant rule number." for i in range(40))
@@ -99,10 +97,7 @@ def main() -> None:
     print(
         f"ITL p99 of running streams while long prompts arrive: chunked {c['itl_p99_ms']:.0f} ms vs unchunked {u['itl_p99_ms']:.0f} ms (max {c['itl_max_ms']:.0f} vs {u['itl_max_ms']:.0f} ms)"
     )
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"wrote {args.out}")
+    write_results(args.out, results)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import urllib.request
 import aiohttp
 
 from bench.inprocess_engine import InProcessEngine
-from bench.stack_client import percentile, running_stack, served_model, stream_chat
+from bench.stack_client import percentile, running_stack, served_model, stream_chat, write_results
 from services.scheduler.core import Scheduler
 from services.scheduler.kv_blocks import BlockPool
 from shared.config import DEFAULT_MODEL_DIR
@@ -42,32 +42,6 @@ PROMPTS = [
     "Summarize the plot of a detective novel you invent.",
     "Give advice to someone learning to cook for the first time.",
 ]
-
-
-async def _one_stream(session: aiohttp.ClientSession, url: str, model: str, prompt: str, output_tokens: int) -> dict:
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": output_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    started = time.perf_counter()
-    stamps: list[float] = []
-    usage = None
-    async with session.post(f"{url}/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.content:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                stamps.append(time.perf_counter())
-    return {"start": started, "stamps": stamps, "end": time.perf_counter(), "completion_tokens": usage["completion_tokens"] if usage else 0}
 
 
 async def _stack_run(url: str, model: str, concurrency: int, output_tokens: int) -> dict:
@@ -181,10 +155,7 @@ def main() -> None:
     if results["rss_mb_idle"]:
         print("RSS idle after load (MB):", results["rss_mb_idle"])
         print(f"RSS peak under {args.concurrency} streams (MB):", results["rss_mb_peak_under_load"])
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"wrote {args.out}")
+    write_results(args.out, results)
 
 
 if __name__ == "__main__":
