@@ -29,7 +29,7 @@ from bench.inprocess_engine import InProcessEngine
 from bench.stack_client import percentile, running_stack, served_model, stream_chat, write_results
 from services.scheduler.core import Scheduler
 from services.scheduler.kv_blocks import BlockPool
-from shared.config import DEFAULT_MODEL_DIR
+from shared.config import DEFAULT_MODEL_DIR, StackConfig
 from shared.frames import SamplingParams, Submit
 
 PROMPTS = [
@@ -121,11 +121,16 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--out", default="bench/results/stack_throughput.json")
+    parser.add_argument("--stack-flag", action="append", default=[], help="a flag for the started stack, e.g. --stack-flag=--dtype=bfloat16")
     args = parser.parse_args()
 
-    results: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}, "output_tokens": args.output_tokens}
+    results: dict = {
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+        "output_tokens": args.output_tokens,
+        "stack_flags": args.stack_flag,
+    }
     with contextlib.ExitStack() as stack:
-        url = args.url or stack.enter_context(running_stack(args.model))
+        url = args.url or stack.enter_context(running_stack(args.model, *args.stack_flag))
         model_id = served_model(url)
         pids = _pids(url)
         results["rss_mb_idle"] = {name: round(_rss_mb(pid), 1) for name, pid in pids.items()}
@@ -134,10 +139,15 @@ def main() -> None:
         results[f"stack_{args.concurrency}"] = asyncio.run(_stack_run(url, model_id, args.concurrency, args.output_tokens))
         results["rss_mb_peak_under_load"] = peak.stop()
 
+    import torch
+
     from services.worker.runner import ModelRunner  # torch: imported only for the in-process half
     from shared.tokenizer import load_tokenizer
 
-    runner = ModelRunner(args.model, num_blocks=1024, block_size=16)
+    stack_config = StackConfig.from_argv(["--model", args.model, *args.stack_flag])  # the in-process run mirrors the stack's settings
+    if stack_config.num_threads:
+        torch.set_num_threads(stack_config.num_threads)
+    runner = ModelRunner(args.model, num_blocks=1024, block_size=stack_config.block_size, dtype=stack_config.dtype)
     runner.warmup()
     tokenizer = load_tokenizer(args.model)
     results["worker_1"] = _in_process_run(1, args.output_tokens, runner, tokenizer)
