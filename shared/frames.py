@@ -157,9 +157,14 @@ class Heartbeat(_Frame):
 
 
 class EngineStatus(_Frame):
-    """The scheduler's periodic summary for the api: readiness and load."""
+    """The scheduler's periodic summary for the api: readiness and load.
+
+    ``boot`` identifies the scheduler's incarnation: when it changes, requests the api still
+    waits on were lost with the previous one.
+    """
 
     state: str
+    boot: str = ""
     detail: str = ""
     running: int = 0
     waiting: int = 0

@@ -18,8 +18,13 @@ def setup_logging(process: str, level: str = "info", fmt: str = "auto") -> struc
     logging.basicConfig(format="%(message)s", stream=sys.stderr, level=level.upper())
     json_lines = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
     renderer = structlog.processors.JSONRenderer() if json_lines else structlog.dev.ConsoleRenderer(colors=False)
+    def add_process(logger: object, method: str, event: dict) -> dict:
+        event.setdefault("process", process)  # on every line, from any module-level logger too
+        return event
+
     structlog.configure(
         processors=[
+            add_process,
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -30,4 +35,4 @@ def setup_logging(process: str, level: str = "info", fmt: str = "auto") -> struc
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )
-    return structlog.get_logger().bind(process=process)
+    return structlog.get_logger()

@@ -147,6 +147,9 @@ class EngineClient:
             elif isinstance(frame, EngineStatus):
                 if frame.state != self.status.state:
                     log.info("engine_state", state=frame.state, detail=frame.detail)
+                if self.status.boot and frame.boot != self.status.boot and self.streams:
+                    log.error("scheduler_restarted", in_flight=len(self.streams))
+                    self._fail(Error(rid="", status=503, message="the scheduler restarted and lost this request; retry it"))
                 self.status, self.status_seen = frame, time.monotonic()
             elif isinstance(frame, Error):
                 self._fail(frame)

@@ -83,6 +83,7 @@ class SchedulerLoop:
         self.in_flight: dict[int, tuple[float, list[str]]] = {}  # step -> (sent at, rids planned in it)
         self.next_step = 0
         self.stopping = False
+        self.boot = f"{os.getpid()}-{time.time_ns()}"
         KV_BLOCKS_TOTAL.set(num_blocks)
 
     # Readiness. ------------------------------------------------------------------------
@@ -111,6 +112,7 @@ class SchedulerLoop:
             detail = f"waiting for {', '.join(waiting_on)}; worker {worker.state} {worker.detail}".strip()
         return EngineStatus(
             state=state,
+            boot=self.boot,
             detail=detail,
             running=len(self.core.running),
             waiting=len(self.core.waiting),
