@@ -169,15 +169,18 @@ class WorkerLoop:
         return (200 if self.state == "ready" else 503), {"state": self.state, "detail": self.detail, "progress": round(self.progress, 3)}
 
 
+WARMUP_MAX_TOKENS = 2048  # past this a prefill's one-off costs are lost in its own run time
+
+
 def warmup_lengths(budget: int, capacity: int) -> list[int]:
     """Short lengths, then powers of two and their neighbours, up to the step budget (and the KV capacity)."""
-    lengths = {1, 2, 3, 4, 5, 6, 7}
+    limit = min(budget, capacity - 1, WARMUP_MAX_TOKENS)
+    lengths = {1, 2, 3, 4, 5, 6, 7, limit}
     power = 8
-    while power <= budget:
+    while power <= limit:
         lengths |= {power - 1, power, power + 1}
         power *= 2
-    lengths.add(budget)
-    return sorted(n for n in lengths if n <= min(budget, capacity - 1))
+    return sorted(n for n in lengths if n <= limit)
 
 
 def read_ahead(model_dir: str) -> None:

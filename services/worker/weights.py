@@ -36,5 +36,7 @@ def load_weights(model_dir: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         for name, tensor in load_file(path).items():
             if name in weights:
                 raise ValueError(f"tensor {name!r} appears in more than one shard of {model_dir}")
-            weights[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+            # An owned copy: a tensor still backed by the file's mapping would keep every page of
+            # the file resident beside the layouts the model builds from it.
+            weights[name] = tensor.to(dtype, copy=True) if tensor.is_floating_point() else tensor.clone()
     return weights
