@@ -43,6 +43,18 @@ def metric_value(text: str, name: str) -> float:
     raise KeyError(name)
 
 
+def wait_until_quiescent(stack: Stack, timeout: float) -> str:
+    """Waits until the scheduler holds no KV block and runs no request; returns its last /metrics text."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = stack.metrics("scheduler")
+        if metric_value(text, "tokenyard:kv_blocks_used") == 0 and metric_value(text, "tokenyard:num_requests_running") == 0:
+            return text
+        if time.monotonic() > deadline:
+            pytest.fail(f"the scheduler still holds KV blocks or requests after {timeout:g}s")
+        time.sleep(0.1)
+
+
 @dataclass
 class Stack:
     port: int

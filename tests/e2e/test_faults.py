@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from bench.stack_client import free_port_block
-from tests.e2e.conftest import ROOT, Stack, http_get, metric_value
+from tests.e2e.conftest import ROOT, Stack, http_get, metric_value, wait_until_quiescent
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -90,11 +90,4 @@ def test_killed_process_fails_streams_then_the_stack_serves_again(fresh_stack: S
     wait_healthy(stack, 240)
     reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=16, temperature=0)
     assert "Paris" in reply.choices[0].message.content
-    deadline = time.monotonic() + 3
-    while time.monotonic() < deadline:  # gauges are also refreshed periodically
-        text = stack.metrics("scheduler")
-        if metric_value(text, "tokenyard:kv_blocks_used") == 0 and metric_value(text, "tokenyard:num_requests_running") == 0:
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail("KV blocks or requests are still held at quiescence")
+    wait_until_quiescent(stack, 3)

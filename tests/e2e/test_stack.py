@@ -10,7 +10,7 @@ import openai
 import pytest
 import zmq
 
-from tests.e2e.conftest import Stack, http_get, http_post, metric_value
+from tests.e2e.conftest import Stack, http_get, http_post, metric_value, wait_until_quiescent
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -136,14 +136,7 @@ def test_client_disconnect_frees_kv_blocks(stack: Stack, client: openai.OpenAI) 
         pass
     assert metric_value(stack.metrics("scheduler"), "tokenyard:kv_blocks_used") > 0
     stream.close()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        text = stack.metrics("scheduler")
-        if metric_value(text, "tokenyard:kv_blocks_used") == 0 and metric_value(text, "tokenyard:num_requests_running") == 0:
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail("the aborted request still holds KV blocks")
+    text = wait_until_quiescent(stack, 10)
     assert metric_value(text, 'tokenyard:scheduler_requests_finished_total{finished_reason="abort"}') >= 1
 
 
