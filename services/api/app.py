@@ -38,8 +38,9 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         response = await handler(request)
     except ApiError as exc:
         response = exc.response(anthropic)
-    except web.HTTPRequestEntityTooLarge as exc:
-        response = ApiError(413, f"the request body is larger than the limit of {exc.max_size} bytes", code="request_too_large").response(anthropic)
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[API_STATE].config.max_body_bytes
+        response = ApiError(413, f"the request body is larger than the limit of {limit} bytes", code="request_too_large").response(anthropic)
     except web.HTTPException as exc:
         response = ApiError(exc.status, exc.reason or "error").response(anthropic)
     except (asyncio.CancelledError, ConnectionResetError):
