@@ -78,6 +78,8 @@ class WorkerLoop:
         loaded = time.perf_counter()
         self.state = "warming"
         self.warm_up()
+        if self.stopping:
+            return
         self.log.info("worker_ready", load_s=round(loaded - started, 2), warmup_s=round(time.perf_counter() - loaded, 2), kv_blocks=self.num_blocks)
         self.state, self.detail, self.progress = "ready", "", 1.0
         PROCESS_UP.labels("worker").set(1)
@@ -91,6 +93,8 @@ class WorkerLoop:
         block_size = self.config.block_size
         try:
             for i, length in enumerate(ladder):
+                if self.stopping:  # SIGTERM during warm-up: stop now rather than when the ladder ends
+                    return
                 self.detail, self.progress = f"warm-up prefill {i + 1}/{len(ladder)} ({length} tokens)", i / len(ladder)
                 blocks = list(range(-(-(length + 1) // block_size)))
                 first = Slice(rid="warmup", start=0, num_tokens=length, token_ids=[0] * length, new_blocks=blocks, sampling=SamplingParams(temperature=0))
