@@ -19,7 +19,7 @@ from aiohttp import web
 
 from services.api.anthropic_protocol import CountTokensRequest, MessagesRequest, turn_of, validate_messages
 from services.api.errors import ApiError
-from services.api.generation import build_submits, context_limit, engine_run, parsed_stream, stop_matched
+from services.api.generation import chat_submits, engine_run, parsed_stream
 from services.api.output_parsing import Event, OutputParser, Reasoning, ToolCall
 from services.api.protocol import check_model, read_body
 from services.api.sse import EventWriter, with_keepalive
@@ -83,7 +83,7 @@ def stop_reason(delta: TextDelta, made_calls: bool) -> tuple[str, str | None]:
         return "max_tokens", None
     if made_calls:
         return "tool_use", None
-    matched = stop_matched(delta)
+    matched = delta.matched
     return ("stop_sequence", matched) if matched else ("end_turn", None)
 
 
@@ -106,9 +106,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     state = request.app[API_STATE]
     body: MessagesRequest = await read_body(request, MessagesRequest)
     generation, turn = validate_messages(body, state.model_id, state.chat_format.efforts)
-    prompt = await state.chat_format.render(state.prompts, turn)
-    max_tokens = context_limit(len(prompt.ids), generation, state.max_model_len, "messages")
-    submits = build_submits(generation, [prompt.ids], [max_tokens], state.eos_token_ids, state.config.api_replica)
+    prompt, submits = await chat_submits(state, turn, generation, "messages")
     parser = state.chat_format.parser(turn, prompt, id_prefix="toolu_")
     show_thinking = not (body.thinking and body.thinking.display == "omitted")
     message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": state.model_id}

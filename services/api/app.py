@@ -118,9 +118,7 @@ def create_app(config: StackConfig, engine_factory: Callable[[StackConfig], Engi
     async def on_startup(app: web.Application) -> None:
         prompts = PromptBuilder(config.model)
         # tool_call_parser / reasoning_parser: "" chooses by chat template and model family (see services.api.chat).
-        chat_format = ChatFormat.for_model(
-            model.family, prompts.chat_template, config.tool_call_parser, config.reasoning_parser
-        )
+        chat_format = ChatFormat.for_model(model.family, prompts.chat_template, config.tool_call_parser, config.reasoning_parser)
         engine = engine_factory(config)
         engine.start()
         app[API_STATE] = ApiState(config=config, model=model, prompts=prompts, engine=engine, chat_format=chat_format)

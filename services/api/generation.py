@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from services.api.engine_client import Engine
 from services.api.errors import ApiError
@@ -19,6 +20,11 @@ from services.api.metrics import IN_FLIGHT, RequestTimer
 from services.api.output_parsing import Event, OutputParser
 from services.api.protocol import Generation
 from shared.frames import Submit, TextDelta
+
+if TYPE_CHECKING:
+    from services.api.chat import ChatTurn
+    from services.api.state import ApiState
+    from services.api.templating import RenderedPrompt
 
 
 @dataclass
@@ -164,6 +170,8 @@ async def collect_parsed(stream: AsyncIterator[tuple[int, TextDelta]], parsers: 
     return choices
 
 
-def stop_matched(delta: TextDelta) -> str:
-    """The stop string that finished the request, once the detokenizer reports it (``TextDelta.matched``)."""
-    return delta.matched
+async def chat_submits(state: ApiState, turn: ChatTurn, generation: Generation, prompt_param: str) -> tuple[RenderedPrompt, list[Submit]]:
+    """A conversation's rendered prompt and its engine requests, checked against the context limit."""
+    prompt = await state.chat_format.render(state.prompts, turn)
+    max_tokens = context_limit(len(prompt.ids), generation, state.max_model_len, prompt_param)
+    return prompt, build_submits(generation, [prompt.ids], [max_tokens], state.eos_token_ids, state.config.api_replica)

@@ -10,7 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from services.api.errors import ApiError
-from services.api.generation import ChoiceResult, build_submits, collect, collect_parsed, context_limit, engine_run, parsed_stream
+from services.api.generation import ChoiceResult, build_submits, chat_submits, collect, collect_parsed, context_limit, engine_run, parsed_stream
 from services.api.output_parsing import Content, Event, OutputParser, Reasoning, ToolCall, finish_reason
 from services.api.protocol import ChatCompletionRequest, CompletionRequest, Generation, read_body, validate_chat, validate_completion
 from services.api.sse import SseWriter
@@ -91,9 +91,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[API_STATE]
     body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
     generation, turn = validate_chat(body, state.model_id, state.chat_format.efforts)
-    prompt = await state.chat_format.render(state.prompts, turn)
-    max_tokens = context_limit(len(prompt.ids), generation, state.max_model_len, "messages")
-    submits = build_submits(generation, [prompt.ids], [max_tokens], state.eos_token_ids, state.config.api_replica)
+    prompt, submits = await chat_submits(state, turn, generation, "messages")
     parsers = [state.chat_format.parser(turn, prompt) for _ in submits]
     envelope = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_id}
 

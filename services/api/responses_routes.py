@@ -16,7 +16,7 @@ from aiohttp import web
 
 from services.api.chat import ChatTurn
 from services.api.errors import ApiError
-from services.api.generation import build_submits, context_limit, engine_run, parsed_stream
+from services.api.generation import chat_submits, engine_run, parsed_stream
 from services.api.output_parsing import Event, OutputParser, Reasoning, ToolCall
 from services.api.protocol import Generation, read_body
 from services.api.responses_protocol import ResponsesRequest, tool_choice_echo, validate_responses
@@ -167,9 +167,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     state = request.app[API_STATE]
     body: ResponsesRequest = await read_body(request, ResponsesRequest)
     generation, turn = validate_responses(body, state.model_id, state.chat_format.efforts)
-    prompt = await state.chat_format.render(state.prompts, turn)
-    max_tokens = context_limit(len(prompt.ids), generation, state.max_model_len, "input")
-    submits = build_submits(generation, [prompt.ids], [max_tokens], state.eos_token_ids, state.config.api_replica)
+    prompt, submits = await chat_submits(state, turn, generation, "input")
     parser = state.chat_format.parser(turn, prompt)
     answer = _Answer(state, body, generation, turn, len(prompt.ids))
     async with engine_run(state.engine, submits, state.model_id) as stream:

@@ -38,7 +38,6 @@ class Outcome:
     opened: list[DetokOpen] = field(default_factory=list)
     deltas: list[TokenDelta] = field(default_factory=list)
     released: list[str] = field(default_factory=list)  # worker-side state to drop
-    finished: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
@@ -229,24 +228,17 @@ class Scheduler:
                 self._end(request, outcome)
         return outcome
 
-    def fail_step(self, result: StepResult, rids: list[str]) -> list[Request]:
-        """The worker failed a step: every request in it ends with an error."""
-        failed = []
-        for rid in rids:
-            request = self.requests.get(rid)
-            if request is not None:
-                failed.append(request)
-                self.pool.forget(request.blocks)  # their KV may never have been written
-                self._end(request, Outcome())
-        return failed
+    def fail(self, rids: list[str]) -> list[str]:
+        """Ends these requests with an error (their step failed, or a process lost their state).
 
-    def fail_all(self) -> list[Request]:
-        """Ends every request (a peer process was lost with their state); frees all their blocks."""
-        failed = list(self.requests.values())
+        Their blocks leave the prefix cache too: their KV may never have been written.
+        Returns the rids that were still live.
+        """
+        failed = [self.requests[rid] for rid in rids if rid in self.requests]
         for request in failed:
             self.pool.forget(request.blocks)
             self._end(request, Outcome())
-        return failed
+        return [r.rid for r in failed]
 
     def _finish_reason(self, request: Request, token_id: int) -> FinishReason | None:
         submit = request.submit
@@ -277,4 +269,3 @@ class Scheduler:
         request.blocks, request.block_hashes = [], []
         request.phase = Phase.FINISHED
         del self.requests[request.rid]
-        outcome.finished.append(request)

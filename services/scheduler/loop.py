@@ -206,13 +206,7 @@ class SchedulerLoop:
             self._update_gauges()
             return
         self.log.error("step_failed", step=result.step, error=result.error, requests=len(rids))
-        failed = self.core.fail_step(result, rids)
-        for request in failed:
-            FINISHED.labels(FinishReason.ERROR.value).inc()
-            self.to_api.send(Error(rid=request.rid, status=500, message=f"the worker failed the step: {result.error}"))
-        if failed:
-            self.to_worker.send(Release(rids=[r.rid for r in failed]))
-            self.to_detokenizer.send(TokenBatch(deltas=[TokenDelta(rid=r.rid, finish=FinishReason.ERROR.value) for r in failed]))
+        self._fail(self.core.fail(rids), 500, f"the worker failed the step: {result.error}")
 
     def _on_heartbeat(self, beat: Heartbeat) -> None:
         peer = self.peers.get(beat.process)
@@ -237,17 +231,22 @@ class SchedulerLoop:
         """A process that held request state is gone: every request fails now, none hangs."""
         peer = self.peers[name]
         peer.serving, peer.state = False, "lost"
-        failed = self.core.fail_all()
+        failed = self.core.fail(list(self.core.requests))
         self.in_flight.clear()
         self.log.error("peer_lost", peer=name, why=why, failed_requests=len(failed))
         self.to_api.send(self.status())
-        for request in failed:
-            FINISHED.labels(FinishReason.ERROR.value).inc()
-            self.to_api.send(Error(rid=request.rid, status=503, message=f"the {name} process was lost ({why}); retry the request"))
-        if failed:  # the survivors drop their state of these requests too
-            self.to_worker.send(Release(rids=[r.rid for r in failed]))
-            self.to_detokenizer.send(TokenBatch(deltas=[TokenDelta(rid=r.rid, finish=FinishReason.ERROR.value) for r in failed]))
+        self._fail(failed, 503, f"the {name} process was lost ({why}); retry the request")
         self._update_gauges()
+
+    def _fail(self, rids: list[str], status: int, message: str) -> None:
+        """Tells the api these requests failed; the worker and detokenizer drop their state of them."""
+        if not rids:
+            return
+        FINISHED.labels(FinishReason.ERROR.value).inc(len(rids))
+        for rid in rids:
+            self.to_api.send(Error(rid=rid, status=status, message=message))
+        self.to_worker.send(Release(rids=rids))
+        self.to_detokenizer.send(TokenBatch(deltas=[TokenDelta(rid=rid, finish=FinishReason.ERROR.value) for rid in rids]))
 
     def _send(self, outcome: Outcome) -> None:
         if outcome.released:
