@@ -87,7 +87,9 @@ def _conv_decode(x: Tensor, pool: Tensor, slots: Tensor, weight: Tensor, bias: T
 # References, token by token in float64. -----------------------------------------------------------------
 
 
-def reference_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor, slots: Tensor, cu: Tensor, initial: Tensor) -> tuple[Tensor, Tensor]:
+def reference_delta_rule(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor, slots: Tensor, cu: Tensor, initial: Tensor
+) -> tuple[Tensor, Tensor]:
     """S = S·e^g; δ = β(v − kᵀS); S += k δᵀ; o = (scale·q)ᵀS, for every head of every sequence (float64)."""
     q, k, v, g, beta, pool = (t.double() for t in (q, k, v, g, beta, pool))
     group = v.shape[1] // q.shape[1]

@@ -301,7 +301,9 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
     hk, dk = q.shape[1], q.shape[2]
     hv, dv = v.shape[1], v.shape[2]
     if k.shape != q.shape or g.shape != (v.shape[0], hv) or beta.shape != g.shape or v.shape[0] != q.shape[0]:
-        raise ValueError(f"gated delta rule: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)} disagree")
+        raise ValueError(
+            f"gated delta rule: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)} disagree"
+        )
     if hv % hk:
         raise ValueError(f"gated delta rule: {hv} value heads are not a multiple of {hk} key heads")
     if state_pool.shape[1:] != (hv, dk, dv) or state_pool.dtype != torch.float32 or not state_pool.is_contiguous():
@@ -362,7 +364,9 @@ def chunk_gated_delta_rule(
     delta = torch.empty_like(u)
     h = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=device)
     if num_chunks:
-        _kkt_kernel[(num_chunks, hv)](k, g, beta, gcum, a, *index, k.stride(0), k.stride(1), HV=hv, GROUP=group, DK=dk, BT=CHUNK, BK=bk, DOT_PRECISION=precision)
+        _kkt_kernel[(num_chunks, hv)](
+            k, g, beta, gcum, a, *index, k.stride(0), k.stride(1), HV=hv, GROUP=group, DK=dk, BT=CHUNK, BK=bk, DOT_PRECISION=precision
+        )
         _solve_kernel[(num_chunks, hv)](a, ai, *index, HV=hv, BT=CHUNK)
         _wu_kernel[(num_chunks, hv)](
             k, v, beta, gcum, ai, w, u, *index, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
