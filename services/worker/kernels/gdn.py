@@ -345,7 +345,7 @@ def chunk_gated_delta_rule(
     lengths = cu[1:] - cu[:-1]
     chunks_per_seq = (lengths + CHUNK - 1) // CHUNK
     chunk_offsets = torch.zeros(batch + 1, dtype=torch.int32, device=device)
-    torch.cumsum(chunks_per_seq, 0, out=chunk_offsets[1:])
+    chunk_offsets[1:] = chunks_per_seq.cumsum(0)
     num_chunks = int(chunk_offsets[-1])  # the one host sync: the grid of the per-chunk kernels
     chunk_seq = torch.repeat_interleave(torch.arange(batch, dtype=torch.int32, device=device), chunks_per_seq, output_size=num_chunks)
     g, beta = g.float().contiguous(), beta.float().contiguous()
