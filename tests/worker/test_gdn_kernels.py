@@ -1,6 +1,6 @@
 """The Triton GDN kernels (chunked gated delta rule, fused recurrent step, causal conv1d) on the CPU under
 ``TRITON_INTERPRET=1`` against a token-by-token torch reference written here in float64: packed sequences of
-length 1, not a multiple of 64 and longer than one chunk; v-heads sharing q/k heads; head sizes that are not
+length 1, not a multiple of 64 and longer than one chunk (and an empty one); v-heads sharing q/k heads; head sizes that are not
 powers of two and span several tiles; initial states read from slots given out of order; a sequence that
 ignores the (non-zero) state of its slot; and slots nobody names left untouched. Then prefill split at an
 arbitrary point plus decode steps equals one pass. Where the torch forms (``services.worker.gdn``) exist,
@@ -123,9 +123,9 @@ def reference_conv(x: Tensor, cu: Tensor, pool: Tensor, slots: Tensor, initial: 
 # Inputs. --------------------------------------------------------------------------------------------------
 
 HK, HV, DK, DV = 2, 4, 72, 40  # Hv > Hk; head sizes that are not powers of two and span two tiles (Dk: 64-wide, Dv: 32-wide in the state kernels)
-LENGTHS = [70, 1]  # longer than a chunk and not a multiple of 64; a single token
-SLOTS = [5, 0]  # out of order; slots 1–4 and 6 are nobody's
-INITIAL = [False, True]  # slot 5 holds a stale state the first sequence must not read (the split test below starts a long one from a slot)
+LENGTHS = [70, 1, 0]  # longer than a chunk and not a multiple of 64; a single token; none (its slot is reset)
+SLOTS = [5, 0, 3]  # out of order; slots 1, 2, 4 and 6 are nobody's
+INITIAL = [False, True, False]  # slot 5 holds a stale state the first sequence must not read (the split test below starts a long one from a slot)
 NUM_SLOTS = 7
 
 
@@ -172,8 +172,11 @@ def test_chunked_prefill_matches_the_token_by_token_recurrence(interpreter: Pool
     expected_o, expected_pool = reference_delta_rule(*inputs.values(), pool, slots, cu, initial)
     assert o.dtype == dtype and o.shape == expected_o.shape
     assert relative_error(o, expected_o) < tolerance
-    for slot in SLOTS:  # per slot: a wrong slot or a missed initial state shows even where other slots are right
-        assert relative_error(new_pool[slot], expected_pool[slot]) < tolerance
+    for slot, length in zip(SLOTS, LENGTHS):  # per slot: a wrong slot or a missed initial state shows even where other slots are right
+        if length:
+            assert relative_error(new_pool[slot], expected_pool[slot]) < tolerance
+        else:
+            assert not new_pool[slot].any()  # nothing read, nothing added
     assert_untouched(new_pool, pool, SLOTS)
 
 

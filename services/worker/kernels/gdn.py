@@ -95,7 +95,7 @@ def _solve_kernel(a_ptr, ai_ptr, chunk_seq_ptr, chunk_offsets_ptr, cu_seqlens_pt
     ptrs = (start + offs).to(tl.int64)[:, None] * (HV * BT) + head * BT + offs[None, :]
     a = tl.load(a_ptr + ptrs, mask=valid[:, None], other=0.0)
     same_block = (offs[:, None] // 16) == (offs[None, :] // 16)
-    a_diag = tl.where(same_block, a, 0.0)
+    a_diag, a_off = tl.where(same_block, a, 0.0), tl.where(same_block, 0.0, a)
 
     # stacked[16b + r, c] = (I + A_bb)⁻¹[r, c]; row r is e_r − Σ_{j<r} A_bb[r, j]·(row j), rows j < r being final.
     stacked = tl.where(offs[:, None] % 16 == offs16[None, :], 1.0, 0.0)
@@ -106,7 +106,7 @@ def _solve_kernel(a_ptr, ai_ptr, chunk_seq_ptr, chunk_offsets_ptr, cu_seqlens_pt
     spread = tl.where(offs16[:, None] == offs[None, :] % 16, 1.0, 0.0)  # [16, BT]: column j takes stacked column j % 16
     d_inv = tl.where(same_block, tl.dot(stacked, spread, input_precision="ieee"), 0.0)
 
-    n = tl.dot(d_inv, a - a_diag, input_precision="ieee")
+    n = tl.dot(d_inv, a_off, input_precision="ieee")
     p = tl.dot(n, d_inv, input_precision="ieee")
     n2 = tl.dot(n, n, input_precision="ieee")
     ai = d_inv - p + tl.dot(n2, d_inv - p, input_precision="ieee")  # (I − N + N² − N³) D⁻¹
@@ -341,6 +341,9 @@ def chunk_gated_delta_rule(
     num_tokens, batch = q.shape[0], slot_ids.shape[0]
     device, dtype = v.device, v.dtype
     o = torch.empty(num_tokens, hv, dv, dtype=dtype, device=device)
+    if num_tokens == 0:  # only empty sequences: each keeps its state, or starts (and ends) from zeros
+        state_pool[slot_ids.long()[~has_initial_state.to(device=device, dtype=torch.bool)]] = 0.0
+        return o
     cu = cu_seqlens.to(device=device, dtype=torch.int32)
     lengths = cu[1:] - cu[:-1]
     chunks_per_seq = (lengths + CHUNK - 1) // CHUNK
@@ -362,27 +365,24 @@ def chunk_gated_delta_rule(
     w = torch.empty(num_tokens, hv, dk, dtype=dtype, device=device)
     u = torch.empty(num_tokens, hv, dv, dtype=dtype, device=device)
     delta = torch.empty_like(u)
-    h = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=device)
-    if num_chunks:
-        _kkt_kernel[(num_chunks, hv)](
-            k, g, beta, gcum, a, *index, k.stride(0), k.stride(1), HV=hv, GROUP=group, DK=dk, BT=CHUNK, BK=bk, DOT_PRECISION=precision
-        )
-        _solve_kernel[(num_chunks, hv)](a, ai, *index, HV=hv, BT=CHUNK)
-        _wu_kernel[(num_chunks, hv)](
-            k, v, beta, gcum, ai, w, u, *index, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            HV=hv, GROUP=group, DK=dk, DV=dv, BT=CHUNK, BK=bk, BV=bv, DOT_PRECISION=precision,
-        )  # fmt: skip
-    if batch:
-        state_bv = _block(dv, 32)  # the sequential kernel: more programs for one long sequence
-        _state_kernel[(batch, hv, triton.cdiv(dv, state_bv))](
-            k, w, u, gcum, h, delta, state_pool, slots, has_initial, chunk_offsets, cu, k.stride(0), k.stride(1), state_pool.stride(0),
-            HV=hv, GROUP=group, DK=dk, DV=dv, BT=CHUNK, BK=_block(dk, 256), BV=state_bv, DOT_PRECISION=precision,
-        )  # fmt: skip
-    if num_chunks:
-        _output_kernel[(num_chunks, hv, triton.cdiv(dv, bv))](
-            q, k, delta, gcum, h, o, *index, scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            HV=hv, GROUP=group, DK=dk, DV=dv, BT=CHUNK, BK=bk, BV=bv, DOT_PRECISION=precision,
-        )  # fmt: skip
+    h = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=device)  # the state at each chunk's start
+    _kkt_kernel[(num_chunks, hv)](
+        k, g, beta, gcum, a, *index, k.stride(0), k.stride(1), HV=hv, GROUP=group, DK=dk, BT=CHUNK, BK=bk, DOT_PRECISION=precision
+    )  # fmt: skip
+    _solve_kernel[(num_chunks, hv)](a, ai, *index, HV=hv, BT=CHUNK, num_warps=8)  # several live 64×64 fp32 tiles
+    _wu_kernel[(num_chunks, hv)](
+        k, v, beta, gcum, ai, w, u, *index, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        HV=hv, GROUP=group, DK=dk, DV=dv, BT=CHUNK, BK=bk, BV=bv, DOT_PRECISION=precision,
+    )  # fmt: skip
+    state_bv = _block(dv, 32)  # the sequential kernel: narrower column blocks, more programs for one long sequence
+    _state_kernel[(batch, hv, triton.cdiv(dv, state_bv))](
+        k, w, u, gcum, h, delta, state_pool, slots, has_initial, chunk_offsets, cu, k.stride(0), k.stride(1), state_pool.stride(0),
+        HV=hv, GROUP=group, DK=dk, DV=dv, BT=CHUNK, BK=_block(dk, 256), BV=state_bv, DOT_PRECISION=precision,
+    )  # fmt: skip
+    _output_kernel[(num_chunks, hv, triton.cdiv(dv, bv))](
+        q, k, delta, gcum, h, o, *index, scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        HV=hv, GROUP=group, DK=dk, DV=dv, BT=CHUNK, BK=bk, BV=bv, DOT_PRECISION=precision,
+    )  # fmt: skip
     return o
 
 
