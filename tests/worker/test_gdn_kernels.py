@@ -9,7 +9,8 @@ the kernels must agree with them too.
 Tolerances: fp32 kernels against the float64 reference, relative Frobenius error ≤ 1e-5 (fp32 rounding,
 2⁻²⁴ ≈ 6e-8, grown over tens of steps and 64-term sums: measured ~3e-7). fp16 inputs are given to the
 reference as the same fp16 values, so what remains is the kernels' fp16 intermediates (W, U, δ and the
-per-chunk state are held in the input dtype, as on the GPU: 2⁻¹¹ ≈ 5e-4 each): ≤ 5e-3.
+per-chunk state are held in the input dtype, as on the GPU) and the output's rounding (2e-4 alone): measured
+~4e-4, bound 2e-3. The conv state is a copy of inputs and old state: equal exactly.
 
 The kernels run in one child process started with TRITON_INTERPRET=1 (see test_fused_moe.py for why). A
 child works on copies, so the helpers below return the state pools that the kernels updated in place.
@@ -158,7 +159,7 @@ def assert_untouched(pool: Tensor, before: Tensor, used: list[int]) -> None:
     assert torch.equal(pool[others], before[others])
 
 
-PRECISIONS = pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.float16, 5e-3)], ids=["fp32", "fp16"])
+PRECISIONS = pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.float16, 2e-3)], ids=["fp32", "fp16"])
 
 
 # Tests. ---------------------------------------------------------------------------------------------------
@@ -227,14 +228,14 @@ def test_causal_conv1d_prefill_and_update_match_the_reference(interpreter: Pool,
     y, ours = interpreter.apply(_conv_prefill, (x, cu, pool.clone(), slots, initial, weight, bias))
     expected_y, expected_pool = reference_conv(x, cu, pool, slots, initial, weight, bias)
     assert y.dtype == dtype and relative_error(y, expected_y) < tolerance
-    assert relative_error(ours[CONV_SLOTS], expected_pool[CONV_SLOTS]) < tolerance  # a plain copy of inputs and state
+    assert torch.equal(ours[CONV_SLOTS], expected_pool[CONV_SLOTS].to(dtype))
     assert_untouched(ours, pool, CONV_SLOTS)
 
     x_step = torch.randn(len(CONV_SLOTS), c, generator=gen).to(dtype)
     y, ours = interpreter.apply(_conv_decode, (x_step, ours, slots, weight, None))
     expected_y, expected_pool = reference_conv(x_step, cu_seqlens([1] * len(CONV_SLOTS)), expected_pool, slots, torch.ones(5, dtype=torch.bool), weight, None)
     assert relative_error(y, expected_y) < tolerance
-    assert relative_error(ours[CONV_SLOTS], expected_pool[CONV_SLOTS]) < tolerance
+    assert torch.equal(ours[CONV_SLOTS], expected_pool[CONV_SLOTS].to(dtype))
     assert_untouched(ours, pool, CONV_SLOTS)
 
 
