@@ -210,6 +210,21 @@ def test_prefill_in_pieces_then_decode_equals_one_pass(interpreter: Pool) -> Non
     assert_untouched(new_pool, pool, [2])
 
 
+def test_chunked_prefill_stays_accurate_when_keys_nearly_repeat(interpreter: Pool) -> None:
+    """Nearly parallel keys with β ≈ 1 and almost no decay make A's entries ≈ 1, where a careless inverse of
+    I + A (a power series over all 64 rows, whose terms grow like binomial coefficients and cancel) loses every
+    digit; two full chunks, fp32."""
+    gen = torch.Generator().manual_seed(11)
+    n, dim = 128, 32
+    k = F.normalize(torch.randn(dim, generator=gen) + 0.05 * torch.randn(n, 1, dim, generator=gen), dim=-1)
+    q = F.normalize(torch.randn(n, 1, dim, generator=gen), dim=-1)
+    v, g, beta = torch.randn(n, 1, dim, generator=gen), torch.full((n, 1), -1e-3), torch.full((n, 1), 0.99)
+    pool, slots, cu, initial = torch.zeros(1, 1, dim, dim), torch.tensor([0], dtype=torch.int32), cu_seqlens([n]), torch.tensor([False])
+    o, new_pool = interpreter.apply(_prefill, (q, k, v, g, beta, pool.clone(), slots, cu, initial))
+    expected_o, expected_pool = reference_delta_rule(q, k, v, g, beta, pool, slots, cu, initial)
+    assert relative_error(o, expected_o) < 1e-5 and relative_error(new_pool, expected_pool) < 1e-5  # measured ~1.5e-6
+
+
 CONV_CHANNELS, CONV_WIDTH = 40, 4  # channels not a power of two; the GDN layers' kernel width
 CONV_LENGTHS = [1, 2, 9, 0, 20]  # shorter than K − 1 (the slot keeps older state), empty, several token tiles
 CONV_SLOTS = [3, 6, 0, 5, 1]
