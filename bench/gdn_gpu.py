@@ -2,7 +2,7 @@
 torch forms (``services.worker.gdn``) at Qwen3-Next's head sizes (16 q/k heads, 32 v heads, 128 × 128 state):
 
 1. parity in fp32 on a mixed batch (lengths 1000, 1, 77, 3018; initial states from slots out of order), then
-   decode steps, so a kernel that only the GPU miscompiles shows up before any timing;
+   a decode step, so a kernel that only the GPU miscompiles shows up before any timing (exit status 1 if not);
 2. chunked prefill of ``--prefill`` tokens (one sequence, and the same tokens as 8 sequences): time;
 3. recurrent decode at batch 1–64: time, and achieved GB/s (state read + written, plus q/k/v/o) against a
    device-to-device copy of the same bytes measured in the same run;
@@ -91,6 +91,7 @@ def main() -> None:
         f"gdn_gpu: {'cpu (interpreted)' if args.cpu else torch.cuda.get_device_name()}, Hk {hk}, Hv {hv}, Dk {dk}, Dv {dv}, {args.dtype}; state pool of {num_slots} slots"
     )
 
+    parity_ok = True
     with torch.inference_mode():
         pool = 0.1 * torch.randn(num_slots, hv, dk, dv, device=device, generator=gen)
         if torch_gdn is not None:  # 1. parity in fp32
@@ -108,10 +109,11 @@ def main() -> None:
             o_step = triton_gdn.fused_recurrent_gated_delta_rule(*step.values(), scale, ours_pool, slots)
             ref_step = torch_gdn.fused_recurrent_gated_delta_rule(*step.values(), scale, ref_pool, slots)
             others = ~torch.isin(torch.arange(num_slots, device=device), slots)
+            errors = (_rel(o, ref), prefill_states, _rel(o_step, ref_step), _rel(ours_pool, ref_pool))
+            parity_ok = max(errors) < 1e-4 and torch.equal(ours_pool[others], pool[others])  # fp32 rounding is ~1e-6
             print(
-                f"fp32 parity with the torch forms: prefill out {_rel(o, ref):.1e}, states {prefill_states:.1e}; "
-                f"then decode out {_rel(o_step, ref_step):.1e}, states {_rel(ours_pool, ref_pool):.1e}; "
-                f"untouched slots unchanged: {torch.equal(ours_pool[others], pool[others])}"
+                f"fp32 parity with the torch forms: prefill out {errors[0]:.1e}, states {errors[1]:.1e}; then decode out {errors[2]:.1e}, "
+                f"states {errors[3]:.1e}; untouched slots unchanged: {torch.equal(ours_pool[others], pool[others])} -> {'ok' if parity_ok else 'FAILED'}"
             )
 
         # 2. chunked prefill
@@ -187,6 +189,8 @@ def main() -> None:
                 error = _rel(ours, ref_fn())
             print(f"{name:>22} {t_torch * 1e3:>9.1f} {t_triton * 1e3:>10.1f} {t_torch / t_triton:>8.2f}x {error:>8.1e}")
     sys.stdout.flush()
+    if not parity_ok:
+        sys.exit("gdn_gpu: the Triton kernels disagree with the torch forms in fp32 (see above)")
 
 
 if __name__ == "__main__":
