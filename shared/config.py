@@ -66,6 +66,11 @@ class StackConfig:
         return self.served_model_name or os.path.basename(os.path.normpath(self.model))
 
     @property
+    def metric_labels(self) -> dict[str, str]:
+        """Labels on every metric sample this process exports."""
+        return {"model_name": self.model_id}
+
+    @property
     def resolved_run_dir(self) -> str:
         return self.run_dir or os.path.join(tempfile.gettempdir(), f"tokenyard-{self.port}")
 

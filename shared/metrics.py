@@ -14,7 +14,8 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Info, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Info, generate_latest
+from prometheus_client.registry import Collector
 
 PREFIX = "tokenyard:"
 VERSION = "0.1.0"
@@ -27,17 +28,36 @@ BUILD_INFO = Info(f"{PREFIX}build", "tokenyard build information")
 BUILD_INFO.info({"version": VERSION, "python": platform.python_version()})
 
 Instrumentation = Callable[[], dict[str, Any]]
+
+
+class _ProcessLabelled(Collector):
+    """The default registry seen with labels every sample of this process shares (``model_name``,
+    and ``replica`` where several engines run) added to each sample that does not set them itself."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        self.labels = labels
+
+    def collect(self):
+        for family in REGISTRY.collect():
+            family.samples = [s._replace(labels={**self.labels, **s.labels}) for s in family.samples]
+            yield family
+
+
+def exposition(labels: dict[str, str]) -> bytes:
+    """The process's metrics in the Prometheus text format, each sample carrying ``labels``."""
+    return generate_latest(_ProcessLabelled(labels))
 Health = Callable[[], tuple[int, dict[str, Any]]]
 
 
 class _Handler(BaseHTTPRequestHandler):
     instrumentation: Instrumentation
     health: Health
+    labels: dict[str, str]
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
-            self._send(200, generate_latest(), CONTENT_TYPE_LATEST)
+            self._send(200, exposition(self.labels), CONTENT_TYPE_LATEST)
         elif path == "/instrumentation":
             self._send_json(200, self.instrumentation())
         elif path == "/health":
@@ -59,8 +79,9 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
-def start_metrics_server(host: str, port: int, instrumentation: Instrumentation, health: Health) -> ThreadingHTTPServer:
-    handler = type("Handler", (_Handler,), {"instrumentation": staticmethod(instrumentation), "health": staticmethod(health)})
+def start_metrics_server(host: str, port: int, instrumentation: Instrumentation, health: Health, labels: dict[str, str]) -> ThreadingHTTPServer:
+    """Serves ``/metrics`` (every sample labelled with ``labels``), ``/instrumentation`` and ``/health``."""
+    handler = type("Handler", (_Handler,), {"instrumentation": staticmethod(instrumentation), "health": staticmethod(health), "labels": labels})
     server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()

@@ -10,7 +10,7 @@ from importlib import metadata
 
 import structlog
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from services.api.anthropic_routes import routes as anthropic_routes
 from services.api.chat import ChatFormat
@@ -23,7 +23,7 @@ from services.api.state import API_STATE, ApiState
 from services.api.templating import PromptBuilder
 from services.api.tokenize_routes import routes as tokenize_routes
 from shared.config import StackConfig
-from shared.metrics import PROCESS_UP
+from shared.metrics import PROCESS_UP, exposition
 from shared.model_info import load_model_info
 
 log = structlog.get_logger()
@@ -75,7 +75,7 @@ _VERSION = _package_version()
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return web.Response(body=exposition(request.app[API_STATE].config.metric_labels), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def instrumentation(request: web.Request) -> web.Response:

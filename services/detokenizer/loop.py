@@ -130,6 +130,6 @@ def main(argv: list[str] | None = None) -> None:
     config = StackConfig.from_argv(argv, "tokenyard detokenizer")
     log = setup_logging("detokenizer", config.log_level, config.log_format)
     loop = DetokenizerLoop(config, log)
-    start_metrics_server(config.metrics_host, config.metrics_port("detokenizer"), loop.instrumentation, loop.health)
+    start_metrics_server(config.metrics_host, config.metrics_port("detokenizer"), loop.instrumentation, loop.health, config.metric_labels)
     log.info("detokenizer_started", inbox=loop.inbox.address)
     loop.run()

@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     config = StackConfig.from_argv(argv, "tokenyard scheduler")
     log = setup_logging("scheduler", config.log_level, config.log_format)
     loop = SchedulerLoop(config, log)
-    start_metrics_server(config.metrics_host, config.metrics_port("scheduler"), loop.instrumentation, loop.health)
+    start_metrics_server(config.metrics_host, config.metrics_port("scheduler"), loop.instrumentation, loop.health, config.metric_labels)
     PROCESS_UP.labels("scheduler").set(1)
     log.info("scheduler_started", inbox=loop.inbox.address, kv_blocks=loop.core.pool.num_blocks)
     loop.run()

@@ -215,6 +215,6 @@ def main(argv: list[str] | None = None) -> None:
     config = StackConfig.from_argv(argv, "tokenyard worker")
     log = setup_logging("worker", config.log_level, config.log_format)
     loop = WorkerLoop(config, log)
-    start_metrics_server(config.metrics_host, config.metrics_port("worker"), loop.instrumentation, loop.health)
+    start_metrics_server(config.metrics_host, config.metrics_port("worker"), loop.instrumentation, loop.health, config.metric_labels)
     log.info("worker_started", inbox=loop.inbox.address, model=config.model)
     loop.run()

@@ -12,6 +12,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.stack_client import free_port_block
 from shared.config import DEFAULT_MODEL_DIR
@@ -37,9 +38,14 @@ def http_post(url: str, body: bytes, timeout: float = 30.0) -> tuple[int, bytes]
 
 
 def metric_value(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
+    """The first sample of ``name`` (``metric`` or ``metric{label="value",...}``, a subset of its labels) in ``text``."""
+    base, _, selector = name.partition("{")
+    wanted = dict(part.split("=", 1) for part in selector.rstrip("}").split(",") if part)
+    wanted = {key: value.strip('"') for key, value in wanted.items()}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == base and wanted.items() <= sample.labels.items():
+                return sample.value
     raise KeyError(name)
 
 

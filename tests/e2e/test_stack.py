@@ -9,6 +9,7 @@ import time
 import openai
 import pytest
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import Stack, http_get, http_post, metric_value, wait_until_quiescent
 
@@ -175,3 +176,10 @@ def test_one_request_can_be_followed_through_every_process_log(stack: Stack, cli
     rid = submitted[-1]
     seen = {e["process"] for e in events if e.get("rid") == rid or rid in e.get("rids", [])}
     assert seen == {"api", "scheduler", "worker", "detokenizer"}, seen
+
+
+def test_every_sample_of_every_process_carries_the_model_name(stack: Stack) -> None:
+    for process in ("api", "scheduler", "worker", "detokenizer"):
+        samples = [s for family in text_string_to_metric_families(stack.metrics(process)) for s in family.samples]
+        assert samples, process
+        assert {s.labels.get("model_name") for s in samples} == {MODEL}, process
