@@ -1,0 +1,5 @@
+"""``python -m bench.serve``: see bench/serve/cli.py and bench/README.md."""
+
+from bench.serve.cli import main
+
+raise SystemExit(main())

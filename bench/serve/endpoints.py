@@ -1,0 +1,68 @@
+"""The endpoints a run drives: a URL someone else serves, tokenyard's stack started for the run, or llama-server
+started per level with as many slots as the level's concurrency (how the peer is meant to be configured)."""
+
+from __future__ import annotations
+
+import contextlib
+import shlex
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+
+from bench.serve.load import Level
+
+
+@dataclass
+class UrlEndpoint:
+    name: str
+    url: str
+    model_path: str | None = None  # the model files behind it, for provenance
+
+    def serving(self, level: Level) -> AbstractContextManager[str]:
+        return contextlib.nullcontext(self.url)
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class StackEndpoint:
+    """tokenyard's launcher on free ports, started on the first level and kept for the whole run."""
+
+    model_path: str
+    flags: str = ""
+    name: str = "tokenyard"
+    _exit: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    _url: str | None = None
+
+    @contextlib.contextmanager
+    def serving(self, level: Level) -> Iterator[str]:
+        if self._url is None:
+            from bench.stack_client import running_stack
+
+            self._url = self._exit.enter_context(running_stack(self.model_path, *shlex.split(self.flags)))
+        yield self._url
+
+    def close(self) -> None:
+        self._exit.close()
+
+
+@dataclass
+class PeerEndpoint:
+    """llama-server restarted for each level with --parallel equal to the level's concurrency."""
+
+    model_path: str
+    threads: int = 2
+    log_path: str | None = None
+    name: str = "llama.cpp"
+
+    def serving(self, level: Level) -> AbstractContextManager[str]:
+        from bench.serve.peer import running_llama_server
+
+        return running_llama_server(level.parallel_slots, self.model_path, self.threads, self.log_path)
+
+    def close(self) -> None:
+        pass
+
+
+Endpoint = UrlEndpoint | StackEndpoint | PeerEndpoint
