@@ -16,7 +16,9 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
+import threading
 import urllib.request
 from datetime import UTC, datetime
 
@@ -114,6 +116,17 @@ def _endpoints(args: argparse.Namespace) -> list[Endpoint]:
     return endpoints
 
 
+def _peer_build_info() -> str | None:
+    """What build_llama_server.sh recorded about the binary (version, instruction sets)."""
+    from bench.serve.peer import llama_server_binary
+
+    try:
+        with open(os.path.join(os.path.dirname(llama_server_binary()), "BUILD_INFO")) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 def _served_model(url: str) -> str:
     with urllib.request.urlopen(f"{url.rstrip('/')}/v1/models", timeout=30) as response:
         return json.load(response)["data"][0]["id"]
@@ -164,7 +177,21 @@ def _write_summary(path: str, summary: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds, so a started stack or llama-server is stopped
+
+
 def main(argv: list[str] | None = None) -> int:
+    if threading.current_thread() is not threading.main_thread():
+        return _main(argv)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _validate(parser, args)
@@ -189,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         "request_timeout_s": args.request_timeout,
         "stack_args": args.stack_args if args.start_stack else None,
         "peer_threads": args.peer_threads if args.start_peer else None,
+        "peer_build": _peer_build_info() if args.start_peer else None,
     }
     summary = {
         "schema": SCHEMA,

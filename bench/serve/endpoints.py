@@ -31,16 +31,24 @@ class StackEndpoint:
 
     model_path: str
     flags: str = ""
+    start_timeout_s: float = 1800  # the worker's warm-up ladder is slow on a busy 2-core machine
     name: str = "tokenyard"
     _exit: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     _url: str | None = None
+    _failure: RuntimeError | None = None  # a stack that failed to start is not retried at every level
 
     @contextlib.contextmanager
     def serving(self, level: Level) -> Iterator[str]:
+        if self._failure is not None:
+            raise self._failure
         if self._url is None:
             from bench.stack_client import running_stack
 
-            self._url = self._exit.enter_context(running_stack(self.model_path, *shlex.split(self.flags)))
+            try:
+                self._url = self._exit.enter_context(running_stack(self.model_path, *shlex.split(self.flags), timeout_s=self.start_timeout_s))
+            except RuntimeError as exc:
+                self._failure = exc
+                raise
         yield self._url
 
     def close(self) -> None:
