@@ -6,7 +6,7 @@ MODEL ?= models/SmolLM2-135M-Instruct
 PORT ?= 8000
 DEFAULT_MODEL := models/SmolLM2-135M-Instruct
 
-.PHONY: setup run test lint bench clean-model
+.PHONY: setup run test lint bench bench-serve peer clean-model
 
 setup: $(VENV)/.installed $(DEFAULT_MODEL)/.complete
 
@@ -33,6 +33,14 @@ lint: setup
 
 bench: setup
 	$(PY) -m bench.stack_throughput --model $(MODEL)
+
+# llama.cpp's llama-server, the peer of bench-serve (see bench/README.md); slow on 2 cores, resumable.
+peer:
+	nice -n 19 bench/peer/build_llama_server.sh
+
+# tokenyard and llama-server side by side on the default model: bench/results/serve-<UTC time>/.
+bench-serve: setup
+	$(PY) -m bench.serve --start-stack --start-peer --workload bench/workloads/chat-128.json --concurrency 1 8 32
 
 clean-model:
 	rm -rf $(DEFAULT_MODEL)
