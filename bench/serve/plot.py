@@ -44,6 +44,8 @@ def plot_summary(summary: dict, path: str) -> None:
     workload = summary["workload"]
     state = "complete" if summary.get("complete") else "INCOMPLETE"
     commit = (summary["provenance"]["git"].get("commit") or "?")[:10]
-    fig.suptitle(f"{workload['name']} ({workload['output_tokens']} output tokens, ignore_eos={workload['ignore_eos']}) · commit {commit} · {state}")
+    load = summary["provenance"]["machine"].get("load_average")
+    load_text = f" · load {load[0]:.1f} at start" if load else ""
+    fig.suptitle(f"{workload['name']} ({workload['output_tokens']} output tokens, ignore_eos={workload['ignore_eos']}) · commit {commit}{load_text} · {state}")
     fig.savefig(path, dpi=110)
     plt.close(fig)
