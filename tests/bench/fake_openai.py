@@ -25,9 +25,10 @@ class FakeBehaviour:
 
 
 class FakeOpenAI:
-    def __init__(self, behaviour: FakeBehaviour | None = None, model: str = "fake-model") -> None:
+    def __init__(self, behaviour: FakeBehaviour | None = None, model: str = "fake-model", port: int = 0) -> None:
         self.behaviour = behaviour or FakeBehaviour()
         self.model = model
+        self.port = port
         self.bodies: list[tuple[str, dict]] = []  # (path, body) in arrival order
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -46,15 +47,19 @@ class FakeOpenAI:
 
     async def _start(self) -> None:
         app = web.Application()
+        app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_post("/v1/completions", self._generate)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
         await site.start()
         port = self._runner.addresses[0][1]
         self.url = f"http://127.0.0.1:{port}"
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})

@@ -3,7 +3,11 @@ with a failed request or a short token count labels itself. Nothing here depends
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import stat
+import sys
 
 import pytest
 
@@ -175,6 +179,30 @@ def test_an_unreachable_endpoint_is_a_labelled_failure_not_a_crash(tmp_path, wor
     )
     assert code == 1
     assert "ClientConnectorError" in summary["incomplete_reasons"][0]
+
+
+def test_the_started_peer_is_restarted_per_level_with_one_slot_per_stream(tmp_path, workload, monkeypatch):
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    binary = tmp_path / "llama-server"
+    binary.write_text(f'#!/bin/sh\ncd {repo} && exec {sys.executable} -m tests.bench.fake_llama_server "$@"\n')
+    binary.chmod(binary.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("LLAMA_SERVER", str(binary))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF fake")
+    code, summary, rows = run(
+        tmp_path,
+        *("--workload", workload(), "--start-peer", "--peer-gguf", str(gguf), "--concurrency", "1", "3", "--num-requests", "3", "--warmup-requests", "0"),
+    )
+    assert code == 0
+    log = (tmp_path / "out" / "llama-server.log").read_text()
+    assert [line.split(" threads")[0] for line in log.splitlines() if line.startswith("fake")] == [
+        "fake llama-server: parallel 1",
+        "fake llama-server: parallel 3",
+    ]
+    assert f"threads 2 model {gguf}" in log
+    assert [r["endpoint"] for r in summary["results"]] == ["llama.cpp", "llama.cpp"]
+    assert len(rows) == 6 and all(r["ok"] for r in rows)
+    assert summary["provenance"]["models"]["llama.cpp"]["sha256"] == hashlib.sha256(b"GGUF fake").hexdigest()
 
 
 def test_the_peer_gets_one_slot_per_stream_and_the_asked_threads():
