@@ -171,6 +171,10 @@ def _print_ratios(rows: list[dict]) -> None:
         print(f"{row['numerator']}/{row['denominator']} {row['label']}: {figures}", flush=True)
 
 
+def _incomplete_reasons(summary: dict) -> list[str]:
+    return [f"{r['endpoint']} {r['label']}: {problem}" for r in summary["results"] for problem in r["summary"]["problems"]]
+
+
 def _write_summary(path: str, summary: dict) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(summary, f, indent=2)
@@ -252,11 +256,11 @@ def _main(argv: list[str] | None) -> int:
                         f.write(json.dumps(record.to_json()) + "\n")
                 _print_level(level_result)
                 summary["ratios"] = _ratio_rows(summary["results"], names)
-                _write_summary(summary_path, summary)  # partial results survive an interrupted run
+                summary["incomplete_reasons"] = _incomplete_reasons(summary)
+                _write_summary(summary_path, summary)  # partial results survive an interrupted run, labelled incomplete
     finally:
         for endpoint in endpoints:
             endpoint.close()
-    summary["incomplete_reasons"] = [f"{r['endpoint']} {r['label']}: {p}" for r in summary["results"] for p in r["summary"]["problems"]]
     summary["complete"] = all(is_complete(r["summary"]) for r in summary["results"]) and len(summary["results"]) == len(levels) * len(endpoints)
     _write_summary(summary_path, summary)
     plot_summary(summary, os.path.join(args.out, "plot.png"))
