@@ -28,11 +28,28 @@ class FinishReason(enum.StrEnum):
 
 
 class SamplingParams(_Part):
+    """How a request's next token is drawn (vLLM semantics for the penalties).
+
+    Order: ``logit_bias`` is added, then the penalties applied (repetition over prompt and
+    output tokens, frequency and presence over output tokens); ``logprobs`` are read off that
+    processed distribution, before temperature and the top-k / top-p / min-p filters.
+    """
+
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means no limit
     min_p: float = 0.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit
+    logprobs: int | None = None  # None: none; k >= 0: the sampled token's and the k most likely tokens' log-probabilities
+
+    @property
+    def penalised(self) -> bool:
+        """Whether sampling needs the request's token history."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 class Submit(_Frame):
@@ -68,6 +85,10 @@ class Slice(_Part):
     new_blocks: list[int] = []  # appended to the request's block table before the step
     sample: bool = True
     sampling: SamplingParams | None = None  # sent with the request's first slice only
+    # With ``sampling``, for penalised requests only: the prompt's length (later positions are outputs being
+    # recomputed after a preemption; 0: all are prompt) and the tokens before ``start`` (a prefix-cache hit).
+    prompt_len: int = 0
+    prefix_ids: list[int] = []
 
 
 class StepPlan(_Frame):
@@ -81,9 +102,18 @@ class Release(_Frame):
     rids: list[str]
 
 
+class TokenLogprobs(_Part):
+    """A sampled token's log-probability and the most likely tokens' (ids and log-probabilities, best first)."""
+
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
 class Sampled(_Part):
     rid: str
     token_id: int
+    logprobs: TokenLogprobs | None = None  # only when the request asked for logprobs
 
 
 class StepResult(_Frame):
@@ -108,11 +138,27 @@ class TokenDelta(_Part):
     token_ids: list[int] = []
     finish: str = ""  # a FinishReason value once the scheduler has finished the request
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache; sent with the first token
+    logprobs: list[TokenLogprobs] = []  # one per token id, when the request asked for logprobs
 
 
 class TokenBatch(_Frame):
     opened: list[DetokOpen] = []
     deltas: list[TokenDelta] = []
+
+
+class TokenText(_Part):
+    """A token as the logprobs of the OpenAI API show it: its text, its exact bytes and its log-probability."""
+
+    token: str
+    raw: bytes
+    logprob: float
+
+
+class TextLogprobs(_Part):
+    """An output token's logprobs with the token texts resolved: the chosen token, then the most likely ones."""
+
+    chosen: TokenText
+    top: list[TokenText] = []
 
 
 class TextDelta(_Part):
@@ -123,6 +169,7 @@ class TextDelta(_Part):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     matched: str = ""  # the stop string that finished the request, if one did
+    logprobs: list[TextLogprobs] = []  # one per output token in this delta, when the request asked for logprobs
 
 
 class TextBatch(_Frame):

@@ -11,7 +11,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from services.api.engine_client import Engine
@@ -19,7 +19,7 @@ from services.api.errors import ApiError
 from services.api.metrics import IN_FLIGHT, RequestTimer
 from services.api.output_parsing import Event, OutputParser
 from services.api.protocol import Generation
-from shared.frames import Submit, TextDelta
+from shared.frames import Submit, TextDelta, TextLogprobs
 
 if TYPE_CHECKING:
     from services.api.chat import ChatTurn
@@ -34,6 +34,7 @@ class ChoiceResult:
     finish_reason: str | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0
+    logprobs: list[TextLogprobs] = field(default_factory=list)  # every output token's, when asked for
 
 
 def context_limit(prompt_len: int, generation: Generation, max_model_len: int, prompt_param: str) -> int:
@@ -139,6 +140,7 @@ async def collect(stream: AsyncIterator[tuple[int, TextDelta]], count: int) -> l
     parts: list[list[str]] = [[] for _ in range(count)]
     async for index, delta in stream:
         parts[index].append(delta.text)
+        choices[index].logprobs += delta.logprobs
         if delta.finish:
             choices[index].finish_reason = delta.finish
             choices[index].completion_tokens = delta.completion_tokens
@@ -161,6 +163,7 @@ async def collect_parsed(stream: AsyncIterator[tuple[int, TextDelta]], parsers: 
     """Every choice's finish and counts for a non-streaming response; the text is in each parser."""
     choices = [ChoiceResult(index=i) for i in range(len(parsers))]
     async for index, _, delta in parsed_stream(stream, parsers):
+        choices[index].logprobs += delta.logprobs
         if delta.finish:
             choices[index].finish_reason = delta.finish
             choices[index].completion_tokens = delta.completion_tokens

@@ -11,11 +11,12 @@ from aiohttp import web
 
 from services.api.errors import ApiError
 from services.api.generation import ChoiceResult, build_submits, chat_submits, collect, collect_parsed, context_limit, engine_run, parsed_stream
+from services.api.logprobs import chat_logprobs, completion_logprobs
 from services.api.output_parsing import Content, Event, OutputParser, Reasoning, ToolCall, finish_reason
 from services.api.protocol import ChatCompletionRequest, CompletionRequest, Generation, read_body, validate_chat, validate_completion
 from services.api.sse import SseWriter
 from services.api.state import API_STATE, ApiState
-from shared.frames import Submit, TextDelta
+from shared.frames import Submit, TextDelta, TextLogprobs
 
 routes = web.RouteTableDef()
 
@@ -90,10 +91,12 @@ def _message(parser: OutputParser) -> dict[str, Any]:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[API_STATE]
     body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
-    generation, turn = validate_chat(body, state.model_id, state.chat_format.efforts)
+    generation, turn = validate_chat(body, state.model_id, state.chat_format.efforts, state.model.vocab_size)
     prompt, submits = await chat_submits(state, turn, generation, "messages")
     parsers = [state.chat_format.parser(turn, prompt) for _ in submits]
     envelope = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_id}
+    wants_logprobs = generation.sampling.logprobs is not None
+    unsent: list[list[TextLogprobs]] = [[] for _ in submits]  # logprobs not yet on a chunk (the parser held their text)
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
         return {**envelope, "object": "chat.completion.chunk", "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]}
@@ -109,7 +112,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                         {
                             "index": c.index,
                             "message": _message(p),
-                            "logprobs": None,
+                            "logprobs": chat_logprobs(c.logprobs) if wants_logprobs else None,
                             "finish_reason": finish_reason(c.finish_reason or "stop", bool(p.calls)),
                         }
                         for c, p in zip(choices, parsers)
@@ -124,6 +127,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             out = [chunk(index, d) for d in _event_deltas(parsed)]
             if delta.finish:
                 out.append(chunk(index, {}, finish_reason(delta.finish, bool(parsers[index].calls))))
+            unsent[index] += delta.logprobs
+            if out and unsent[index]:
+                out[0]["choices"][0]["logprobs"] = chat_logprobs(unsent[index])
+                unsent[index] = []
             return out
 
         async def final_usage(choices: list[ChoiceResult]) -> dict[str, Any]:
@@ -151,6 +158,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     submits = build_submits(generation, prompt_ids, limits, state.eos_token_ids, state.config.api_replica)
     envelope = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": state.model_id}
     echoed: set[int] = set()
+    wants_logprobs = generation.sampling.logprobs is not None
+    unsent: list[list[TextLogprobs]] = [[] for _ in submits]  # logprobs whose text is held back (an unfinished character)
+    offsets = [0] * len(submits)  # text_offset of each choice's next token
 
     def echo(index: int) -> str:
         if index in echoed:
@@ -165,6 +175,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
         out = [chunk(index, echo(index) + delta.text, None)] if delta.text else []
         if delta.finish:
             out.append(chunk(index, echo(index), delta.finish))
+        unsent[index] += delta.logprobs
+        if out and unsent[index]:
+            out[0]["choices"][0]["logprobs"] = completion_logprobs(unsent[index], offsets[index])
+            offsets[index] += sum(len(e.chosen.token) for e in unsent[index])
+            unsent[index] = []
         return out
 
     async def final_usage(choices: list[ChoiceResult]) -> dict[str, Any]:
@@ -176,7 +191,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
             return web.json_response(
                 {
                     **envelope,
-                    "choices": [{"index": c.index, "text": echo(c.index) + c.text, "logprobs": None, "finish_reason": c.finish_reason} for c in choices],
+                    "choices": [
+                        {
+                            "index": c.index,
+                            "text": echo(c.index) + c.text,
+                            "logprobs": completion_logprobs(c.logprobs) if wants_logprobs else None,
+                            "finish_reason": c.finish_reason,
+                        }
+                        for c in choices
+                    ],
                     "usage": await final_usage(choices),
                 }
             )

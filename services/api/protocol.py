@@ -20,6 +20,8 @@ from shared.frames import SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16
+MAX_LOGPROBS = 20  # most alternatives per token (vLLM's default max_logprobs; OpenAI's chat limit)
+MAX_LOGIT_BIAS = 1024  # entries; they travel with the request to the worker
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -194,6 +196,31 @@ def check_sampling(temperature: float | None, top_p: float | None, top_k: int | 
     return SamplingParams(temperature=temperature, top_p=top_p_value, top_k=top_k_value, min_p=min_p, seed=seed)
 
 
+def check_penalties(sampling: SamplingParams, presence: float, frequency: float, repetition: float) -> SamplingParams:
+    check(-2.0 <= presence <= 2.0, "presence_penalty", f"presence_penalty must be between -2 and 2, got {presence}")
+    check(-2.0 <= frequency <= 2.0, "frequency_penalty", f"frequency_penalty must be between -2 and 2, got {frequency}")
+    check(repetition > 0.0, "repetition_penalty", f"repetition_penalty must be greater than 0, got {repetition}")
+    return msgspec.structs.replace(sampling, presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition)
+
+
+def check_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    """``{"token id": bias}`` with ids in the vocabulary and biases in [-100, 100] (the OpenAI range)."""
+    out: dict[int, float] = {}
+    check(len(bias or {}) <= MAX_LOGIT_BIAS, "logit_bias", f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias or {})}")
+    for key, value in (bias or {}).items():
+        token = int(key) if key.strip().lstrip("-").isdigit() else None
+        check(token is not None, "logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+        check(0 <= token < vocab_size, "logit_bias", f"logit_bias names token id {token}, outside the vocabulary [0, {vocab_size})")  # type: ignore[operator]
+        check(-100.0 <= value <= 100.0, "logit_bias", f"logit_bias values must be between -100 and 100, got {value} for token {token}")
+        out[token] = float(value)  # type: ignore[index]
+    return out
+
+
+def check_logprobs(count: int | None, param: str) -> int | None:
+    check(count is None or 0 <= count <= MAX_LOGPROBS, param, f"{param} must be between 0 and {MAX_LOGPROBS}, got {count}")
+    return count
+
+
 def check_stops(stop: str | list[str] | None, param: str) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     check(len(stops) <= MAX_STOP_STRINGS, param, f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
@@ -205,21 +232,18 @@ def check_max_tokens(max_tokens: int | None, param: str) -> None:
     check(max_tokens is None or max_tokens >= 1, param, f"{param} must be at least 1, got {max_tokens}")
 
 
-def validate_sampling(body: _SamplingBody, served_model: str, max_tokens: int | None, max_tokens_param: str) -> Generation:
+def validate_sampling(body: _SamplingBody, served_model: str, max_tokens: int | None, max_tokens_param: str, vocab_size: int, logprobs: int | None) -> Generation:
     check_model(body.model, served_model)
     check_max_tokens(max_tokens, max_tokens_param)
     sampling = check_sampling(body.temperature, body.top_p, body.top_k, body.min_p, body.seed)
+    sampling = check_penalties(sampling, body.presence_penalty, body.frequency_penalty, body.repetition_penalty)
+    sampling = msgspec.structs.replace(sampling, logit_bias=check_logit_bias(body.logit_bias, vocab_size), logprobs=logprobs)
     check(1 <= body.n <= MAX_CHOICES, "n", f"n must be between 1 and {MAX_CHOICES}, got {body.n}")
     check(body.min_tokens >= 0, "min_tokens", f"min_tokens must be at least 0, got {body.min_tokens}")
     check(
         max_tokens is None or body.min_tokens <= max_tokens, "min_tokens", f"min_tokens ({body.min_tokens}) must not exceed {max_tokens_param} ({max_tokens})"
     )
     stops = check_stops(body.stop, "stop")
-    unsupported(body.presence_penalty == 0.0, "presence_penalty", "a non-zero presence_penalty")
-    unsupported(body.frequency_penalty == 0.0, "frequency_penalty", "a non-zero frequency_penalty")
-    unsupported(body.repetition_penalty == 1.0, "repetition_penalty", "a repetition_penalty other than 1")
-    unsupported(not body.logprobs, "logprobs", "logprobs")
-    unsupported(not body.logit_bias, "logit_bias", "logit_bias")
     include_usage = continuous_usage = False
     if body.stream_options is not None:
         check(body.stream, "stream_options", "stream_options is only allowed when stream is true")
@@ -246,13 +270,15 @@ def unsupported(condition: bool, param: str, what: str) -> None:
         raise ApiError(400, f"{what} is not supported by this server yet", param=param)
 
 
-def validate_chat(body: ChatCompletionRequest, served_model: str, efforts: tuple[str, ...]) -> tuple[Generation, ChatTurn]:
+def validate_chat(body: ChatCompletionRequest, served_model: str, efforts: tuple[str, ...], vocab_size: int) -> tuple[Generation, ChatTurn]:
     check(len(body.messages) > 0, "messages", "messages must be a non-empty list")
     if body.max_tokens is not None and body.max_completion_tokens is not None and body.max_tokens != body.max_completion_tokens:
         raise ApiError(400, "max_tokens and max_completion_tokens disagree; send one of them", param="max_completion_tokens")
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    generation = validate_sampling(body, served_model, body.max_completion_tokens or body.max_tokens, param)
-    unsupported(body.top_logprobs is None, "top_logprobs", "top_logprobs")
+    check(body.logprobs is None or isinstance(body.logprobs, bool), "logprobs", "logprobs must be true or false on chat completions (use top_logprobs for alternatives)")
+    check(body.top_logprobs is None or bool(body.logprobs), "top_logprobs", "top_logprobs requires logprobs: true")
+    logprobs = check_logprobs(body.top_logprobs or 0, "top_logprobs") if body.logprobs else None
+    generation = validate_sampling(body, served_model, body.max_completion_tokens or body.max_tokens, param, vocab_size, logprobs)
     if body.response_format is not None:
         unsupported(body.response_format.type == "text", "response_format", f"response_format of type {body.response_format.type!r}")
     tools = [chat_tool(tool, i) for i, tool in enumerate(body.tools or [])]
@@ -327,7 +353,10 @@ PromptInput = str | list[int]
 
 def validate_completion(body: CompletionRequest, served_model: str, vocab_size: int) -> tuple[Generation, list[PromptInput]]:
     check(body.prompt is not None, "prompt", "you must provide a prompt")
-    generation = validate_sampling(body, served_model, 16 if body.max_tokens is None else body.max_tokens, "max_tokens")
+    check(not isinstance(body.logprobs, bool), "logprobs", "logprobs must be an integer on completions: how many alternatives per token (0 to 20)")
+    logprobs = check_logprobs(body.logprobs, "logprobs")  # type: ignore[arg-type]
+    unsupported(logprobs is None or not body.echo, "logprobs", "logprobs with echo (prompt logprobs)")
+    generation = validate_sampling(body, served_model, 16 if body.max_tokens is None else body.max_tokens, "max_tokens", vocab_size, logprobs)
     unsupported(body.suffix is None, "suffix", "suffix")
     unsupported(body.best_of in (None, 1), "best_of", "best_of other than 1")
     prompts = _prompts(body.prompt)

@@ -15,8 +15,9 @@ import zmq
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.detokenizer.request import RequestDetokState
+from services.detokenizer.token_texts import TokenTexts
 from shared.config import StackConfig
-from shared.frames import DetokOpen, Finish, FinishReason, Heartbeat, TextBatch, TextDelta, TokenBatch
+from shared.frames import DetokOpen, Finish, FinishReason, Heartbeat, TextBatch, TextDelta, TextLogprobs, TokenBatch, TokenLogprobs, TokenText
 from shared.metrics import PREFIX, PROCESS_UP, start_metrics_server
 from shared.tokenizer import load_tokenizer
 from shared.transport import Inbox, Outbox
@@ -45,6 +46,7 @@ class DetokenizerLoop:
         self.to_api = Outbox(ctx, config.api_address, "detokenizer_to_api")
         self.to_scheduler = Outbox(ctx, config.scheduler_address, "detokenizer_to_scheduler")
         self.tokenizer = None
+        self.token_texts: TokenTexts | None = None
         self.requests: dict[str, _Tracked] = {}
         self.state = "loading"
         self.stopping = False
@@ -54,6 +56,7 @@ class DetokenizerLoop:
         signal.signal(signal.SIGINT, lambda *_: setattr(self, "stopping", True))
         self._heartbeat()
         self.tokenizer = load_tokenizer(self.config.model)
+        self.token_texts = TokenTexts(self.tokenizer)
         self.state = "ready"
         PROCESS_UP.labels("detokenizer").set(1)
         next_beat = 0.0
@@ -88,7 +91,9 @@ class DetokenizerLoop:
             IGNORED.inc()
             return None
         tracked.cached_tokens = max(tracked.cached_tokens, delta.cached_tokens)
+        before = tracked.state.completion_tokens
         update = tracked.state.push(delta.token_ids)
+        consumed = tracked.state.completion_tokens - before  # tokens after a matched stop string carry no logprobs
         text, finish = update.text, delta.finish
         if update.finished_by_stop is not None:
             STOP_MATCHES.inc()
@@ -107,7 +112,15 @@ class DetokenizerLoop:
             prompt_tokens=tracked.opened.prompt_tokens,
             cached_tokens=tracked.cached_tokens if finish else 0,
             matched=update.finished_by_stop or "",
+            logprobs=[self._text_logprobs(token_id, lp) for token_id, lp in zip(delta.token_ids[:consumed], delta.logprobs)],
         )
+
+    def _text_logprobs(self, token_id: int, logprobs: TokenLogprobs) -> TextLogprobs:
+        def text(token: int, logprob: float) -> TokenText:
+            token_text, raw = self.token_texts(token)
+            return TokenText(token_text, raw, logprob)
+
+        return TextLogprobs(text(token_id, logprobs.logprob), [text(t, lp) for t, lp in zip(logprobs.top_ids, logprobs.top_logprobs)])
 
     def instrumentation(self) -> dict:
         return {

@@ -165,6 +165,9 @@ class Scheduler:
         request.pending_samples += sample
         sampling = None if request.sampling_sent else request.submit.sampling
         request.sampling_sent = True
+        prompt_len, prefix_ids = 0, []
+        if sampling is not None and sampling.penalised:  # the worker's penalties need every token, cached ones too
+            prompt_len, prefix_ids = len(request.submit.prompt_ids), request.tokens[:start]
         new_blocks = request.blocks[request.blocks_sent :]  # the worker's table grows by these
         request.blocks_sent = len(request.blocks)
         self._register_full_blocks(request)
@@ -176,6 +179,8 @@ class Scheduler:
             new_blocks=new_blocks,
             sample=sample,
             sampling=sampling,
+            prompt_len=prompt_len,
+            prefix_ids=prefix_ids,
         )
 
     def _register_full_blocks(self, request: Request) -> None:
@@ -221,7 +226,10 @@ class Scheduler:
             request.output_ids.append(sampled.token_id)
             reason = self._finish_reason(request, sampled.token_id)
             cached = (request.cached_tokens or 0) if len(request.output_ids) == 1 else 0  # sent once, with the first token
-            outcome.deltas.append(TokenDelta(rid=request.rid, token_ids=[sampled.token_id], finish=reason.value if reason else "", cached_tokens=cached))
+            logprobs = [sampled.logprobs] if sampled.logprobs is not None else []
+            outcome.deltas.append(
+                TokenDelta(rid=request.rid, token_ids=[sampled.token_id], finish=reason.value if reason else "", cached_tokens=cached, logprobs=logprobs)
+            )
             if reason is None:
                 self._register_full_blocks(request)
             else:

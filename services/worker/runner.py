@@ -22,6 +22,8 @@ from services.worker.sampling import sample
 from services.worker.weights import load_weights
 from shared.frames import Sampled, SamplingParams, Slice, StepPlan, StepResult
 
+ALL_PROMPT = 1 << 62  # a prompt_len no prefill reaches: every prefilled token is prompt
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -29,9 +31,20 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class _Request:
     params: SamplingParams
     generator: torch.Generator | None
+    history: TokenHistory | None = None  # only for requests with penalties
+    bias: LogitBias | None = None
+    prompt_len: int = 0  # prefill positions before this are prompt, later ones recomputed outputs
     table: list[int] = field(default_factory=list)
     last_token: int | None = None
     end: int = 0  # positions computed so far: where the next slice must start
+
+    def record_prefill(self, start: int, token_ids: list[int]) -> None:
+        """Tells the penalty history about a prefill chunk: prompt tokens, then (after a preemption) earlier outputs."""
+        if self.history is None:
+            return
+        split = max(0, min(len(token_ids), self.prompt_len - start))
+        self.history.add_prompt(token_ids[:split])
+        self.history.add_outputs(token_ids[split:])
 
 
 class ModelRunner:
@@ -61,11 +74,17 @@ class ModelRunner:
         with torch.inference_mode():
             rids, requests, logits = self._forward(plan.slices)
             if rids:
-                tokens = sample(logits, [r.params for r in requests], [r.generator for r in requests]).tolist()
+                params = [r.params for r in requests]
+                processed = process_logits(logits, params, [r.history for r in requests], [r.bias for r in requests])
+                chosen = sample(processed, params, [r.generator for r in requests])
+                logprobs = token_logprobs(processed, chosen, params)
+                tokens = chosen.tolist()
                 for request, token in zip(requests, tokens):
                     request.last_token = token
-                by_rid = dict(zip(rids, tokens))
-                sampled = [Sampled(s.rid, by_rid[s.rid]) for s in plan.slices if s.sample]
+                    if request.history is not None:
+                        request.history.add_outputs([token])
+                by_rid = {rid: (token, lp) for rid, token, lp in zip(rids, tokens, logprobs)}
+                sampled = [Sampled(s.rid, *by_rid[s.rid]) for s in plan.slices if s.sample]
         return StepResult(step=plan.step, sampled=sampled, forward_s=time.perf_counter() - began)
 
     def logits(self, plan: StepPlan) -> dict[str, torch.Tensor]:
@@ -89,8 +108,11 @@ class ModelRunner:
             if request is None:
                 params = s.sampling or SamplingParams()
                 generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
-                request = self._requests[s.rid] = _Request(params, generator)
+                history = TokenHistory(self.model.vocab_size, params) if params.penalised else None
+                request = self._requests[s.rid] = _Request(params, generator, history, LogitBias.of(params.logit_bias), s.prompt_len or ALL_PROMPT)
+                request.record_prefill(0, s.prefix_ids)
             request.table.extend(s.new_blocks)
+            request.record_prefill(s.start, s.token_ids)
             request.end = s.start + s.num_tokens
 
         # Decode slices first: attention batches them in one call and prefill chunks follow.
@@ -133,6 +155,8 @@ class ModelRunner:
                 raise ValueError(f"slice for {s.rid!r} has start={s.start}, num_tokens={s.num_tokens}")
             if request is not None and s.start != request.end:
                 raise ValueError(f"slice for {s.rid!r} starts at {s.start} but the request has computed {request.end} positions")
+            if s.sampling is not None and any(not 0 <= t < self.model.vocab_size for t in [*s.sampling.logit_bias, *s.prefix_ids]):
+                raise ValueError(f"slice for {s.rid!r} names token ids (logit_bias or prefix_ids) outside the vocabulary of {self.model.vocab_size}")
             if any(not 0 <= b < self.num_blocks for b in s.new_blocks):
                 raise ValueError(f"slice for {s.rid!r} names blocks outside 0..{self.num_blocks - 1}: {s.new_blocks}")
             capacity = (len(request.table) if request else 0) + len(s.new_blocks)

@@ -1,21 +1,100 @@
-"""Batched token sampling: per-row temperature (0 = greedy argmax), top-k, top-p, min-p and seed.
+"""Batched token sampling: logit bias and penalties, then per-row temperature (0 = greedy argmax),
+top-k, top-p, min-p and seed, and the logprobs a request asks for.
 
-Each row's result depends only on its own logits and generator, never on the other rows, so
-a seeded request draws the same tokens whatever batch it shares. A draw is an exponential race
-(``argmax(p / E)`` with ``E ~ Exp(1)`` per token), which samples exactly from ``p``.
+Each row's result depends only on its own logits, history and generator, never on the other
+rows, so a seeded request draws the same tokens whatever batch it shares. A draw is an
+exponential race (``argmax(p / E)`` with ``E ~ Exp(1)`` per token), which samples exactly from ``p``.
+
+Logprobs are "processed" ones: the log-softmax of the logits after ``logit_bias`` and the
+penalties, before temperature and the top-k / top-p / min-p filters (so they are finite and
+the same whatever the temperature, and a penalised token's logprob shows its penalty).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
-from shared.frames import SamplingParams
+from shared.frames import SamplingParams, TokenLogprobs
+
+
+class TokenHistory:
+    """One request's tokens as the penalties see them: a count per vocabulary entry of its output
+    tokens and, for the repetition penalty, which entries its prompt holds. Updates cost O(tokens)."""
+
+    def __init__(self, vocab_size: int, params: SamplingParams) -> None:
+        self.output_counts = torch.zeros(vocab_size, dtype=torch.int32)
+        self.prompt_seen = torch.zeros(vocab_size, dtype=torch.bool) if params.repetition_penalty != 1 else None
+
+    def add_prompt(self, token_ids: Sequence[int]) -> None:
+        if self.prompt_seen is not None and token_ids:
+            self.prompt_seen[torch.tensor(token_ids)] = True
+
+    def add_outputs(self, token_ids: Sequence[int]) -> None:
+        if token_ids:
+            ids = torch.tensor(token_ids)
+            self.output_counts.index_add_(0, ids, torch.ones(len(token_ids), dtype=torch.int32))
+
+
+class LogitBias(NamedTuple):
+    """A request's ``logit_bias`` as two tensors, built once: token ids and the biases added to them."""
+
+    ids: torch.Tensor
+    values: torch.Tensor
+
+    @classmethod
+    def of(cls, bias: dict[int, float]) -> LogitBias | None:
+        if not bias:
+            return None
+        return cls(torch.tensor(list(bias), dtype=torch.long), torch.tensor(list(bias.values()), dtype=torch.float32))
+
+
+def process_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[TokenHistory | None] | None = None,
+    biases: Sequence[LogitBias | None] | None = None,
+) -> torch.Tensor:
+    """``logits`` [N, V] as float32 with each row's logit bias added, then its penalties applied (vLLM's order and math).
+
+    May work in place on a float32 ``logits``.
+    """
+    logits = logits.float()
+    if biases is not None and any(b is not None for b in biases):
+        bias_rows = [i for i, b in enumerate(biases) if b is not None]
+        rows = torch.cat([torch.full((len(biases[i].ids),), i, dtype=torch.long) for i in bias_rows])  # type: ignore[union-attr]
+        cols = torch.cat([biases[i].ids for i in bias_rows])  # type: ignore[union-attr]
+        logits.index_put_((rows, cols), torch.cat([biases[i].values for i in bias_rows]), accumulate=True)  # type: ignore[union-attr]
+    if histories is not None and any(h is not None for h in histories):
+        _apply_penalties(logits, params, histories)
+    return logits
+
+
+def _apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory | None]) -> None:
+    """repetition: a seen token's positive logit is divided by it, a negative one multiplied (prompt and output tokens);
+    frequency: minus penalty x the token's output count; presence: minus penalty once the token was output."""
+    rows = [i for i, h in enumerate(histories) if h is not None]
+    index = torch.tensor(rows)
+    counts = torch.stack([histories[i].output_counts for i in rows])  # type: ignore[union-attr]
+    emitted = counts > 0
+    seen = emitted.clone()
+    for j, i in enumerate(rows):
+        if (prompt := histories[i].prompt_seen) is not None:  # type: ignore[union-attr]
+            seen[j] |= prompt
+    chosen = [params[i] for i in rows]
+    repetition = torch.tensor([p.repetition_penalty for p in chosen])[:, None]
+    frequency = torch.tensor([p.frequency_penalty for p in chosen])[:, None]
+    presence = torch.tensor([p.presence_penalty for p in chosen])[:, None]
+    sub = logits[index]
+    sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
+    sub -= frequency * counts + presence * emitted
+    logits[index] = sub
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """One token id per row of ``logits`` [N, V]; ``generators[i]`` is row i's rng (None: the global one)."""
+    """One token id per row of ``logits`` [N, V] (already processed); ``generators[i]`` is row i's rng (None: the global one)."""
     greedy = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if p.temperature > 0]
     if not random_rows:
@@ -35,6 +114,25 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
             race[j].exponential_(generator=generator)
     drawn = probs.div_(race.clamp_min_(1e-30)).argmax(dim=-1)
     return greedy.index_copy_(0, rows, drawn)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams]) -> list[TokenLogprobs | None]:
+    """For rows that ask for logprobs: the sampled token's log-probability under ``logits`` (processed) and the
+    ``params.logprobs`` most likely tokens', best first; None for the other rows."""
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return out
+    index = torch.tensor(rows)
+    logprobs = torch.log_softmax(logits[index].float(), dim=-1)
+    chosen = logprobs.gather(1, tokens[index][:, None]).squeeze(1).tolist()
+    k = min(max(params[i].logprobs or 0 for i in rows), logprobs.shape[-1])
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    for j, i in enumerate(rows):
+        wanted = params[i].logprobs or 0
+        out[i] = TokenLogprobs(chosen[j], top_ids[j][:wanted], top_values[j][:wanted])
+    return out
 
 
 def _filter_mask(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor | None:

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from services.api.errors import ApiError
-from shared.frames import EngineStatus, Submit, TextDelta
+from shared.frames import EngineStatus, Submit, TextDelta, TextLogprobs, TokenText
 
 
 class MatchedDelta(TextDelta):
@@ -62,12 +62,14 @@ class ScriptedEngine:
         self.submits.append(submit)
         script = self.scripts.pop(0) if self.scripts else Script(["Hello", " world"])
         finished = False
+        wanted = submit.sampling.logprobs
         try:
             for i, piece in enumerate(script.pieces):
                 if script.delay_s:
                     await asyncio.sleep(script.delay_s)
                 last = i == len(script.pieces) - 1 and script.error is None
                 tokens = min(i + 1, submit.max_tokens)
+                logprobs = [] if wanted is None else [scripted_logprobs(piece, i, wanted)]
                 if last:
                     finished = True
                     finish = "length" if script.finish == "length" else script.finish
@@ -79,12 +81,20 @@ class ScriptedEngine:
                         prompt_tokens=len(submit.prompt_ids),
                         cached_tokens=script.cached_tokens,
                         matched=script.matched,
+                        logprobs=logprobs,
                     )
                 else:
-                    yield TextDelta(rid=submit.rid, text=piece, completion_tokens=tokens, prompt_tokens=len(submit.prompt_ids))
+                    yield TextDelta(rid=submit.rid, text=piece, completion_tokens=tokens, prompt_tokens=len(submit.prompt_ids), logprobs=logprobs)
             if script.error is not None:
                 finished = True
                 raise script.error
         finally:
             if not finished:
                 self.aborted.append(submit.rid)
+
+
+def scripted_logprobs(piece: str, position: int, top: int) -> TextLogprobs:
+    """Each piece is one token with logprob -(position + 1) / 10; its ``top`` alternatives are the piece then ``alt1``, ``alt2``…"""
+    logprob = -(position + 1) / 10
+    alternatives = [TokenText(piece, piece.encode(), logprob)] + [TokenText(f"alt{k}", f"alt{k}".encode(), logprob - k) for k in range(1, top)]
+    return TextLogprobs(TokenText(piece, piece.encode(), logprob), alternatives[:top])

@@ -164,9 +164,15 @@ async def test_refusals_name_the_field(qwen: Api) -> None:
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [{"type": "code_interpreter", "function": {"name": "x"}}]}, "tools[0].type"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"logit_bias": {"1": 2.0}}, "logit_bias"),
-        ({"logprobs": True}, "logprobs"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logit_bias": {"999999": 2.0}}, "logit_bias"),
+        ({"logit_bias": {"1": 101}}, "logit_bias"),
+        ({"logit_bias": {"dog": 1}}, "logit_bias"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": 3}, "logprobs"),
     ]
     for extra, param in cases:
         status, body = await qwen.post("/v1/chat/completions", {**base, **extra})
