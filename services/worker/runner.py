@@ -18,7 +18,7 @@ import torch
 
 from services.worker.attention import AttentionMetadata, KVCache
 from services.worker.models import model_family
-from services.worker.sampling import sample
+from services.worker.sampling import LogitBias, TokenHistory, process_logits, sample, token_logprobs
 from services.worker.weights import load_weights
 from shared.frames import Sampled, SamplingParams, Slice, StepPlan, StepResult
 

@@ -23,8 +23,11 @@ from shared.frames import (
     Submit,
     TextBatch,
     TextDelta,
+    TextLogprobs,
     TokenBatch,
     TokenDelta,
+    TokenLogprobs,
+    TokenText,
 )
 
 EXAMPLES = [
@@ -41,17 +44,27 @@ EXAMPLES = [
         reply_to="api-0",
     ),
     Submit(rid="r2", prompt_ids=[5], max_tokens=1),
+    Submit(
+        rid="r3",
+        prompt_ids=[5],
+        max_tokens=1,
+        sampling=SamplingParams(presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.2, logit_bias={7: -100.0, 9: 2.5}, logprobs=0),
+    ),
     Abort(rid="r1"),
     StepPlan(
         step=9,
         slices=[
             Slice(rid="r1", start=0, num_tokens=3, token_ids=[1, 2, 3], new_blocks=[4], sample=True, sampling=SamplingParams(seed=1)),
             Slice(rid="r2", start=7, num_tokens=1),
+            Slice(rid="r3", start=2, num_tokens=1, token_ids=[3], sampling=SamplingParams(frequency_penalty=1.0), prompt_len=3, prefix_ids=[1, 2]),
         ],
     ),
     Release(rids=["r1", "r2"]),
     StepResult(step=9, sampled=[Sampled(rid="r1", token_id=42)], forward_s=0.01),
     StepResult(step=10, sampled=[], error="boom"),
+    StepResult(step=11, sampled=[Sampled(rid="r3", token_id=4, logprobs=TokenLogprobs(-0.25, [4, 1], [-0.25, -1.5]))]),
+    TokenBatch(deltas=[TokenDelta(rid="r3", token_ids=[4], logprobs=[TokenLogprobs(0.0)])]),
+    TextBatch(deltas=[TextDelta(rid="r3", text="\ufffd", logprobs=[TextLogprobs(TokenText("\ufffd", b"\xf0\x9f", -0.5), [TokenText("a", b"a", -1.0)])])]),
     TokenBatch(
         opened=[DetokOpen(rid="r1", prompt_tokens=3, stop=["x"], skip_special_tokens=False, reply_to="api-0")],
         deltas=[TokenDelta(rid="r1", token_ids=[42], finish="length")],

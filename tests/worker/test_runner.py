@@ -139,3 +139,59 @@ def test_bfloat16_runs_close_to_the_fp32_reference(untied: Checkpoint) -> None:
         theirs = untied.reference(torch.tensor([prompt])).logits[0, -1]
     assert runner.describe()["dtype"] == "bfloat16"
     assert ((ours - theirs).norm() / theirs.norm()).item() < 0.05
+
+
+PENALISED = SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.7, presence_penalty=0.4, logit_bias={5: 2.0}, logprobs=3)
+
+
+def _reference_processed(raw: torch.Tensor, prompt: list[int], outputs: list[int], params: SamplingParams) -> torch.Tensor:
+    """The penalties written out token by token, as vLLM documents them (bias, then repetition, frequency, presence)."""
+    logits = raw.clone().float()
+    for token, bias in params.logit_bias.items():
+        logits[token] += bias
+    for token in set(prompt) | set(outputs):
+        logits[token] = logits[token] / params.repetition_penalty if logits[token] > 0 else logits[token] * params.repetition_penalty
+    for token in set(outputs):
+        logits[token] -= params.frequency_penalty * outputs.count(token) + params.presence_penalty
+    return logits
+
+
+def test_penalties_see_every_token_of_the_request_through_chunks_recomputation_and_cached_prefixes(untied: Checkpoint) -> None:
+    prompt = [7, 9, 7, 11, 12, 9, 30, 31, 7]  # repeats, so the repetition penalty bites from the first token
+    runner = ModelRunner(untied.path, 32, 4)
+    runner.execute(StepPlan(0, [Slice("p", 0, 5, prompt[:5], [0, 1], sample=False, sampling=PENALISED, prompt_len=len(prompt))]))
+    results = [runner.execute(StepPlan(1, [Slice("p", 5, 4, prompt[5:], [2])])).sampled[0]]
+    for step in range(7):
+        results.append(runner.execute(StepPlan(2 + step, [Slice("p", len(prompt) + step, 1, new_blocks=[3 + step // 4] if step % 4 == 3 else [])])).sampled[0])
+    outputs = [s.token_id for s in results]
+
+    # The reference: the same positions' raw logits from a plain runner, penalised by the formula above.
+    plain = ModelRunner(untied.path, 32, 4)
+    raw = [plain.logits(StepPlan(0, [Slice("r", 0, len(prompt), prompt, [0, 1, 2], sampling=GREEDY)]))["r"]]
+    for i, token in enumerate(outputs[:-1]):
+        raw.append(plain.logits(StepPlan(1 + i, [Slice("r", len(prompt) + i, 1, [token], [3 + (i + 1) // 4] if i % 4 == 3 else [])]))["r"])
+    for i, (sampled, logits) in enumerate(zip(results, raw)):
+        expected = _reference_processed(logits, prompt, outputs[:i], PENALISED)
+        logprobs = torch.log_softmax(expected, dim=-1)
+        assert sampled.token_id == expected.argmax().item()
+        assert sampled.logprobs.logprob == pytest.approx(logprobs[sampled.token_id].item(), abs=1e-5)
+        assert sampled.logprobs.top_ids == logprobs.topk(3).indices.tolist()
+    assert len(set(outputs)) > 3  # the penalties keep a tiny model from looping on one token
+
+    # Recomputed after a preemption: the prefill holds prompt and 4 outputs; those 4 still count as outputs.
+    again = ModelRunner(untied.path, 32, 4)
+    tokens = prompt + outputs[:4]
+    sampled = again.execute(StepPlan(0, [Slice("p", 0, len(tokens), tokens, [0, 1, 2, 3], sampling=PENALISED, prompt_len=len(prompt))])).sampled[0]
+    assert sampled.token_id == outputs[4]
+    # A prefix-cache hit: the first 8 prompt tokens' KV is in blocks 0-1 (written by another request); they arrive as prefix_ids.
+    cached = ModelRunner(untied.path, 32, 4)
+    cached.execute(StepPlan(0, [Slice("other", 0, 8, prompt[:8], [0, 1], sampling=GREEDY)]))
+    hit = Slice("p", 8, 1, prompt[8:], [0, 1, 2], sampling=PENALISED, prompt_len=len(prompt), prefix_ids=prompt[:8])
+    assert cached.execute(StepPlan(1, [hit])).sampled[0].token_id == outputs[0]
+
+
+def test_logprobs_travel_only_when_asked(untied: Checkpoint) -> None:
+    runner = ModelRunner(untied.path, 16, 4)
+    result = runner.execute(StepPlan(0, [Slice("a", 0, 3, [5, 6, 7], [0], sampling=GREEDY), Slice("b", 0, 3, [5, 6, 7], [1], sampling=SamplingParams(temperature=0.0, logprobs=0))]))
+    assert result.sampled[0].logprobs is None
+    assert result.sampled[1].logprobs.top_ids == [] and result.sampled[1].logprobs.logprob < 0

@@ -1,5 +1,6 @@
 """Batched sampling: greedy is exact argmax, filters keep the right tokens, draws follow the
-distribution, and a seeded row draws the same tokens whatever batch it shares."""
+distribution, a seeded row draws the same tokens whatever batch it shares; penalties and
+logit bias move exactly the logits they should, and logprobs are those of the processed logits."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import math
 import pytest
 import torch
 
-from services.worker.sampling import sample
+from services.worker.sampling import LogitBias, TokenHistory, process_logits, sample, token_logprobs
 from shared.frames import SamplingParams
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
@@ -83,3 +84,100 @@ def test_different_seeds_draw_different_tokens() -> None:
         gen = torch.Generator().manual_seed(seed)
         runs.append([sample(logits, [SamplingParams(temperature=1.0, seed=seed)], [gen]).item() for _ in range(8)])
     assert runs[0] != runs[1]
+
+
+# Penalties, logit bias and logprobs on fixed logit vectors. -------------------------------------
+
+LOGITS = torch.tensor([[2.0, -1.0, 0.5, -3.0, 1.0, 0.0]])
+
+
+def _history(params: SamplingParams, prompt: list[int], outputs: list[int]) -> TokenHistory:
+    history = TokenHistory(LOGITS.shape[-1], params)
+    history.add_prompt(prompt)
+    history.add_outputs(outputs)
+    return history
+
+
+def test_penalties_lower_repeated_tokens_by_the_documented_amounts() -> None:
+    # token 0 (2.0) output twice, token 1 (-1.0) output once, token 3 (-3.0) in the prompt only, 5 (0.0) in both
+    prompt, outputs = [3, 5], [0, 1, 0, 5]
+    cases = [
+        (SamplingParams(presence_penalty=0.5), [1.5, -1.5, 0.5, -3.0, 1.0, -0.5]),
+        (SamplingParams(frequency_penalty=0.25), [1.5, -1.25, 0.5, -3.0, 1.0, -0.25]),
+        (SamplingParams(frequency_penalty=-1.0), [4.0, 0.0, 0.5, -3.0, 1.0, 1.0]),
+        # repetition: seen positive logits divided, negative multiplied, prompt tokens included
+        (SamplingParams(repetition_penalty=2.0), [1.0, -2.0, 0.5, -6.0, 1.0, 0.0]),
+        (SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25), [0.0, -2.75, 0.5, -6.0, 1.0, -0.75]),
+    ]
+    for params, expected in cases:
+        processed = process_logits(LOGITS.clone(), [params], [_history(params, prompt, outputs)])
+        assert processed[0].tolist() == pytest.approx(expected), params
+
+
+def test_repetition_penalty_ignores_the_prompt_for_presence_and_frequency() -> None:
+    params = SamplingParams(presence_penalty=1.0, frequency_penalty=1.0)
+    processed = process_logits(LOGITS.clone(), [params], [_history(params, [0, 0, 0, 4], [])])
+    assert torch.equal(processed, LOGITS)
+
+
+def test_logit_bias_shifts_and_can_force_or_ban_a_token() -> None:
+    bias = LogitBias.of({3: 10.0, 0: -100.0})
+    processed = process_logits(LOGITS.clone(), [SamplingParams()], None, [bias])
+    assert processed[0].tolist() == pytest.approx([-98.0, -1.0, 0.5, 7.0, 1.0, 0.0])
+    assert sample(processed, [SamplingParams(temperature=0.0)], [None]).item() == 3
+    # bias is added before the penalties (vLLM's order): token 3 biased to 7, then divided by 2
+    params = SamplingParams(repetition_penalty=2.0)
+    processed = process_logits(LOGITS.clone(), [params], [_history(params, [3], [])], [bias])
+    assert processed[0, 3].item() == pytest.approx(3.5)
+
+
+def test_rows_keep_their_own_penalties_and_biases_in_a_batch() -> None:
+    penalised = SamplingParams(frequency_penalty=1.0)
+    logits = LOGITS.repeat(3, 1)
+    processed = process_logits(logits.clone(), [SamplingParams(), penalised, SamplingParams()], [None, _history(penalised, [], [0]), None], [None, None, LogitBias.of({1: 1.0})])
+    assert torch.equal(processed[0], LOGITS[0])
+    assert processed[1].tolist() == pytest.approx([1.0, -1.0, 0.5, -3.0, 1.0, 0.0])
+    assert processed[2].tolist() == pytest.approx([2.0, 0.0, 0.5, -3.0, 1.0, 0.0])
+
+
+def test_logprobs_are_the_log_softmax_of_the_processed_logits() -> None:
+    logits = _logits(3, vocab=50)
+    params = [SamplingParams(temperature=0.0, logprobs=5), SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=3, logprobs=0)]
+    bias = [LogitBias.of({7: 4.0}), None, None]
+    processed = process_logits(logits.clone(), params, None, bias)
+    tokens = sample(processed, params, [None] * 3)
+    out = token_logprobs(processed, tokens, params)
+    expected = torch.log_softmax(processed, dim=-1)
+    assert out[1] is None
+    assert out[0].logprob == pytest.approx(expected[0, tokens[0]].item()) and tokens[0] == processed[0].argmax()
+    assert out[0].top_ids == expected[0].topk(5).indices.tolist()
+    assert out[0].top_logprobs == sorted(out[0].top_logprobs, reverse=True) and len(out[0].top_logprobs) == 5
+    assert out[0].top_logprobs == pytest.approx(expected[0].topk(5).values.tolist())
+    # not the temperature-scaled or top-k-truncated distribution: logprobs stay finite and independent of them
+    assert out[2].logprob == pytest.approx(expected[2, tokens[2]].item()) and out[2].top_ids == []
+
+
+def test_seeded_penalised_row_draws_the_same_tokens_in_any_batch() -> None:
+    logits = _logits(3, vocab=200)
+    seeded = SamplingParams(temperature=1.0, seed=11, presence_penalty=1.5, repetition_penalty=1.2, logit_bias={4: 2.0})
+
+    def draws(batch: list[int]) -> list[int]:
+        row = batch.index(0)
+        gen = torch.Generator().manual_seed(11)
+        history = TokenHistory(200, seeded)
+        history.add_prompt([4, 9])
+        others = SamplingParams(temperature=0.9, frequency_penalty=0.5)
+        params = [seeded if i == 0 else others for i in batch]
+        out = []
+        for _ in range(12):
+            histories = [history if i == 0 else TokenHistory(200, others) for i in batch]
+            biases = [LogitBias.of(p.logit_bias) for p in params]
+            processed = process_logits(logits[batch].clone(), params, histories, biases)
+            token = sample(processed, params, [gen if i == 0 else None for i in batch])[row].item()
+            history.add_outputs([token])
+            out.append(token)
+        return out
+
+    alone = draws([0])
+    assert draws([2, 0, 1]) == alone and draws([1, 2, 0]) == alone
+    assert len(set(alone)) > 2  # it really samples
