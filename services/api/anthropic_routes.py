@@ -20,7 +20,7 @@ from aiohttp import web
 from services.api.anthropic_protocol import CountTokensRequest, MessagesRequest, turn_of, validate_messages
 from services.api.errors import ApiError
 from services.api.generation import chat_submits, engine_run, parsed_stream
-from services.api.output_parsing import Event, OutputParser, Reasoning, ToolCall
+from services.api.output_parsing import Event, OutputParser, Reasoning, ToolCall, ToolCallDelta, ToolCallStart
 from services.api.protocol import check_model, read_body
 from services.api.sse import EventWriter, with_keepalive
 from services.api.state import API_STATE, ApiState
@@ -42,9 +42,16 @@ class ContentBuilder:
     def feed(self, events: list[Event]) -> list[Emitted]:
         out: list[Emitted] = []
         for event in events:
-            if isinstance(event, ToolCall):
+            if isinstance(event, ToolCallStart):
                 out += self.close()
-                out += self._tool_use(event)
+                out += self._start({"type": "tool_use", "id": event.id, "name": event.name, "input": {}})
+                continue
+            if isinstance(event, ToolCallDelta):
+                out.append(self._delta({"type": "input_json_delta", "partial_json": event.arguments}))
+                continue
+            if isinstance(event, ToolCall):
+                self.open = {"type": "tool_use", "id": event.id, "name": event.name, "input": json.loads(event.arguments)}
+                out += self.close()
                 continue
             kind, field, delta_type = ("thinking", "thinking", "thinking_delta") if isinstance(event, Reasoning) else ("text", "text", "text_delta")
             text = event.text if kind == "text" or self.show_thinking else ""
@@ -69,12 +76,6 @@ class ContentBuilder:
 
     def _delta(self, delta: dict[str, Any]) -> Emitted:
         return ("content_block_delta", {"type": "content_block_delta", "index": len(self.blocks), "delta": delta})
-
-    def _tool_use(self, call: ToolCall) -> list[Emitted]:
-        out = self._start({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
-        out.append(self._delta({"type": "input_json_delta", "partial_json": call.arguments}))
-        self.open = {"type": "tool_use", "id": call.id, "name": call.name, "input": json.loads(call.arguments)}
-        return out + self.close()
 
 
 def stop_reason(delta: TextDelta, made_calls: bool) -> tuple[str, str | None]:

@@ -12,7 +12,7 @@ from aiohttp import web
 from services.api.errors import ApiError
 from services.api.generation import ChoiceResult, build_submits, chat_submits, collect, collect_parsed, context_limit, engine_run, parsed_stream
 from services.api.logprobs import chat_logprobs, completion_logprobs
-from services.api.output_parsing import Content, Event, OutputParser, Reasoning, ToolCall, finish_reason
+from services.api.output_parsing import Content, Event, OutputParser, Reasoning, ToolCallDelta, ToolCallStart, finish_reason
 from services.api.protocol import ChatCompletionRequest, CompletionRequest, Generation, read_body, validate_chat, validate_completion
 from services.api.sse import SseWriter
 from services.api.state import API_STATE, ApiState
@@ -58,23 +58,18 @@ async def get_model(request: web.Request) -> web.Response:
     return web.json_response(state.model_card())
 
 
-def _tool_call_deltas(call: ToolCall) -> list[dict[str, Any]]:
-    """A call streams as its id and name first, then its arguments (JSON text that is complete when concatenated)."""
-    return [
-        {"tool_calls": [{"index": call.index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}]},
-        {"tool_calls": [{"index": call.index, "function": {"arguments": call.arguments}}]},
-    ]
-
-
 def _event_deltas(events: list[Event]) -> list[dict[str, Any]]:
+    """A call streams as its id and name first, then its argument fragments (JSON text, complete when concatenated)."""
     deltas: list[dict[str, Any]] = []
     for event in events:
         if isinstance(event, Reasoning):
             deltas.append({"reasoning_content": event.text})
         elif isinstance(event, Content):
             deltas.append({"content": event.text})
-        else:
-            deltas += _tool_call_deltas(event)
+        elif isinstance(event, ToolCallStart):
+            deltas.append({"tool_calls": [{"index": event.index, "id": event.id, "type": "function", "function": {"name": event.name, "arguments": ""}}]})
+        elif isinstance(event, ToolCallDelta):
+            deltas.append({"tool_calls": [{"index": event.index, "function": {"arguments": event.arguments}}]})
     return deltas
 
 

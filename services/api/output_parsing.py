@@ -11,27 +11,45 @@ import uuid
 from typing import NamedTuple
 
 from services.api.reasoning import Content, Reasoning, ReasoningSplitter
-from services.api.tool_parsers import ParsedCall, ToolParser
+from services.api.tool_parsers import CallArgs, CallEnd, CallStart, Piece, ToolParser
 
-__all__ = ["Content", "OutputParser", "Reasoning", "ToolCall", "Event", "finish_reason"]
+__all__ = ["Content", "OutputParser", "Reasoning", "ToolCall", "ToolCallDelta", "ToolCallStart", "Event", "finish_reason"]
+
+
+class ToolCallStart(NamedTuple):
+    """A call begins: its id and name are known, its arguments follow in ``ToolCallDelta`` events."""
+
+    index: int  # among this answer's calls
+    id: str
+    name: str
+
+
+class ToolCallDelta(NamedTuple):
+    index: int
+    arguments: str  # a fragment; a call's fragments concatenate to its ``ToolCall.arguments``
 
 
 class ToolCall(NamedTuple):
-    index: int  # among this answer's calls
+    """A call ends (every started call does): the whole of it."""
+
+    index: int
     id: str
     name: str
     arguments: str  # a JSON object's text
 
 
-Event = Reasoning | Content | ToolCall
+Event = Reasoning | Content | ToolCallStart | ToolCallDelta | ToolCall
 
 
 def _merge(events: list[Event]) -> list[Event]:
-    """Adjacent text pieces of one kind as one piece."""
+    """Adjacent text pieces of one kind as one piece; adjacent argument fragments of one call as one."""
     out: list[Event] = []
     for event in events:
-        if out and type(event) is type(out[-1]) and not isinstance(event, ToolCall):
-            out[-1] = type(event)(out[-1].text + event.text)  # type: ignore[union-attr]
+        last = out[-1] if out else None
+        if isinstance(event, Reasoning | Content) and type(event) is type(last):
+            out[-1] = type(event)(last.text + event.text)  # type: ignore[union-attr]
+        elif isinstance(event, ToolCallDelta) and isinstance(last, ToolCallDelta) and last.index == event.index:
+            out[-1] = ToolCallDelta(event.index, last.arguments + event.arguments)
         else:
             out.append(event)
     return out
@@ -45,7 +63,9 @@ class OutputParser:
         self.reasoning_parts: list[str] = []
         self.content_parts: list[str] = []
         self.calls: list[ToolCall] = []
-        self._minted = 0
+        self._open: ToolCallStart | None = None
+        self._started = 0
+        self._arguments: list[str] = []
 
     @property
     def reasoning(self) -> str:
@@ -80,15 +100,22 @@ class OutputParser:
                 self.reasoning_parts.append(event.text)
             elif isinstance(event, Content):
                 self.content_parts.append(event.text)
-            else:
+            elif isinstance(event, ToolCall):
                 self.calls.append(event)
         return events
 
-    def _event(self, piece: object) -> Event:
-        if isinstance(piece, ParsedCall):
-            self._minted += 1
-            return ToolCall(self._minted - 1, f"{self.id_prefix}{uuid.uuid4().hex[:24]}", piece.name, piece.arguments)
-        return Content(piece.text)  # type: ignore[attr-defined]
+    def _event(self, piece: Piece) -> Event:
+        if isinstance(piece, CallStart):
+            self._started += 1
+            self._open, self._arguments = ToolCallStart(self._started - 1, f"{self.id_prefix}{uuid.uuid4().hex[:24]}", piece.name), []
+            return self._open
+        if isinstance(piece, CallArgs):
+            self._arguments.append(piece.text)
+            return ToolCallDelta(self._open.index, piece.text)  # type: ignore[union-attr]
+        if isinstance(piece, CallEnd):
+            call, self._open = self._open, None
+            return ToolCall(call.index, call.id, call.name, "".join(self._arguments))  # type: ignore[union-attr]
+        return Content(piece.text)
 
 
 def finish_reason(engine_finish: str, made_calls: bool) -> str:

@@ -17,7 +17,7 @@ from aiohttp import web
 from services.api.chat import ChatTurn
 from services.api.errors import ApiError
 from services.api.generation import chat_submits, engine_run, parsed_stream
-from services.api.output_parsing import Event, OutputParser, Reasoning, ToolCall
+from services.api.output_parsing import Event, OutputParser, Reasoning, ToolCall, ToolCallDelta, ToolCallStart
 from services.api.protocol import Generation, read_body
 from services.api.responses_protocol import ResponsesRequest, tool_choice_echo, validate_responses
 from services.api.sse import EventWriter
@@ -39,14 +39,22 @@ class OutputBuilder:
     def __init__(self) -> None:
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item being written (reasoning or message)
+        self.call: dict[str, Any] | None = None  # the function call being streamed
         self.text = ""
 
     def feed(self, events: list[Event]) -> list[Emitted]:
         out: list[Emitted] = []
         for event in events:
-            if isinstance(event, ToolCall):
+            if isinstance(event, ToolCallStart):
                 out += self._close("completed")
-                out += self._call(event)
+                out += self._call_start(event)
+                continue
+            if isinstance(event, ToolCallDelta):
+                ids = {"item_id": self.call["id"], "output_index": len(self.output)}  # type: ignore[index]
+                out.append(("response.function_call_arguments.delta", {"type": "response.function_call_arguments.delta", **ids, "delta": event.arguments}))
+                continue
+            if isinstance(event, ToolCall):
+                out += self._call_end(event)
                 continue
             kind = "reasoning" if isinstance(event, Reasoning) else "message"
             if self.open is None or self.open["type"] != kind:
@@ -99,15 +107,17 @@ class OutputBuilder:
             ("response.output_item.done", {"type": "response.output_item.done", "output_index": index, "item": item}),
         ]
 
-    def _call(self, call: ToolCall) -> list[Emitted]:
-        index = len(self.output)
-        item = {"id": _id("fc"), "type": "function_call", "call_id": call.id, "name": call.name, "arguments": "", "status": "in_progress"}
-        ids = {"item_id": item["id"], "output_index": index}
-        done = item | {"arguments": call.arguments, "status": "completed"}
+    def _call_start(self, call: ToolCallStart) -> list[Emitted]:
+        self.call = {"id": _id("fc"), "type": "function_call", "call_id": call.id, "name": call.name, "arguments": "", "status": "in_progress"}
+        return [("response.output_item.added", {"type": "response.output_item.added", "output_index": len(self.output), "item": dict(self.call)})]
+
+    def _call_end(self, call: ToolCall) -> list[Emitted]:
+        index, item = len(self.output), self.call
+        ids = {"item_id": item["id"], "output_index": index}  # type: ignore[index]
+        done = item | {"arguments": call.arguments, "status": "completed"}  # type: ignore[operator]
         self.output.append(done)
+        self.call = None
         return [
-            ("response.output_item.added", {"type": "response.output_item.added", "output_index": index, "item": item}),
-            ("response.function_call_arguments.delta", {"type": "response.function_call_arguments.delta", **ids, "delta": call.arguments}),
             ("response.function_call_arguments.done", {"type": "response.function_call_arguments.done", **ids, "arguments": call.arguments}),
             ("response.output_item.done", {"type": "response.output_item.done", "output_index": index, "item": done}),
         ]

@@ -15,6 +15,7 @@ import re
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, NamedTuple
 
+from services.api.json_stream import JsonStreamer
 from services.api.reasoning import held_prefix
 from services.api.tools import ToolSpec
 
@@ -24,12 +25,34 @@ class Text(NamedTuple):
 
 
 class ParsedCall(NamedTuple):
+    """A call parsed whole: ``arguments`` is the text of a JSON object."""
+
     name: str
-    arguments: str  # the text of a JSON object
+    arguments: str
+
+
+class CallStart(NamedTuple):
+    name: str
+
+
+class CallArgs(NamedTuple):
+    """A fragment of the open call's arguments; a call's fragments concatenate to a JSON object's text."""
+
+    text: str
+
+
+class CallEnd(NamedTuple):
+    pass
+
+
+Piece = Text | CallStart | CallArgs | CallEnd
 
 
 class ToolParser(ABC):
-    """Incremental parser of one answer: ``feed`` each text delta, then ``finish`` once."""
+    """Incremental parser of one answer: ``feed`` each text delta, then ``finish`` once.
+
+    A call comes out as ``CallStart``, ``CallArgs`` fragments and ``CallEnd``; every started call ends.
+    """
 
     name: ClassVar[str]
 
@@ -37,18 +60,33 @@ class ToolParser(ABC):
         self.tools = {tool.name: tool for tool in tools}
         self.parallel = parallel
         self.calls = 0
+        self._muted = False  # the open call is dropped: parallel calls are off and one came already
 
     @abstractmethod
-    def feed(self, text: str) -> list[Text | ParsedCall]: ...
+    def feed(self, text: str) -> list[Piece]: ...
 
     @abstractmethod
-    def finish(self) -> list[Text | ParsedCall]: ...
+    def finish(self) -> list[Piece]: ...
 
-    def _accept(self, call: ParsedCall, out: list[Text | ParsedCall]) -> None:
-        """Counts a valid call; yields it unless parallel calls are off and one came already."""
+    def _start(self, name: str, out: list[Piece]) -> None:
         self.calls += 1
-        if self.parallel or self.calls == 1:
-            out.append(call)
+        self._muted = not self.parallel and self.calls > 1
+        if not self._muted:
+            out.append(CallStart(name))
+
+    def _args(self, text: str, out: list[Piece]) -> None:
+        if text and not self._muted:
+            out.append(CallArgs(text))
+
+    def _end(self, out: list[Piece]) -> None:
+        if not self._muted:
+            out.append(CallEnd())
+
+    def _accept(self, call: ParsedCall, out: list[Piece]) -> None:
+        """A call parsed whole, as the same pieces a streamed one gives."""
+        self._start(call.name, out)
+        self._args(call.arguments, out)
+        self._end(out)
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {}
@@ -74,11 +112,111 @@ def _call_from_object(obj: Any) -> ParsedCall | None:
     return ParsedCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
 
 
+class _Head(NamedTuple):
+    status: str  # "match" | "maybe" (the text may still become a head) | "no"
+    name: str = ""
+    end: int = 0  # where the arguments' opening brace is
+
+
+def _scan_head(text: str) -> _Head:
+    """Reads ``{"name": "<name>", "arguments": {`` (or ``"parameters"``), whitespace allowed between tokens."""
+    at, name = 0, ""
+    for step in ("{", '"name"', ":", "string", ",", ('"arguments"', '"parameters"'), ":", "{"):
+        while at < len(text) and text[at] in " \t\n\r":
+            at += 1
+        if at == len(text):
+            return _Head("maybe")
+        if step == "string":
+            close = at + 1
+            while close < len(text) and text[close] != '"':
+                close += 2 if text[close] == "\\" else 1
+            if close >= len(text):
+                return _Head("maybe")
+            try:
+                name = json.loads(text[at : close + 1])
+            except ValueError:
+                return _Head("no")
+            if not isinstance(name, str) or not name:
+                return _Head("no")
+            at = close + 1
+            continue
+        if step == "{" and name:  # the arguments' brace: the head ends before it
+            return _Head("match", name, at) if text[at] == "{" else _Head("no")
+        options = step if isinstance(step, tuple) else (step,)
+        rest = text[at:]
+        matched = next((o for o in options if rest.startswith(o)), None)
+        if matched is None:
+            return _Head("maybe") if any(o.startswith(rest) for o in options) else _Head("no")
+        at += len(matched)
+    return _Head("no")  # unreachable: the last step returns
+
+
+class _JsonCallBody:
+    """One ``{"name": ..., "arguments": {...}}`` object arriving in pieces.
+
+    The call starts once the name and the arguments' opening brace are read; the arguments then
+    stream, re-serialised, and malformed or cut-off arguments are closed into valid JSON at the
+    end. A body of another shape (keys in another order, arguments as a string) is only held,
+    for a whole parse when it ends.
+    """
+
+    def __init__(self, parser: ToolParser) -> None:
+        self.parser = parser
+        self.held = ""  # the text before the call started (all of it, if it never does)
+        self.other_shape = False
+        self.args: JsonStreamer | None = None
+        self.tail: JsonStreamer | None = None  # the rest of the object after the arguments
+
+    @property
+    def started(self) -> bool:
+        return self.args is not None
+
+    @property
+    def ended(self) -> bool:
+        """The whole object was read (what follows it is in ``rest``)."""
+        return self.tail is not None and self.tail.done
+
+    @property
+    def rest(self) -> str:
+        return self.tail.rest if self.tail is not None else ""
+
+    def feed(self, text: str, out: list[Piece]) -> None:
+        if self.args is None:
+            self.held += text
+            if self.other_shape:
+                return
+            head = _scan_head(self.held)
+            if head.status != "match":
+                self.other_shape = head.status == "no"
+                return
+            self.parser._start(head.name, out)
+            self.args = JsonStreamer()
+            text = self.held[head.end :]
+        if not self.args.done:
+            self.parser._args(self.args.feed(text), out)
+            if not self.args.done:
+                return
+            text, self.tail = self.args.rest, JsonStreamer(inside_object=True)
+        if self.tail is not None:
+            self.tail.feed(text)
+
+    def close(self, out: list[Piece]) -> bool:
+        """Ends a started call (closing arguments cut short); False if it never started."""
+        if self.args is None:
+            return False
+        if not self.args.done:
+            self.parser._args(self.args.close(), out)
+        self.parser._end(out)
+        return True
+
+
 class _TaggedParser(ToolParser):
     """Calls framed by tags (``frames``: opening and closing tag pairs); text around them passes through.
 
     Whitespace next to a call is dropped (before it, between calls, after it), and so is the
-    answer's trailing whitespace once it made a call; other text is returned as it came.
+    answer's trailing whitespace once it made a call; other text is returned as it came. A call's
+    body streams through ``body()``; one that never started is parsed whole at its closing tag,
+    and comes back as the text it was if it is malformed.
     """
 
     frames: ClassVar[tuple[tuple[str, str], ...]]
@@ -87,17 +225,25 @@ class _TaggedParser(ToolParser):
         super().__init__(tools, parallel)
         self.buffer = ""
         self.inside: int | None = None  # index into frames of the open call
-        self.scanned = 0  # the open call's buffer holds no closing tag before this offset
+        self.call: Any = None  # the open call's body
         self.held = ""  # trailing whitespace not yet known to be content
         self.strip_leading = False
+
+    @abstractmethod
+    def body(self, opener: str) -> Any:
+        """A streaming body parser (``feed(text, out)``, ``close(out) -> started``, ``held``) for the call that ``opener`` opened."""
 
     @abstractmethod
     def parse(self, opener: str, body: str) -> ParsedCall | None:
         """A call from the text between an opening tag and its closing tag, or None if malformed."""
 
-    def feed(self, text: str) -> list[Text | ParsedCall]:
+    def _start(self, name: str, out: list[Piece]) -> None:
+        self.held = ""  # whitespace before a call is not content
+        super()._start(name, out)
+
+    def feed(self, text: str) -> list[Piece]:
         self.buffer += text
-        out: list[Text | ParsedCall] = []
+        out: list[Piece] = []
         while True:
             if self.inside is None:
                 hits = [(at, i) for i, (opener, _) in enumerate(self.frames) if (at := self.buffer.find(opener)) >= 0]
@@ -109,21 +255,25 @@ class _TaggedParser(ToolParser):
                 at, self.inside = min(hits)
                 self._text(self.buffer[:at], out)
                 self.buffer = self.buffer[at + len(self.frames[self.inside][0]) :]
+                self.call = self.body(self.frames[self.inside][0])
             else:
                 opener, closer = self.frames[self.inside]
-                at = self.buffer.find(closer, self.scanned)
-                if at < 0:
-                    self.scanned = max(0, len(self.buffer) - len(closer) + 1)
+                at = self.buffer.find(closer)
+                if at < 0:  # the body streams on, short of what may be the start of the closing tag
+                    keep = held_prefix(self.buffer, closer)
+                    self.call.feed(self.buffer[: len(self.buffer) - keep], out)
+                    self.buffer = self.buffer[len(self.buffer) - keep :]
                     return out
-                body, self.buffer, self.inside, self.scanned = self.buffer[:at], self.buffer[at + len(closer) :], None, 0
-                self._close(opener, body, closer, out)
+                self.call.feed(self.buffer[:at], out)
+                self.buffer = self.buffer[at + len(closer) :]
+                self._close(opener, closer, out)
 
-    def finish(self) -> list[Text | ParsedCall]:
-        out: list[Text | ParsedCall] = []
-        if self.inside is not None:  # never closed: a call if what came is complete, else text
-            opener, body, self.inside = self.frames[self.inside][0], self.buffer, None
-            self.buffer, self.scanned = "", 0
-            self._close(opener, body, "", out)
+    def finish(self) -> list[Piece]:
+        out: list[Piece] = []
+        if self.inside is not None:  # never closed: a call if it started or what came is complete, else text
+            self.call.feed(self.buffer, out)
+            self.buffer = ""
+            self._close(self.frames[self.inside][0], "", out)
         self._text(self.buffer, out)
         self.buffer = ""
         if self.held and not self.calls:
@@ -131,15 +281,17 @@ class _TaggedParser(ToolParser):
         self.held = ""
         return out
 
-    def _close(self, opener: str, body: str, closer: str, out: list[Text | ParsedCall]) -> None:
-        call = self.parse(opener, body)
-        if call is None:
-            self._text(opener + body + closer, out)
-            return
+    def _close(self, opener: str, closer: str, out: list[Piece]) -> None:
+        call, self.call, self.inside = self.call, None, None
+        if not call.close(out):
+            parsed = self.parse(opener, call.held)
+            if parsed is None:
+                self._text(opener + call.held + closer, out)
+                return
+            self._accept(parsed, out)
         self.held, self.strip_leading = "", True
-        self._accept(call, out)
 
-    def _text(self, text: str, out: list[Text | ParsedCall]) -> None:
+    def _text(self, text: str, out: list[Piece]) -> None:
         text = self.held + text
         if self.strip_leading:
             text = text.lstrip()
@@ -160,6 +312,9 @@ class HermesParser(_TaggedParser):
     name = "hermes"
     frames = (("<tool_call>", "</tool_call>"),)
 
+    def body(self, opener: str) -> _JsonCallBody:
+        return _JsonCallBody(self)
+
     def parse(self, opener: str, body: str) -> ParsedCall | None:
         try:
             return _call_from_object(json.loads(body))
@@ -168,6 +323,96 @@ class HermesParser(_TaggedParser):
 
 
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+_FUNCTION, _PARAM_OPEN, _PARAM_CLOSE, _FUNCTION_CLOSE = "<function=", "<parameter=", "</parameter>", "</function>"
+
+
+class _XmlCallBody:
+    """One Qwen3-Coder ``<function=name>…</function>`` arriving in pieces.
+
+    The call starts once ``<function=name>`` is read: its arguments open with ``{`` and each
+    parameter streams as a ``"name": value`` member once its closing tag came (values need the
+    schema's type, so they go whole). Text between parameters is dropped; a parameter left open
+    by ``</function>`` or the end of the answer keeps the text it has.
+    """
+
+    def __init__(self, parser: Qwen3CoderParser, bare: bool) -> None:
+        self.parser = parser
+        self.bare = bare  # opened by ``<function=`` itself (the name comes first)
+        self.held = ""
+        self.other_shape = False
+        self.name: str | None = None
+        self.text = ""  # unread text after the function tag
+        self.param: str | None = None  # the open parameter's name
+        self.members = 0
+        self.function_done = False
+
+    def feed(self, text: str, out: list[Piece]) -> None:
+        if self.name is None:
+            self.held += text
+            if self.other_shape or not self._head(out):
+                return
+        else:
+            self.text += text
+        self._parameters(out)
+
+    def _head(self, out: list[Piece]) -> bool:
+        head = self.held if self.bare else self.held.lstrip()
+        if not self.bare:
+            if not head.startswith(_FUNCTION):
+                self.other_shape = not _FUNCTION.startswith(head)
+                return False
+            head = head[len(_FUNCTION) :]
+        name, bracket, rest = head.partition(">")
+        if not bracket:
+            self.other_shape = "<" in name or "\n" in name
+            return False
+        if not name.strip() or "<" in name:
+            self.other_shape = True
+            return False
+        self.name, self.text = name.strip(), rest
+        self.parser._start(self.name, out)
+        self.parser._args("{", out)
+        return True
+
+    def _parameters(self, out: list[Piece]) -> None:
+        while not self.function_done:
+            if self.param is None:
+                opened, ended = self.text.find(_PARAM_OPEN), self.text.find(_FUNCTION_CLOSE)
+                if ended >= 0 and (opened < 0 or ended < opened):
+                    self.function_done, self.text = True, ""
+                    return
+                bracket = self.text.find(">", opened) if opened >= 0 else -1
+                if bracket < 0:  # keep only what may still hold a tag
+                    keep = len(_FUNCTION_CLOSE) - 1 if opened < 0 else len(self.text) - opened
+                    self.text = self.text[len(self.text) - keep :] if keep < len(self.text) else self.text
+                    return
+                self.param, self.text = self.text[opened + len(_PARAM_OPEN) : bracket].strip(), self.text[bracket + 1 :]
+            else:
+                closed, ended = self.text.find(_PARAM_CLOSE), self.text.find(_FUNCTION_CLOSE)
+                if closed < 0 and ended < 0:
+                    return
+                at, tag = (closed, _PARAM_CLOSE) if closed >= 0 and (ended < 0 or closed < ended) else (ended, _FUNCTION_CLOSE)
+                self._member(self.text[:at], out)
+                self.text = self.text[at + len(tag) :]
+                self.function_done = tag == _FUNCTION_CLOSE
+
+    def _member(self, raw: str, out: list[Piece]) -> None:
+        name, self.param = self.param, None
+        if not name or "\n" in name:
+            return
+        value = self.parser._value(self.name or "", name, raw)
+        separator = ", " if self.members else ""
+        self.members += 1
+        self.parser._args(f"{separator}{json.dumps(name, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}", out)
+
+    def close(self, out: list[Piece]) -> bool:
+        if self.name is None:
+            return False
+        if self.param is not None and not self.function_done:
+            self._member(self.text, out)
+        self.parser._args("}", out)
+        self.parser._end(out)
+        return True
 
 
 @register
@@ -180,6 +425,9 @@ class Qwen3CoderParser(_TaggedParser):
 
     name = "qwen3_coder"
     frames = (("<tool_call>", "</tool_call>"), ("<function=", "</function>"))
+
+    def body(self, opener: str) -> _XmlCallBody:
+        return _XmlCallBody(self, bare=opener == "<function=")
 
     def parse(self, opener: str, body: str) -> ParsedCall | None:
         if opener == "<tool_call>":
@@ -218,9 +466,10 @@ class Qwen3CoderParser(_TaggedParser):
 
 @register
 class Llama3JsonParser(ToolParser):
-    """Llama 3.x: the whole answer is one or more ``{"name": ..., "parameters": {...}}`` objects
-    (optionally after ``<|python_tag|>``, separated by ``;``). An answer that starts like one
-    is held until it ends; if it is not all calls, it is returned as text.
+    """Llama 3.x: the answer is one or more ``{"name": ..., "parameters": {...}}`` objects (optionally
+    after ``<|python_tag|>``, separated by ``;``), which stream like Hermes calls. An answer that
+    does not open with a call is text; one that opens like a call of another shape is held to its
+    end and is all calls or all text; text after streamed calls is text.
     """
 
     name = "llama3_json"
@@ -229,28 +478,60 @@ class Llama3JsonParser(ToolParser):
     def __init__(self, tools: list[ToolSpec], parallel: bool = True) -> None:
         super().__init__(tools, parallel)
         self.buffer = ""
-        self.mode = "start"  # "start" | "json" | "text"
+        self.mode = "start"  # "start" | "calls" (streaming) | "whole" (held to the end) | "text"
+        self.call: _JsonCallBody | None = None
+        self.opening = ""  # the whitespace and python tag before the first call, for an answer that turns out to be text
 
-    def feed(self, text: str) -> list[Text | ParsedCall]:
+    def feed(self, text: str) -> list[Piece]:
         self.buffer += text
+        out: list[Piece] = []
         if self.mode == "start":
             head = self.buffer.lstrip()
             if not head or (len(head) < len(self.python_tag) and self.python_tag.startswith(head)):
-                return []
-            self.mode = "json" if head.startswith(("{", self.python_tag)) else "text"
-        if self.mode == "text":
-            text, self.buffer = self.buffer, ""
-            return [Text(text)] if text else []
-        return []
+                return out
+            self.mode = "calls" if head.startswith(("{", self.python_tag)) else "text"
+            if self.mode == "calls":
+                stripped = head.removeprefix(self.python_tag)
+                self.opening, self.buffer = self.buffer[: len(self.buffer) - len(stripped)], stripped
+        if self.mode == "calls":
+            self._stream(out)
+        if self.mode == "text" and self.buffer:
+            out.append(Text(self.buffer))
+            self.buffer = ""
+        return out
 
-    def finish(self) -> list[Text | ParsedCall]:
+    def _stream(self, out: list[Piece]) -> None:
+        while self.mode == "calls":
+            if self.call is None:
+                self.buffer = self.buffer.lstrip(" \t\n\r;")
+                if not self.buffer:
+                    return
+                if not self.buffer.startswith("{"):
+                    self.mode = "text" if self.calls else "whole"
+                    return
+                self.call = _JsonCallBody(self)
+            text, self.buffer = self.buffer, ""
+            self.call.feed(text, out)
+            if self.call.other_shape:
+                self.mode, self.buffer, self.call = "whole", self.call.held, None
+            elif self.call.ended or (self.call.tail is not None and self.call.tail.failed):
+                self.call.close(out)
+                self.buffer, self.call = self.call.rest, None
+            else:
+                return
+
+    def finish(self) -> list[Piece]:
+        out: list[Piece] = []
+        if self.call is not None:
+            if not self.call.close(out):  # cut off before its arguments began
+                self.mode, self.buffer = "whole", self.call.held + self.buffer
+            self.call = None
         text, self.buffer = self.buffer, ""
-        if self.mode != "json":
-            return [Text(text)] if text else []
+        if self.mode != "whole":
+            return out + ([Text(text)] if text.strip() or (text and not self.calls) else [])
         calls = self._calls(text.strip())
         if calls is None:
-            return [Text(text)]
-        out: list[Text | ParsedCall] = []
+            return out + [Text(text if self.calls else self.opening + text)]
         for call in calls:
             self._accept(call, out)
         return out

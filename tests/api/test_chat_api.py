@@ -77,13 +77,16 @@ async def test_tool_call_answer_and_tools_in_the_prompt(qwen: Api) -> None:
 
 
 async def test_streamed_tool_call_sends_id_and_name_first(qwen: Api) -> None:
-    qwen.engine.script("Checking.", "\n<tool_", 'call>\n{"name": "get_weather", "argu', 'ments": {"city": "Paris"}}\n</tool_call>', "\n")
+    pieces = ["Checking.", "\n<tool_", 'call>\n{"name": "get_weather", "argu', 'ments": {"ci', 'ty": "Pa', 'ris", "days": 3', "}}\n</tool_call>", "\n"]
+    qwen.engine.script(*pieces)
     stream = await qwen.openai().chat.completions.create(model=qwen.model, messages=ASK, tools=[WEATHER], stream=True)
     chunks = [c async for c in stream]
     calls = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
     assert calls[0].id and calls[0].function.name == "get_weather" and calls[0].function.arguments == ""
     assert all(d.id is None and d.function.name is None for d in calls[1:])
-    assert json.loads("".join(d.function.arguments for d in calls)) == {"city": "Paris"}
+    # as the model writes them (a number once it has ended)
+    assert [d.function.arguments for d in calls[1:]] == ["{", '"city": "Pa', 'ris"', ', "days": 3}']
+    assert json.loads("".join(d.function.arguments for d in calls)) == {"city": "Paris", "days": 3}
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Checking."
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
 
@@ -125,10 +128,14 @@ async def test_tool_choice_modes(qwen: Api) -> None:
 
 
 async def test_malformed_call_is_plain_content(qwen: Api) -> None:
-    broken = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"\n</tool_call>'
+    broken = '<tool_call>\n{"name": get_weather, "arguments": {"city": "Paris"}}\n</tool_call>'
     qwen.engine.script(broken)
     reply = await qwen.openai().chat.completions.create(model=qwen.model, messages=ASK, tools=[WEATHER])
     assert reply.choices[0].message.content == broken and not reply.choices[0].message.tool_calls and reply.choices[0].finish_reason == "stop"
+    # cut off inside its arguments: the call still ends in valid JSON, and finish_reason stays length
+    qwen.engine.script('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', finish="length")
+    reply = await qwen.openai().chat.completions.create(model=qwen.model, messages=ASK, tools=[WEATHER])
+    assert json.loads(reply.choices[0].message.tool_calls[0].function.arguments) == {"city": "Par"} and reply.choices[0].finish_reason == "length"
 
 
 async def test_template_without_tools_gets_the_hermes_prompt(smol: Api) -> None:

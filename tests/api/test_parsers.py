@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from services.api.output_parsing import Content, OutputParser, Reasoning, ToolCall, finish_reason
+from services.api.output_parsing import Content, OutputParser, Reasoning, ToolCall, ToolCallDelta, ToolCallStart, finish_reason
 from services.api.reasoning import ReasoningSplitter, check_effort, effort_template_kwargs, opens_reasoning
 from services.api.tool_parsers import TOOL_PARSERS, choose_tool_parser
 from services.api.tools import ToolSpec
@@ -38,11 +38,29 @@ def _run(make, chunks: list[str]) -> tuple[str, str, list[tuple[str, dict]], lis
     events += parser.finish()
     reasoning = "".join(e.text for e in events if isinstance(e, Reasoning))
     content = "".join(e.text for e in events if isinstance(e, Content))
-    calls = [(e.name, json.loads(e.arguments)) for e in events if isinstance(e, ToolCall)]
-    assert [e.index for e in events if isinstance(e, ToolCall)] == list(range(len(calls)))
+    ends = [e for e in events if isinstance(e, ToolCall)]
+    calls = [(e.name, json.loads(e.arguments)) for e in ends]
+    assert [e.index for e in ends] == list(range(len(calls)))
+    # Streamed: id and name first, then fragments that concatenate to the call's arguments; calls never interleave.
+    open_call = None
+    for event in events:
+        if isinstance(event, ToolCallStart):
+            assert open_call is None
+            open_call, fragments = event, []
+        elif isinstance(event, ToolCallDelta):
+            assert open_call is not None and event.index == open_call.index
+            fragments.append(event.arguments)
+        elif isinstance(event, ToolCall):
+            assert (event.index, event.id, event.name) == tuple(open_call) and "".join(fragments) == event.arguments
+            open_call = None
+        else:
+            assert open_call is None, "text inside a call"
+    assert open_call is None
     assert (reasoning, content) == (parser.reasoning, parser.content) and len(parser.calls) == len(calls)
     kinds: list[type] = []
-    for event in events:  # the order of kinds, with runs collapsed
+    for event in events:  # the order of kinds, with runs collapsed (a call counts as its end)
+        if isinstance(event, ToolCallStart | ToolCallDelta):
+            continue
         if not kinds or kinds[-1] is not type(event) or type(event) is ToolCall:
             kinds.append(type(event))
     return reasoning, content, calls, kinds
@@ -92,16 +110,43 @@ def test_hermes_text_then_two_parallel_calls() -> None:
 
 
 def test_hermes_malformed_call_comes_back_as_text() -> None:
-    broken = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}\n</tool_call>'  # one brace short
-    check(lambda: _parser("hermes", False), broken, "", broken, [], clean=False)
-    not_object = '<tool_call>\n{"name": "get_weather", "arguments": [1, 2]}\n</tool_call>'
-    check(lambda: _parser("hermes", False), "Sure. " + not_object, "", "Sure. " + not_object, [], clean=False)
+    """A call that is malformed before its arguments begin is text; the call starts streaming once they do."""
+    for broken in (
+        '<tool_call>\n{"name": get_weather, "arguments": {"city": "Paris"}}\n</tool_call>',
+        '<tool_call>\n{"name": "get_weather", "arguments": [1, 2]}\n</tool_call>',
+        "<tool_call>\nget_weather(city='Paris')\n</tool_call>",
+    ):
+        check(lambda: _parser("hermes", False), "Sure. " + broken, "", "Sure. " + broken, [], clean=False)
 
 
-def test_hermes_unclosed_call_counts_only_when_complete() -> None:
+def test_hermes_call_broken_after_its_arguments_began_ends_with_valid_json() -> None:
+    one_brace_short = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}\n</tool_call>'
+    check(lambda: _parser("hermes", False), one_brace_short, "", "", [("get_weather", {"city": "Paris"})])
+    garbled = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": two}}\n</tool_call> Done.'
+    check(lambda: _parser("hermes", False), garbled, "", "Done.", [("get_weather", {"city": "Paris"})])
+
+
+def test_hermes_unclosed_call_is_cut_into_valid_json() -> None:
     check(lambda: _parser("hermes", False), '<tool_call>\n{"name": "get_time", "arguments": {}}\n', "", "", [("get_time", {})])
-    truncated = '<tool_call>\n{"name": "get_time", "argu'
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    check(lambda: _parser("hermes", False), cut, "", "", [("get_weather", {"city": "Par"})])
+    truncated = '<tool_call>\n{"name": "get_time", "argu'  # cut before the arguments began: text
     check(lambda: _parser("hermes", False), truncated, "", truncated, [], clean=False)
+
+
+def test_hermes_other_key_orders_and_string_arguments_are_parsed_whole() -> None:
+    text = '<tool_call>{"arguments": {"tz": "UTC"}, "name": "get_time"}</tool_call><tool_call>{"name": "get_time", "arguments": "{}"}</tool_call>'
+    check(lambda: _parser("hermes", False), text, "", "", [("get_time", {"tz": "UTC"}), ("get_time", {})])
+
+
+def test_streamed_arguments_are_normalised_json_with_escapes_and_nesting() -> None:
+    args = '{"city":"S\\u00e3o \\"Paulo\\"\\n\\ud83d\\ude00","days":1e2,"tags":[ "a" ,{"b":null}],"ok":false}'
+    text = f'<tool_call>{{"name": "get_weather", "arguments": {args}}}</tool_call>'
+    check(lambda: _parser("hermes", False), text, "", "", [("get_weather", json.loads(args))])
+    parser = _parser("hermes", False)
+    events = parser.feed(text) + parser.finish()
+    assert parser.calls[0].arguments == json.dumps(json.loads(args), ensure_ascii=False)
+    assert sum(isinstance(e, ToolCallDelta) for e in events) >= 1
 
 
 def test_hermes_plain_answer_passes_through_unchanged() -> None:
@@ -124,8 +169,15 @@ def test_qwen3_coder_xml_with_schema_typed_values() -> None:
 
 
 def test_qwen3_coder_malformed_call_comes_back_as_text() -> None:
-    broken = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n</tool_call>"
+    broken = "<tool_call>\n<function get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
     check(lambda: _parser("qwen3_coder", False), broken, "", broken, [], clean=False)
+
+
+def test_qwen3_coder_unclosed_parameter_keeps_its_text() -> None:
+    unclosed = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n</tool_call>"
+    check(lambda: _parser("qwen3_coder", False), unclosed, "", "", [("get_weather", {"city": "Paris"})])
+    cut = "<tool_call>\n<function=get_weather>\n<parameter=days>\n2\n</parameter>\n<parameter=city>\nPar"
+    check(lambda: _parser("qwen3_coder", False), cut, "", "", [("get_weather", {"days": 2, "city": "Par"})])
 
 
 def test_llama3_json_calls() -> None:
@@ -133,11 +185,17 @@ def test_llama3_json_calls() -> None:
     check(lambda: _parser("llama3_json", False), single, "", "", [("get_weather", {"city": "Paris"})])
     tagged = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "get_time", "parameters": {"tz": "CET"}}'
     check(lambda: _parser("llama3_json", False), tagged, "", "", [("get_weather", {"city": "Rome"}), ("get_time", {"tz": "CET"})])
+    listed = '<|python_tag|>[{"name": "get_time", "parameters": {"tz": "CET"}}]'  # another shape: parsed whole at the end
+    check(lambda: _parser("llama3_json", False), listed, "", "", [("get_time", {"tz": "CET"})])
 
 
 def test_llama3_json_that_is_not_a_call_is_text() -> None:
-    for text in ('{"answer": 42}', 'The answer is {"name": 1}.', '{"name": "get_time", "parameters": {}} and more', " <|python"):
+    for text in ('{"answer": 42}', 'The answer is {"name": 1}.', " <|python", ' <|python_tag|>[{"name": 1}]'):
         check(lambda: _parser("llama3_json", False), text, "", text, [], clean=False)
+    text = '{"name": "get_time", "parameters": {}} and more'  # text after a streamed call stays text
+    check(lambda: _parser("llama3_json", False), text, "", "and more", [("get_time", {})])
+    cut = '{"name": "get_time", "parameters": {"tz": "U'
+    check(lambda: _parser("llama3_json", False), cut, "", "", [("get_time", {"tz": "U"})])
 
 
 def test_reasoning_opened_by_the_prompt() -> None:
