@@ -200,3 +200,16 @@ async def test_client_gone_mid_stream_aborts_the_engine_request(smol: Api) -> No
             break
         await asyncio.sleep(0.02)
     assert rid in smol.engine.aborted
+
+
+async def test_tool_use_input_streams_as_json_fragments(qwen: Api) -> None:
+    pieces = ('<tool_call>\n{"name": "get_weather", "arguments": {"ci', 'ty": "São ', 'Paulo", "days"', ": 3}}\n</tool_call>")
+    qwen.engine.script(*pieces)
+    body = {"model": qwen.model, "max_tokens": 64, "messages": ASK, "tools": [WEATHER], "stream": True}
+    events = await _raw_events(qwen, body, **{"x-api-key": "k", "anthropic-version": "2023-06-01"})
+    fragments = [p["delta"]["partial_json"] for n, p in events if n == "content_block_delta"]
+    assert len(fragments) > 2 and json.loads("".join(fragments)) == {"city": "São Paulo", "days": 3}
+    qwen.engine.script(*pieces)
+    async with qwen.anthropic().messages.stream(model=qwen.model, max_tokens=64, messages=ASK, tools=[WEATHER]) as stream:
+        message = await stream.get_final_message()
+    assert message.content[0].input == {"city": "São Paulo", "days": 3} and message.stop_reason == "tool_use"
