@@ -232,7 +232,9 @@ def check_max_tokens(max_tokens: int | None, param: str) -> None:
     check(max_tokens is None or max_tokens >= 1, param, f"{param} must be at least 1, got {max_tokens}")
 
 
-def validate_sampling(body: _SamplingBody, served_model: str, max_tokens: int | None, max_tokens_param: str, vocab_size: int, logprobs: int | None) -> Generation:
+def validate_sampling(
+    body: _SamplingBody, served_model: str, max_tokens: int | None, max_tokens_param: str, vocab_size: int, logprobs: int | None
+) -> Generation:
     check_model(body.model, served_model)
     check_max_tokens(max_tokens, max_tokens_param)
     sampling = check_sampling(body.temperature, body.top_p, body.top_k, body.min_p, body.seed)
@@ -275,7 +277,11 @@ def validate_chat(body: ChatCompletionRequest, served_model: str, efforts: tuple
     if body.max_tokens is not None and body.max_completion_tokens is not None and body.max_tokens != body.max_completion_tokens:
         raise ApiError(400, "max_tokens and max_completion_tokens disagree; send one of them", param="max_completion_tokens")
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    check(body.logprobs is None or isinstance(body.logprobs, bool), "logprobs", "logprobs must be true or false on chat completions (use top_logprobs for alternatives)")
+    check(
+        body.logprobs is None or isinstance(body.logprobs, bool),
+        "logprobs",
+        "logprobs must be true or false on chat completions (use top_logprobs for alternatives)",
+    )
     check(body.top_logprobs is None or bool(body.logprobs), "top_logprobs", "top_logprobs requires logprobs: true")
     logprobs = check_logprobs(body.top_logprobs or 0, "top_logprobs") if body.logprobs else None
     generation = validate_sampling(body, served_model, body.max_completion_tokens or body.max_tokens, param, vocab_size, logprobs)

@@ -192,6 +192,8 @@ def test_penalties_see_every_token_of_the_request_through_chunks_recomputation_a
 
 def test_logprobs_travel_only_when_asked(untied: Checkpoint) -> None:
     runner = ModelRunner(untied.path, 16, 4)
-    result = runner.execute(StepPlan(0, [Slice("a", 0, 3, [5, 6, 7], [0], sampling=GREEDY), Slice("b", 0, 3, [5, 6, 7], [1], sampling=SamplingParams(temperature=0.0, logprobs=0))]))
+    result = runner.execute(
+        StepPlan(0, [Slice("a", 0, 3, [5, 6, 7], [0], sampling=GREEDY), Slice("b", 0, 3, [5, 6, 7], [1], sampling=SamplingParams(temperature=0.0, logprobs=0))])
+    )
     assert result.sampled[0].logprobs is None
     assert result.sampled[1].logprobs.top_ids == [] and result.sampled[1].logprobs.logprob < 0

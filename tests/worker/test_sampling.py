@@ -134,7 +134,9 @@ def test_logit_bias_shifts_and_can_force_or_ban_a_token() -> None:
 def test_rows_keep_their_own_penalties_and_biases_in_a_batch() -> None:
     penalised = SamplingParams(frequency_penalty=1.0)
     logits = LOGITS.repeat(3, 1)
-    processed = process_logits(logits.clone(), [SamplingParams(), penalised, SamplingParams()], [None, _history(penalised, [], [0]), None], [None, None, LogitBias.of({1: 1.0})])
+    processed = process_logits(
+        logits.clone(), [SamplingParams(), penalised, SamplingParams()], [None, _history(penalised, [], [0]), None], [None, None, LogitBias.of({1: 1.0})]
+    )
     assert torch.equal(processed[0], LOGITS[0])
     assert processed[1].tolist() == pytest.approx([1.0, -1.0, 0.5, -3.0, 1.0, 0.0])
     assert processed[2].tolist() == pytest.approx([2.0, 0.0, 0.5, -3.0, 1.0, 0.0])
