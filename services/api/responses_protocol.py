@@ -13,9 +13,12 @@ import msgspec
 
 from services.api.chat import ChatTurn
 from services.api.errors import ApiError
-from services.api.protocol import Generation, check, check_max_tokens, check_model, check_sampling, convert_part, unsupported
+from services.api.protocol import Generation, check, check_logprobs, check_max_tokens, check_model, check_sampling, convert_part, unsupported
 from services.api.reasoning import check_effort
 from services.api.tools import ToolChoice, ToolSpec, check_tools, template_call
+
+
+OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one ``include`` item served: logprobs on output text
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -122,8 +125,9 @@ def validate_responses(body: ResponsesRequest, served_model: str, efforts: tuple
     unsupported(not body.background, "background", "background responses (this server stores no responses)")
     unsupported(body.store is not True, "store", "store: true (this server stores no responses; send store: false or leave it out)")
     unsupported(body.conversation is None, "conversation", "conversations (this server stores no responses)")
-    unsupported(not body.include, "include", f"include {body.include}")
-    unsupported(body.top_logprobs is None, "top_logprobs", "top_logprobs")
+    unsupported(all(item == OUTPUT_LOGPROBS for item in body.include or []), "include", f"include {body.include} (only {OUTPUT_LOGPROBS!r})")
+    check_logprobs(body.top_logprobs, "top_logprobs")
+    logprobs = (body.top_logprobs or 0) if OUTPUT_LOGPROBS in (body.include or []) or body.top_logprobs is not None else None
     unsupported(body.truncation in (None, "disabled"), "truncation", f"truncation {body.truncation!r}")
     if body.text is not None:
         unsupported(body.text.format is None or body.text.format.type == "text", "text.format", "text formats other than 'text'")
@@ -135,7 +139,7 @@ def validate_responses(body: ResponsesRequest, served_model: str, efforts: tuple
         stream=body.stream,
         include_usage=False,
         max_tokens=body.max_output_tokens,
-        sampling=check_sampling(body.temperature, body.top_p, None),
+        sampling=msgspec.structs.replace(check_sampling(body.temperature, body.top_p, None), logprobs=logprobs),
         max_tokens_param="max_output_tokens",
     )
     tools = [_tool(tool, i) for i, tool in enumerate(body.tools or [])]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -17,12 +17,13 @@ from aiohttp import web
 from services.api.chat import ChatTurn
 from services.api.errors import ApiError
 from services.api.generation import chat_submits, engine_run, parsed_stream
+from services.api.logprobs import chat_logprobs
 from services.api.output_parsing import Event, OutputParser, Reasoning, ToolCall, ToolCallDelta, ToolCallStart
 from services.api.protocol import Generation, read_body
 from services.api.responses_protocol import ResponsesRequest, tool_choice_echo, validate_responses
 from services.api.sse import EventWriter
 from services.api.state import API_STATE, ApiState
-from shared.frames import TextDelta
+from shared.frames import TextDelta, TextLogprobs
 
 routes = web.RouteTableDef()
 
@@ -38,14 +39,19 @@ class OutputBuilder:
 
     def __init__(self) -> None:
         self.output: list[dict[str, Any]] = []
+        self.logprobs: list[dict[str, Any]] = []  # the open message's, when asked for
+        self.unsent: list[TextLogprobs] = []  # tokens whose text the parser still holds
         self.open: dict[str, Any] | None = None  # the item being written (reasoning or message)
         self.call: dict[str, Any] | None = None  # the function call being streamed
         self.text = ""
 
-    def feed(self, events: list[Event]) -> list[Emitted]:
+    def feed(self, events: list[Event], logprobs: Sequence[TextLogprobs] = ()) -> list[Emitted]:
+        """Logprobs go with the output text their tokens arrive with; tokens that gave only reasoning or a call carry none."""
         out: list[Emitted] = []
+        self.unsent += list(logprobs)
         for event in events:
             if isinstance(event, ToolCallStart):
+                self.unsent = []
                 out += self._close("completed")
                 out += self._call_start(event)
                 continue
@@ -64,7 +70,9 @@ class OutputBuilder:
             delta_type = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
             payload = {"type": delta_type, "item_id": self.open["id"], "output_index": len(self.output), "content_index": 0, "delta": event.text}  # type: ignore[index]
             if kind == "message":
-                payload["logprobs"] = []
+                payload["logprobs"] = chat_logprobs(self.unsent)["content"]
+                self.logprobs += payload["logprobs"]
+            self.unsent = []
             out.append((delta_type, payload))
         return out
 
@@ -78,7 +86,7 @@ class OutputBuilder:
         else:
             self.open = {"id": _id("msg"), "type": "message", "role": "assistant", "status": "in_progress", "content": []}
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        self.text = ""
+        self.text, self.logprobs = "", []
         index = len(self.output)
         return [
             ("response.output_item.added", {"type": "response.output_item.added", "output_index": index, "item": dict(self.open)}),
@@ -97,8 +105,8 @@ class OutputBuilder:
             part = {"type": "reasoning_text", "text": self.text}
             done = [("response.reasoning_text.done", {"type": "response.reasoning_text.done", **ids, "text": self.text})]
         else:
-            part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
-            done = [("response.output_text.done", {"type": "response.output_text.done", **ids, "text": self.text, "logprobs": []})]
+            part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": self.logprobs}
+            done = [("response.output_text.done", {"type": "response.output_text.done", **ids, "text": self.text, "logprobs": self.logprobs})]
         item |= {"content": [part], "status": status}
         self.output.append(item)
         return [
@@ -186,7 +194,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             return await _stream(request, events, parser, answer)
         builder = OutputBuilder()
         async for _, parsed, delta in events:
-            builder.feed(parsed)
+            builder.feed(parsed, delta.logprobs)
             if delta.finish:
                 builder.finish(_status(delta.finish))
                 return web.json_response(answer.response(_status(delta.finish), builder.output, await answer.usage(parser, delta)))
@@ -202,7 +210,7 @@ async def _stream(request: web.Request, events: AsyncIterator[tuple[int, list[Ev
         await writer.send(kind, {"type": kind, "response": answer.response("in_progress", [])})
     try:
         async for _, parsed, delta in _chain(first, events):
-            for kind, payload in builder.feed(parsed):
+            for kind, payload in builder.feed(parsed, delta.logprobs):
                 await writer.send(kind, payload)
             if delta.finish:
                 status = _status(delta.finish)

@@ -145,3 +145,21 @@ async def test_engine_failure_mid_stream_is_response_failed(smol: Api) -> None:
         assert error.value.status_code == 503
     finally:
         smol.engine.status = smol.engine.status.__class__(state="ready")
+
+
+async def test_output_text_logprobs_when_included(smol: Api) -> None:
+    smol.engine.script("Par", "is.")
+    response = await smol.openai().responses.create(model=smol.model, input="Capital?", include=["message.output_text.logprobs"], top_logprobs=2)
+    assert smol.engine.submits[-1].sampling.logprobs == 2
+    logprobs = response.output[0].content[0].logprobs
+    assert [(t.token, t.logprob, t.bytes) for t in logprobs] == [("Par", -0.1, list(b"Par")), ("is.", -0.2, list(b"is."))]
+    assert [[a.token for a in t.top_logprobs] for t in logprobs] == [["Par", "alt1"], ["is.", "alt1"]]
+    smol.engine.script("Par", "is.")
+    events = [e async for e in await smol.openai().responses.create(model=smol.model, input="Capital?", include=["message.output_text.logprobs"], stream=True)]
+    streamed = [t.token for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    assert streamed == ["Par", "is."] and [t.token for t in events[-1].response.output[0].content[0].logprobs] == ["Par", "is."]
+    response = await smol.openai().responses.create(model=smol.model, input="Capital?")
+    assert smol.engine.submits[-1].sampling.logprobs is None and response.output[0].content[0].logprobs == []
+    for extra, param in (({"include": ["reasoning.encrypted_content"]}, "include"), ({"top_logprobs": 21}, "top_logprobs")):
+        status, body = await smol.post("/v1/responses", {"model": smol.model, "input": "x", **extra})
+        assert status == 400 and body["error"]["param"] == param
