@@ -17,7 +17,6 @@ from services.api.protocol import Generation, check, check_logprobs, check_max_t
 from services.api.reasoning import check_effort
 from services.api.tools import ToolChoice, ToolSpec, check_tools, template_call
 
-
 OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one ``include`` item served: logprobs on output text
 
 
