@@ -69,3 +69,12 @@ def test_penalties_apply_to_the_tokens_they_document(oai: openai.OpenAI) -> None
     # the repetition penalty counts the prompt too: the prompt's words are already penalised at the first token
     repeated = first_logprob(repetition_penalty=1.8)
     assert (repeated[0], repeated[1]) != (token, pytest.approx(logprob, abs=1e-4))
+
+
+def test_responses_output_text_logprobs(oai: openai.OpenAI) -> None:
+    response = oai.responses.create(
+        model=MODEL, input="Name three colours.", max_output_tokens=8, temperature=0, include=["message.output_text.logprobs"], top_logprobs=2
+    )
+    logprobs = response.output[0].content[0].logprobs
+    assert b"".join(bytes(t.bytes) for t in logprobs).decode() == response.output_text and len(logprobs) == 8
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == t.logprob for t in logprobs)

@@ -120,7 +120,8 @@ def test_bad_requests_get_4xx_naming_the_field(stack: Stack) -> None:
         b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "x"}], "bogus": 1}': (400, "bogus"),
         b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}': (404, "model"),
         b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}': (400, "max_tokens"),
-        b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "x"}], "logprobs": true}': (400, "logprobs"),
+        b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 30}': (400, "top_logprobs"),
+        b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"49152": 1}}': (400, "logit_bias"),
         b"{not json": (400, None),
     }
     for body, (status, param) in cases.items():
