@@ -15,7 +15,7 @@ def test_token_bytes_concatenate_to_the_text(tokenizer, text: str) -> None:
     texts = TokenTexts(tokenizer)
     ids = tokenizer.encode(text, add_special_tokens=False)
     # SentencePiece's normaliser starts the text with a word boundary (a space that decode() strips).
-    prefix = b" " if tokenizer is not None and tokenizer.convert_ids_to_tokens(ids[0]).startswith("▁") else b""
+    prefix = b" " if tokenizer.convert_ids_to_tokens(ids[0]).startswith("▁") else b""
     assert b"".join(texts(i)[1] for i in ids) == prefix + text.encode()
 
 
