@@ -51,6 +51,7 @@ class StackConfig:
     tool_call_parser: str = _opt("", "tool-call format: hermes, qwen3_coder, llama3_json or none (default: chosen by the model)")
     reasoning_parser: str = _opt("", "reasoning format: think or none (default: chosen by the model)")
     dtype: str = _opt("float32", "weight and activation dtype on the CPU")
+    weight_quant: str = _opt("none", "weight storage of the dense projections: none (the dtype's own) or int8 (per-channel, ~4x fewer bytes per step)")
     num_threads: int = _opt(0, "torch threads of the worker (0: all cores)")
     heartbeat_s: float = _opt(0.5, "interval of heartbeats and engine status frames")
     engine_timeout_s: float = _opt(3.0, "a process silent this long is taken for dead (its requests fail)")

@@ -74,7 +74,7 @@ class WorkerLoop:
         self.detail = f"loading weights from {self.model.path}"
         read_ahead(self.model.path)
         started = time.perf_counter()
-        self.runner = ModelRunner(self.config.model, self.num_blocks, self.config.block_size, self.config.dtype, self.config.max_num_seqs)
+        self.runner = ModelRunner(self.config.model, self.num_blocks, self.config.block_size, self.config.dtype, self.config.max_num_seqs, self.config.weight_quant)
         loaded = time.perf_counter()
         self.state = "warming"
         self.warm_up()

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from services.worker.attention import AttentionMetadata, KVCache
+from services.worker.linear import quantize_int8
 from services.worker.models import model_family
 from services.worker.sampling import LogitBias, TokenHistory, process_logits, sample, token_logprobs
 from services.worker.weights import load_weights
@@ -25,6 +26,7 @@ from shared.frames import Sampled, SamplingParams, Slice, StepPlan, StepResult
 ALL_PROMPT = 1 << 62  # a prompt_len no prefill reaches: every prefilled token is prompt
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WEIGHT_QUANTS = ("none", "int8")
 
 
 @dataclass
@@ -48,9 +50,13 @@ class _Request:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str, num_blocks: int, block_size: int, dtype: str = "float32", max_num_seqs: int = 64) -> None:
+    def __init__(
+        self, model_dir: str, num_blocks: int, block_size: int, dtype: str = "float32", max_num_seqs: int = 64, weight_quant: str = "none"
+    ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
+        if weight_quant not in WEIGHT_QUANTS:
+            raise ValueError(f"weight_quant {weight_quant!r} is not supported (supported: {', '.join(WEIGHT_QUANTS)})")
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"the KV cache needs num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}")
         with open(os.path.join(model_dir, "config.json")) as f:
@@ -60,6 +66,7 @@ class ModelRunner:
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
         with torch.inference_mode():
             self.model = family(config, load_weights(model_dir, DTYPES[dtype]))
+            self.weight_quant, self.quantized_linears = weight_quant, quantize_int8(self.model) if weight_quant == "int8" else 0
             self.kv_cache = KVCache(self.model.num_layers, num_blocks, block_size, self.model.num_kv_heads, self.model.head_dim, DTYPES[dtype])
         self._requests: dict[str, _Request] = {}
 
@@ -197,6 +204,8 @@ class ModelRunner:
             "param_bytes": sum(t.numel() * t.element_size() for t in tensors),
             "threads": torch.get_num_threads(),
             "max_num_seqs": self.max_num_seqs,
+            "weight_quant": self.weight_quant,
+            "quantized_linears": self.quantized_linears,
             "requests": len(self._requests),
             **self.model.describe(),
         }

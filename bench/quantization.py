@@ -1,0 +1,101 @@
+"""Weight-only int8 against fp32 on the same checkpoint: what it costs in accuracy, what it buys in speed.
+
+Accuracy: perplexity of a fixed text (teacher-forced, every position's logits) and the relative
+error of those logits against fp32; top-1 agreement. Speed: in-process decode step time at a few
+batch sizes, fp32 and int8 measured alternately in the same run.
+
+    .venv/bin/python -m bench.quantization --model models/SmolLM2-135M-Instruct
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+
+from bench.stack_client import write_results
+from services.worker.attention import AttentionMetadata
+from services.worker.runner import ModelRunner
+from shared.frames import SamplingParams, Slice, StepPlan
+from shared.tokenizer import load_tokenizer
+
+TEXT = (
+    "The river rises in the hills to the north of the town and runs south through farmland for "
+    "most of its length. In the spring the meltwater swells it until the lower fields flood, and the "
+    "farmers move their animals to higher ground. By midsummer it is shallow enough to wade across at "
+    "the old ford, where a stone bridge was built two hundred years ago. The bridge has three arches; "
+    "the middle one was rebuilt after a flood carried it away. Children fish from the bank below the "
+    "mill, and in the evenings the swallows skim the water for insects. Further south the river widens, "
+    "slows, and finally joins the estuary, where the tide pushes salt water several miles inland twice a day."
+)
+
+
+def teacher_forced_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    """Logits at every position of ``ids`` as one prefill chunk: [len(ids), vocab]."""
+    blocks = list(range(-(-len(ids) // runner.block_size)))
+    meta = AttentionMetadata.build([0], [len(ids)], [blocks], 0, runner.block_size, runner.model.dtype)
+    with torch.inference_mode():
+        hidden = runner.model.forward(torch.tensor(ids), meta.positions, meta, runner.kv_cache)
+        return runner.model.compute_logits(hidden).float()
+
+
+def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
+    nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
+    return math.exp(float(nll))
+
+
+def decode_step_s(runner: ModelRunner, batch: int, context: int, steps: int) -> float:
+    greedy = SamplingParams(temperature=0.0)
+    per_request = -(-(context + steps + 8) // runner.block_size)
+    for i in range(batch):
+        blocks = list(range(i * per_request, (i + 1) * per_request))
+        runner.execute(StepPlan(0, [Slice(f"b{i}", 0, context, [(31 * j + i) % 1000 for j in range(context)], blocks, sampling=greedy)]))
+    position = context
+    times = []
+    for _ in range(steps):
+        began = time.perf_counter()
+        runner.execute(StepPlan(0, [Slice(f"b{i}", position, 1) for i in range(batch)]))
+        times.append(time.perf_counter() - began)
+        position += 1
+    runner.release([f"b{i}" for i in range(batch)])
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="models/SmolLM2-135M-Instruct")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--out", default="bench/results/quantization.json")
+    args = parser.parse_args()
+
+    ids = load_tokenizer(args.model).encode(TEXT)
+    runners = {quant: ModelRunner(args.model, num_blocks=1024, block_size=16, weight_quant=quant) for quant in ("none", "int8")}
+    logits = {quant: teacher_forced_logits(runner, ids) for quant, runner in runners.items()}
+    exact, quantized = logits["none"], logits["int8"]
+    results: dict = {
+        "model": args.model,
+        "text_tokens": len(ids),
+        "perplexity": {quant: perplexity(value, ids) for quant, value in logits.items()},
+        "logit_relative_error": float((quantized - exact).norm() / exact.norm()),
+        "top1_agreement": float((quantized.argmax(-1) == exact.argmax(-1)).float().mean()),
+        "weight_bytes": {quant: runner.describe()["param_bytes"] for quant, runner in runners.items()},
+        "decode_step_ms": {},
+    }
+    print(f"perplexity fp32 {results['perplexity']['none']:.3f}  int8 {results['perplexity']['int8']:.3f}; "
+          f"logit rel. error {results['logit_relative_error']:.2e}; top-1 agreement {results['top1_agreement']:.3f}")
+    for batch in args.batches:
+        times = {quant: [] for quant in runners}
+        for _ in range(3):  # alternate, so a burst of load elsewhere hits both
+            for quant, runner in runners.items():
+                times[quant].append(decode_step_s(runner, batch, context=128, steps=args.steps))
+        step = {quant: 1e3 * min(values) for quant, values in times.items()}
+        results["decode_step_ms"][batch] = step
+        print(f"batch {batch:3d}: fp32 {step['none']:.1f} ms, int8 {step['int8']:.1f} ms, speed-up {step['none'] / step['int8']:.2f}x")
+    write_results(args.out, results)
+
+
+if __name__ == "__main__":
+    main()
