@@ -6,12 +6,13 @@ import os
 import random
 
 import pytest
-from .conftest import stream
 
 from services.detokenizer.incremental import REPLACEMENT
 from services.detokenizer.request import RequestDetokState
 from shared.config import DEFAULT_MODEL_DIR
 from shared.tokenizer import load_tokenizer
+
+from .conftest import stream
 
 TEXT = "<|im_start|>assistant\nSure! Café 😀 🦀 你好世界, naïve ∮ 𝔘 👩‍💻.<|im_end|>\nmore"
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from .conftest import SAMPLES, UNSEEN, stream
 
 from services.detokenizer.incremental import REPLACEMENT, IncrementalDetokenizer
+
+from .conftest import SAMPLES, UNSEEN, stream
 
 
 def chunkings(n: int, rng: random.Random) -> list[list[int]]:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from .conftest import UNSEEN
-
 from services.detokenizer.request import RequestDetokState, Update
+
+from .conftest import UNSEEN
 
 
 def first_token_completing(tokenizer, ids: list[int], stop: str) -> int:
