@@ -75,7 +75,9 @@ class Slice(_Part):
     """One request's share of a step: ``num_tokens`` positions starting at ``start``.
 
     A prefill chunk carries its ``token_ids``; a decode slice carries none and the worker
-    feeds back the token it sampled last for this request.
+    feeds back the token it sampled last for this request. For a hybrid (GDN) model every slice
+    names the request's state ``slot``, held from admission to finish or preemption; a slice at
+    ``start == 0`` starts from a zero state. Models without GDN layers leave it at -1 (not sent).
     """
 
     rid: str
@@ -89,6 +91,7 @@ class Slice(_Part):
     # recomputed after a preemption; 0: all are prompt) and the tokens before ``start`` (a prefix-cache hit).
     prompt_len: int = 0
     prefix_ids: list[int] = []
+    slot: int = -1  # GDN state slot, on every slice of a hybrid model's request
 
 
 class StepPlan(_Frame):

@@ -2,7 +2,8 @@
 
 The scheduler sizes the KV cache from it, the api its context limit and stop tokens, the
 worker its shapes. All of them compute the KV block count with ``kv_cache_blocks`` so
-they agree on it without talking.
+they agree on it without talking. Hybrid models (``qwen3_next``) mix full-attention layers,
+which hold KV, with Gated DeltaNet layers, which hold a fixed-size state per request instead.
 """
 
 from __future__ import annotations
@@ -13,6 +14,26 @@ import os
 from dataclasses import dataclass
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+_KV_LAYER_TYPES = (FULL_ATTENTION, "sliding_attention")
+HYBRID_PREFIX_CACHE_OFF = "prefix cache off: the model's Gated DeltaNet layers keep a recurrent state per request that cached KV blocks cannot restore"
+_DEFAULT_FULL_ATTENTION_INTERVAL = {"qwen3_next": 4}  # transformers' default when a config names no layer types
+
+
+def layer_types(config: dict) -> tuple[str, ...]:
+    """Each layer's token mixer, from ``layer_types`` or, failing that, ``full_attention_interval``
+    (every n-th layer full attention, the rest Gated DeltaNet); plain decoders are all full attention."""
+    num_layers = config["num_hidden_layers"]
+    if config.get("layer_types"):
+        kinds = tuple(config["layer_types"])
+        if len(kinds) != num_layers:
+            raise ValueError(f"config.json layer_types names {len(kinds)} layers but num_hidden_layers is {num_layers}")
+        return kinds
+    interval = config.get("full_attention_interval", _DEFAULT_FULL_ATTENTION_INTERVAL.get(config.get("model_type", "")))
+    if interval is None:
+        return (FULL_ATTENTION,) * num_layers
+    return tuple(FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers))
 
 
 @dataclass(frozen=True)
@@ -26,9 +47,32 @@ class ModelInfo:
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    layer_types: tuple[str, ...] = ()
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep keys and values per token (all of them in a plain decoder)."""
+        return sum(kind in _KV_LAYER_TYPES for kind in self.layer_types) if self.layer_types else self.num_layers
+
+    @property
+    def num_gdn_layers(self) -> int:
+        """Gated DeltaNet layers: each running request holds one state slot for all of them."""
+        return sum(kind == LINEAR_ATTENTION for kind in self.layer_types)
+
+    @property
+    def uses_state_slots(self) -> bool:
+        return self.num_gdn_layers > 0
+
+    @property
+    def prefix_cache_unsupported(self) -> str:
+        """Why the prefix cache must stay off for this model ("" if it may be on)."""
+        if self.uses_state_slots:
+            return HYBRID_PREFIX_CACHE_OFF
+        return ""
 
     def kv_bytes_per_token(self, dtype: str) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * _DTYPE_BYTES[dtype]
+        # At least one layer's worth, so a byte budget still bounds the positions of a model without attention layers.
+        return max(self.num_kv_layers, 1) * 2 * self.num_kv_heads * self.head_dim * _DTYPE_BYTES[dtype]
 
     def revision(self) -> str:
         """A short hash of config.json and the weight files' names and sizes."""
@@ -70,6 +114,7 @@ def load_model_info(path: str) -> ModelInfo:
         max_position_embeddings=config.get("max_position_embeddings", 2048),
         eos_token_ids=eos,
         bos_token_id=generation.get("bos_token_id", config.get("bos_token_id")),
+        layer_types=layer_types(config),
     )
 
 

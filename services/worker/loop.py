@@ -97,9 +97,9 @@ class WorkerLoop:
                     return
                 self.detail, self.progress = f"warm-up prefill {i + 1}/{len(ladder)} ({length} tokens)", i / len(ladder)
                 blocks = list(range(-(-(length + 1) // block_size)))
-                first = Slice(rid="warmup", start=0, num_tokens=length, token_ids=[0] * length, new_blocks=blocks, sampling=SamplingParams(temperature=0))
+                first = Slice(rid="warmup", start=0, num_tokens=length, token_ids=[0] * length, new_blocks=blocks, sampling=SamplingParams(temperature=0), slot=0)
                 self.runner.execute(StepPlan(step=-1, slices=[first]))
-                self.runner.execute(StepPlan(step=-1, slices=[Slice(rid="warmup", start=length, num_tokens=1)]))
+                self.runner.execute(StepPlan(step=-1, slices=[Slice(rid="warmup", start=length, num_tokens=1, slot=0)]))
                 self.runner.release(["warmup"])
         except Exception:
             self.runner.release(["warmup"])

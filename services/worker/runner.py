@@ -1,9 +1,9 @@
 """The worker's compute core: runs one ``StepPlan`` through the model and samples its tokens.
 
-``ModelRunner`` owns the weights, the fixed-size KV cache and each running request's state
-(block table, last sampled token, sampling params, rng). It makes no scheduling decision:
-it executes plans in the order they arrive, and a decode slice is fed the token this runner
-sampled last for its request.
+``ModelRunner`` owns the weights, the fixed-size KV cache, the GDN state slots of hybrid models
+and each running request's state (block table, last sampled token, sampling params, rng). It makes
+no scheduling decision: it executes plans in the order they arrive, a decode slice is fed the token
+this runner sampled last for its request, and a hybrid model's slice runs in the state slot it names.
 """
 
 from __future__ import annotations
@@ -17,11 +17,13 @@ from typing import Any
 import torch
 
 from services.worker.attention import AttentionMetadata, KVCache
+from services.worker.gdn_state import GDNStateCache, SlotMetadata
 from services.worker.linear import quantize_int8
 from services.worker.models import model_family
 from services.worker.sampling import LogitBias, TokenHistory, process_logits, sample, token_logprobs
 from services.worker.weights import load_weights
 from shared.frames import Sampled, SamplingParams, Slice, StepPlan, StepResult
+from shared.model_info import HYBRID_PREFIX_CACHE_OFF
 
 ALL_PROMPT = 1 << 62  # a prompt_len no prefill reaches: every prefilled token is prompt
 
@@ -39,6 +41,7 @@ class _Request:
     table: list[int] = field(default_factory=list)
     last_token: int | None = None
     end: int = 0  # positions computed so far: where the next slice must start
+    slot: int = -1  # GDN state slot (hybrid models)
 
     def record_prefill(self, start: int, token_ids: list[int]) -> None:
         """Tells the penalty history about a prefill chunk: prompt tokens, then (after a preemption) earlier outputs."""
@@ -67,12 +70,21 @@ class ModelRunner:
         with torch.inference_mode():
             self.model = family(config, load_weights(model_dir, DTYPES[dtype]))
             self.weight_quant, self.quantized_linears = weight_quant, quantize_int8(self.model) if weight_quant == "int8" else 0
-            self.kv_cache = KVCache(self.model.num_layers, num_blocks, block_size, self.model.num_kv_heads, self.model.head_dim, DTYPES[dtype])
+            self.kv_cache = KVCache(self.model.num_kv_layers, num_blocks, block_size, self.model.num_kv_heads, self.model.head_dim, DTYPES[dtype])
+            # One GDN state slot per request the scheduler may run at once; it hands out ids 0..max_num_seqs-1.
+            shape = self.model.gdn_shape
+            self.states = None if shape is None else GDNStateCache(shape, max_num_seqs, DTYPES[dtype], self.model.embed.device)
         self._requests: dict[str, _Request] = {}
+        self._slot_holders: dict[int, str] = {}  # GDN slot -> the live request computing in it
 
     @property
     def num_blocks(self) -> int:
         return self.kv_cache.num_blocks
+
+    @property
+    def num_slots(self) -> int:
+        """GDN state slots (0 for models without GDN layers, which ignore ``Slice.slot``)."""
+        return 0 if self.states is None else self.states.num_slots
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run every slice of ``plan`` as one flat batch; a ``ValueError`` leaves all state untouched."""
@@ -103,7 +115,9 @@ class ModelRunner:
     def release(self, rids: list[str]) -> None:
         """Forget these requests (unknown ones are ignored: a release may follow a failed step)."""
         for rid in rids:
-            self._requests.pop(rid, None)
+            request = self._requests.pop(rid, None)
+            if request is not None and self._slot_holders.get(request.slot) == rid:
+                del self._slot_holders[request.slot]
 
     def _forward(self, slices: list[Slice]) -> tuple[list[str], list[_Request], torch.Tensor | None]:
         """The rids and states of the slices that sample, and their logits [N, vocab]."""
@@ -121,6 +135,9 @@ class ModelRunner:
             request.table.extend(s.new_blocks)
             request.record_prefill(s.start, s.token_ids)
             request.end = s.start + s.num_tokens
+            if self.states is not None:
+                request.slot = s.slot
+                self._slot_holders[s.slot] = s.rid
 
         # Decode slices first: attention batches them in one call and prefill chunks follow.
         ordered = [s for s in slices if not s.token_ids] + [s for s in slices if s.token_ids]
@@ -130,8 +147,10 @@ class ModelRunner:
         for s in ordered[num_decodes:]:
             input_ids += s.token_ids
         lens = [s.num_tokens for s in ordered]
-        meta = AttentionMetadata.build([s.start for s in ordered], lens, [r.table for r in requests], num_decodes, self.block_size, self.model.dtype)
-        hidden = self.model.forward(torch.tensor(input_ids), meta.positions, meta, self.kv_cache)
+        starts = [s.start for s in ordered]
+        meta = AttentionMetadata.build(starts, lens, [r.table for r in requests], num_decodes, self.block_size, self.model.dtype)
+        slots = None if self.states is None else SlotMetadata.build(self.states, [s.slot for s in ordered], starts, lens, num_decodes)
+        hidden = self.model.forward(torch.tensor(input_ids), meta.positions, meta, self.kv_cache, slots)
 
         to_sample = [j for j, s in enumerate(ordered) if s.sample]
         if not to_sample:
@@ -145,6 +164,8 @@ class ModelRunner:
             raise ValueError(f"a step of {len(slices)} slices exceeds max_num_seqs={self.max_num_seqs}")
         if len({s.rid for s in slices}) != len(slices):
             raise ValueError("a step holds more than one slice of the same request")
+        if self.states is not None and len({s.slot for s in slices}) != len(slices):
+            raise ValueError("a step holds two slices in the same GDN state slot")
         for s in slices:
             request = self._requests.get(s.rid)
             if not s.token_ids:
@@ -164,6 +185,8 @@ class ModelRunner:
                 raise ValueError(f"slice for {s.rid!r} starts at {s.start} but the request has computed {request.end} positions")
             if s.sampling is not None and any(not 0 <= t < self.model.vocab_size for t in [*s.sampling.logit_bias, *s.prefix_ids]):
                 raise ValueError(f"slice for {s.rid!r} names token ids (logit_bias or prefix_ids) outside the vocabulary of {self.model.vocab_size}")
+            if self.states is not None:
+                self._validate_slot(s, request)
             if any(not 0 <= b < self.num_blocks for b in s.new_blocks):
                 raise ValueError(f"slice for {s.rid!r} names blocks outside 0..{self.num_blocks - 1}: {s.new_blocks}")
             capacity = (len(request.table) if request else 0) + len(s.new_blocks)
@@ -173,6 +196,17 @@ class ModelRunner:
                     f"{capacity} blocks of {self.block_size} hold {capacity * self.block_size} tokens"
                 )
 
+    def _validate_slot(self, s: Slice, request: _Request | None) -> None:
+        if not 0 <= s.slot < self.num_slots:
+            raise ValueError(f"slice for {s.rid!r} names GDN state slot {s.slot}, outside 0..{self.num_slots - 1}")
+        if request is None and s.start > 0:
+            raise ValueError(f"slice for {s.rid!r} starts at {s.start} but the worker holds no GDN state of it (a new request starts at 0)")
+        if request is not None and request.slot != s.slot:
+            raise ValueError(f"slice for {s.rid!r} names GDN state slot {s.slot} but the request holds slot {request.slot}")
+        holder = self._slot_holders.get(s.slot, s.rid)
+        if holder != s.rid:
+            raise ValueError(f"slice for {s.rid!r} names GDN state slot {s.slot}, which request {holder!r} holds")
+
     def warmup(self) -> None:
         """One short prefill and one decode through blocks 0.., then release: allocator and kernels warm."""
         tokens = min(2 * self.block_size, self.num_blocks * self.block_size - 1, 16)
@@ -180,8 +214,8 @@ class ModelRunner:
         rid, params = "__warmup__", SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=0)
         try:
             prompt = [i % self.model.vocab_size for i in range(tokens)]
-            self.execute(StepPlan(-1, [Slice(rid, 0, tokens, prompt, blocks, sampling=params)]))
-            self.execute(StepPlan(-1, [Slice(rid, tokens, 1)]))
+            self.execute(StepPlan(-1, [Slice(rid, 0, tokens, prompt, blocks, sampling=params, slot=0)]))
+            self.execute(StepPlan(-1, [Slice(rid, tokens, 1, slot=0)]))
         finally:
             self.release([rid])
 
@@ -208,4 +242,18 @@ class ModelRunner:
             "quantized_linears": self.quantized_linears,
             "requests": len(self._requests),
             **self.model.describe(),
+            **self._describe_slots(),
+        }
+
+    def _describe_slots(self) -> dict[str, Any]:
+        if self.states is None:
+            return {}
+        return {
+            "gdn_state": {
+                "slots_total": self.num_slots,
+                "slots_used": len(self._slot_holders),
+                "bytes": self.states.nbytes,
+                "bytes_per_slot": self.states.nbytes // self.num_slots,
+            },
+            "prefix_cache": {"enabled": False, "reason": HYBRID_PREFIX_CACHE_OFF},
         }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from .harness import TINY_LLAMAS, TINY_QWEN3_MOES, TINY_QWEN3S, Checkpoint, build_tiny
+from .harness import TINY_LLAMAS, TINY_QWEN3_MOES, TINY_QWEN3_NEXTS, TINY_QWEN3S, Checkpoint, build_tiny
 
 
 def _build(factory: pytest.TempPathFactory, family: str, variants: dict[str, dict]) -> dict[str, Checkpoint]:
@@ -43,3 +43,14 @@ def tiny_qwen3(request: pytest.FixtureRequest, tiny_qwen3s: dict[str, Checkpoint
 def tiny_qwen3_moe(request: pytest.FixtureRequest, tiny_qwen3_moes: dict[str, Checkpoint]) -> Checkpoint:
     """Each tiny Qwen3-MoE in turn: top-2 renormalised with a dense middle layer; top-3 raw in every second layer, tied."""
     return tiny_qwen3_moes[request.param]
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_nexts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Checkpoint]:
+    return _build(tmp_path_factory, "qwen3_next", TINY_QWEN3_NEXTS)
+
+
+@pytest.fixture(params=list(TINY_QWEN3_NEXTS))
+def tiny_qwen3_next(request: pytest.FixtureRequest, tiny_qwen3_nexts: dict[str, Checkpoint]) -> Checkpoint:
+    """Each tiny Qwen3-Next in turn: grouped GDN heads with a dense layer and half rotary; every second layer full attention, tied, biased."""
+    return tiny_qwen3_nexts[request.param]

@@ -18,6 +18,8 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
 from services.worker.runner import ModelRunner
@@ -31,6 +33,21 @@ FAMILIES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[st
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {}),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    "qwen3_next": (
+        Qwen3NextConfig,
+        Qwen3NextForCausalLM,
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "head_dim": 32,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 24,
+        },
+    ),
 }
 
 TINY_LLAMAS = {
@@ -58,6 +75,28 @@ TINY_QWEN3_MOES = {
     "renorm-dense-middle": {"norm_topk_prob": True, "mlp_only_layers": [1], "intermediate_size": 96},
     # MoE in layer 1 only; top-3 of the raw softmax; tied, sharded, head_dim != hidden / heads
     "sparse-step-tied": {"decoder_sparse_step": 2, "num_experts_per_tok": 3, "tie_word_embeddings": True, "head_dim": 32},
+}
+
+TINY_QWEN3_NEXTS = {
+    # GDN, full attention, GDN, GDN; 2 key heads for 4 value heads; a dense MLP in layer 2; half of each head rotated
+    "gqa-dense-layer": {
+        "num_hidden_layers": 4,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+        "mlp_only_layers": [2],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    },
+    # every second layer full attention; as many value heads as key heads; MoE in every second layer,
+    # top-2 of the raw softmax; q/k/v/o biases; tied and sharded
+    "interval-tied-bias": {
+        "full_attention_interval": 2,
+        "num_hidden_layers": 4,
+        "linear_num_value_heads": 2,
+        "linear_value_head_dim": 16,
+        "decoder_sparse_step": 2,
+        "norm_topk_prob": False,
+        "attention_bias": True,
+        "tie_word_embeddings": True,
+    },
 }
 
 
@@ -150,6 +189,9 @@ def drive(
     rng = random.Random(seed)
     free = list(range(runner.num_blocks))
     rng.shuffle(free)
+    free_slots = list(range(runner.num_slots))  # GDN state slots, as the scheduler hands them out
+    rng.shuffle(free_slots)
+    slot_of: dict[str, int] = {}
     reqs = {rid: _Req(p, (arrivals or {}).get(rid, 0), (sampling or {}).get(rid, GREEDY)) for rid, p in prompts.items()}
     done: dict[str, list[int]] = {}
     stats = DriveStats()
@@ -170,11 +212,14 @@ def drive(
                 last = r.computed + n == len(r.prompt)
                 first = r.computed == 0
                 ids = r.prompt[r.computed : r.computed + n]
-                slices.append(Slice(rid, r.computed, n, ids, grow(r, r.computed + n), last, r.sampling if first else None))
+                if first and free_slots:
+                    slot_of[rid] = free_slots.pop()
+                slot = slot_of.get(rid, -1)
+                slices.append(Slice(rid, r.computed, n, ids, grow(r, r.computed + n), last, r.sampling if first else None, slot=slot))
                 r.computed += n
             else:
                 pos = len(r.prompt) + len(r.out) - 1  # where the last sampled token goes
-                slices.append(Slice(rid, pos, 1, new_blocks=grow(r, pos + 1)))
+                slices.append(Slice(rid, pos, 1, new_blocks=grow(r, pos + 1), slot=slot_of.get(rid, -1)))
         rng.shuffle(slices)
         kinds = [bool(s.token_ids) for s in slices]
         stats.mixed_steps += any(kinds) and not all(kinds)
@@ -190,6 +235,8 @@ def drive(
                 runner.release([x.rid])
                 at = rng.randrange(len(free) + 1)
                 free[at:at] = r.table
+                if x.rid in slot_of:
+                    free_slots.insert(rng.randrange(len(free_slots) + 1), slot_of.pop(x.rid))
         stats.steps += 1
     return done, stats
 
@@ -206,10 +253,10 @@ def _chunked_prefill(runner: ModelRunner, prompt: list[int], blocks: list[int]) 
     """Send every chunk of 5 but the last (they sample nothing); return the plan of the last. Blocks of 4."""
     for i, start in enumerate(range(0, len(prompt) - 5, 5)):
         new = blocks[-(-start // 4) : -(-(start + 5) // 4)]
-        plan = StepPlan(i, [Slice("r", start, 5, prompt[start : start + 5], new, sample=False, sampling=GREEDY if i == 0 else None)])
+        plan = StepPlan(i, [Slice("r", start, 5, prompt[start : start + 5], new, sample=False, sampling=GREEDY if i == 0 else None, slot=0)])
         assert runner.execute(plan).sampled == []
     start = len(prompt) - len(prompt) % 5
-    return StepPlan(9, [Slice("r", start, len(prompt) - start, prompt[start:], blocks[-(-start // 4) : -(-len(prompt) // 4)])])
+    return StepPlan(9, [Slice("r", start, len(prompt) - start, prompt[start:], blocks[-(-start // 4) : -(-len(prompt) // 4)], slot=0)])
 
 
 def check_logits_after_chunked_prefill_and_in_decode(tiny: Checkpoint, max_rel_err: float = 1e-4) -> None:
@@ -225,7 +272,7 @@ def check_logits_after_chunked_prefill_and_in_decode(tiny: Checkpoint, max_rel_e
     runner = ModelRunner(tiny.path, num_blocks=16, block_size=4)
     token = runner.execute(_chunked_prefill(runner, prompt, blocks)).sampled[0].token_id
     assert token == int(theirs.argmax())
-    ours = runner.logits(StepPlan(10, [Slice("r", 23, 1, new_blocks=blocks[6:7])]))["r"]
+    ours = runner.logits(StepPlan(10, [Slice("r", 23, 1, new_blocks=blocks[6:7], slot=0)]))["r"]
     with torch.no_grad():
         theirs = tiny.reference(torch.tensor([prompt + [token]])).logits[0, -1]
     assert rel_err(ours, theirs) <= max_rel_err

@@ -10,19 +10,25 @@ from typing import Any, Protocol
 import torch
 
 from services.worker.attention import AttentionMetadata, KVCache
+from services.worker.gdn_state import GDNShape, SlotMetadata
 from services.worker.models.llama import LlamaForCausalLM
 from services.worker.models.qwen3 import Qwen3ForCausalLM
 from services.worker.models.qwen3_moe import Qwen3MoeForCausalLM
+from services.worker.models.qwen3_next import Qwen3NextForCausalLM
 
 
 class CausalLM(Protocol):
     """A decoder built from config.json and its checkpoint's tensors (already in the serving dtype).
 
-    ``forward`` writes the step's keys and values into ``kv_cache`` and returns final-normed
-    hidden states, one row per input token; ``compute_logits`` maps chosen rows to the vocabulary.
+    ``forward`` writes the step's keys and values into ``kv_cache`` (which has ``num_kv_layers``
+    layers) and returns final-normed hidden states, one row per input token; ``compute_logits`` maps
+    chosen rows to the vocabulary. A hybrid family (``gdn_shape`` not None) also reads and writes
+    each request's GDN state in the slot that ``slots`` names.
     """
 
     num_layers: int
+    num_kv_layers: int
+    gdn_shape: GDNShape | None
     num_kv_heads: int
     head_dim: int
     vocab_size: int
@@ -30,7 +36,9 @@ class CausalLM(Protocol):
 
     def __init__(self, config: dict, weights: dict[str, torch.Tensor]) -> None: ...
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor: ...
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache, slots: SlotMetadata | None = None
+    ) -> torch.Tensor: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
@@ -45,6 +53,7 @@ MODEL_FAMILIES: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,
 }
 
 

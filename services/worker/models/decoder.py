@@ -2,8 +2,8 @@
 
 Attention fuses q/k/v into one weight (with the optional bias, and Qwen3's per-head q/k RMSNorm
 applied in place before rotary); the SwiGLU MLP fuses gate/up; the residual add rides on the output
-projections. A family subclasses ``DecoderForCausalLM`` and says only what differs: ``QK_NORM`` and
-how a layer's MLP is built.
+projections. A family subclasses ``DecoderForCausalLM`` and says only what differs: ``QK_NORM``, how a
+layer's MLP is built, and (Qwen3-Next) zero-centred norms, partial rotary and its own layers.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.attention import AttentionMetadata, KVCache, paged_attention
+from services.worker.gdn_state import GDNShape, SlotMetadata
 from services.worker.linear import Linear, RowSplitLinear
 from services.worker.rmsnorm import RMSNorm
 from services.worker.rotary import RotaryEmbedding, apply_rotary_, rope_config
@@ -105,10 +106,11 @@ class MLP(Protocol):
 
 
 class DenseMLP:
-    """SwiGLU ``down(silu(gate(x)) * up(x))``, gate and up fused into one weight."""
+    """SwiGLU ``down(silu(gate(x)) * up(x))``, gate and up fused into one weight; ``prefix`` names the
+    MLP's own module (``model.layers.3.mlp.``, or a shared expert's ``...mlp.shared_expert.``)."""
 
     def __init__(self, w: Weights, prefix: str, threads: int) -> None:
-        p = prefix + "mlp."
+        p = prefix
         self.intermediate = w[p + "gate_proj.weight"].shape[0]
         self.gate_up = Linear(torch.cat([w[p + "gate_proj.weight"], w[p + "up_proj.weight"]]), threads)
         self.down = Linear(w[p + "down_proj.weight"], threads)
@@ -116,7 +118,7 @@ class DenseMLP:
     def tensors(self) -> list[torch.Tensor]:
         return [self.gate_up.weight, self.down.weight]
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         gate_up = self.gate_up(x)
         gate = F.silu(gate_up[:, : self.intermediate], inplace=True)
         return self.down(gate.mul_(gate_up[:, self.intermediate :]), residual=residual)
@@ -133,17 +135,20 @@ class DecoderForCausalLM:
     """Implements ``CausalLM`` for the Llama-shaped decoders; subclasses override ``QK_NORM`` and ``mlp``."""
 
     QK_NORM = False  # Qwen3: RMSNorm over each q and k head before rotary
+    ZERO_CENTRED_NORMS = False  # Qwen3-Next: every RMSNorm weight is stored as w - 1 (scales by 1 + w)
+    gdn_shape: GDNShape | None = None  # hybrid families: the GDN state each request's slot holds
 
     def __init__(self, config: dict, weights: Weights) -> None:
         cfg = self.cfg = DecoderConfig.read(config)
         self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_kv_layers = self.num_layers
         self.vocab_size = cfg.vocab_size
         self.embed = weights["model.embed_tokens.weight"]
         self.dtype = self.embed.dtype
         theta, scaling = rope_config(config)
-        self.rotary = RotaryEmbedding(cfg.head_dim, theta, scaling, cfg.max_positions, self.dtype)
+        self.rotary = RotaryEmbedding(self.rotary_dim(config), theta, scaling, cfg.max_positions, self.dtype)
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
-        self.norm = RMSNorm(weights["model.norm.weight"], cfg.eps)
+        self.norm = self.rms_norm(weights["model.norm.weight"])
         if cfg.tie_word_embeddings:
             self.lm_head = RowSplitLinear(self.embed, cfg.threads)
         elif "lm_head.weight" in weights:
@@ -151,18 +156,25 @@ class DecoderForCausalLM:
         else:
             raise ValueError("the checkpoint has no lm_head.weight and tie_word_embeddings is false")
 
+    def rotary_dim(self, config: dict) -> int:
+        """Leading dims of each q/k head that rotary rotates: all of them unless a family says otherwise."""
+        return self.cfg.head_dim
+
+    def rms_norm(self, weight: torch.Tensor) -> RMSNorm:
+        return RMSNorm(1 + weight if self.ZERO_CENTRED_NORMS else weight, self.cfg.eps)
+
     def _layer(self, w: Weights, index: int) -> DecoderLayer:
-        p, eps = f"model.layers.{index}.", self.cfg.eps
+        p = f"model.layers.{index}."
         return DecoderLayer(
-            input_norm=RMSNorm(w[p + "input_layernorm.weight"], eps),
+            input_norm=self.rms_norm(w[p + "input_layernorm.weight"]),
             attn=Attention(w, p, self.cfg, self.QK_NORM),
-            post_norm=RMSNorm(w[p + "post_attention_layernorm.weight"], eps),
+            post_norm=self.rms_norm(w[p + "post_attention_layernorm.weight"]),
             mlp=self.mlp(w, p, index),
         )
 
     def mlp(self, w: Weights, prefix: str, index: int) -> MLP:
         """The feed-forward block of layer ``index`` (weights under ``prefix``): dense SwiGLU by default."""
-        return DenseMLP(w, prefix, self.cfg.threads)
+        return DenseMLP(w, prefix + "mlp.", self.cfg.threads)
 
     def describe(self) -> dict[str, Any]:
         """Family-specific facts for the instrumentation endpoint (e.g. the kernel backends chosen at load)."""
@@ -175,8 +187,10 @@ class DecoderForCausalLM:
             tensors += [layer.input_norm.weight, layer.post_norm.weight, *layer.attn.tensors(), *layer.mlp.tensors()]
         return list({id(t): t for t in tensors}.values())
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
-        """Final-normed hidden states [T, hidden] of a flat batch of T tokens from many requests."""
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache, slots: SlotMetadata | None = None
+    ) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] of a flat batch of T tokens from many requests (``slots``: hybrid families only)."""
         cos, sin = self.rotary.lookup(positions, attn.max_position)
         h = F.embedding(input_ids, self.embed)
         for layer, cache in zip(self.layers, kv_cache.layers):

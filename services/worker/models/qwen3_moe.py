@@ -16,12 +16,13 @@ from services.worker.moe import SparseMoE, select_moe_backend
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
     QK_NORM = True
+    NORM_TOPK_PROB = False  # transformers' default when config.json omits norm_topk_prob
 
     def __init__(self, config: dict, weights: dict[str, torch.Tensor]) -> None:
         # transformers writes num_experts as num_local_experts (an attribute_map alias); published configs say num_experts.
         self.num_experts = config.get("num_experts", config.get("num_local_experts", 0))
         self.top_k = config["num_experts_per_tok"]
-        self.renormalize = bool(config.get("norm_topk_prob", False))
+        self.renormalize = bool(config.get("norm_topk_prob", self.NORM_TOPK_PROB))
         self.sparse_step = config.get("decoder_sparse_step", 1)
         self.mlp_only_layers = set(config.get("mlp_only_layers") or [])
         self.moe_backend = select_moe_backend(weights["model.embed_tokens.weight"].device)
