@@ -25,6 +25,15 @@ from .harness import (
 )
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These tiny models compute in microseconds per op; two threads on a busy machine spend it waiting on each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _prefill(runner: ModelRunner, rid: str, prompt: list[int], cuts: list[int], slot: int, first_block: int = 0) -> StepPlan:
     """Send the prompt's pieces between ``cuts`` but the last (blocks of 4 from ``first_block`` on); return the last piece's plan."""
     bounds = [0, *cuts, len(prompt)]
