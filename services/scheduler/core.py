@@ -6,7 +6,9 @@ behind a long prompt. Blocks are allocated as positions are scheduled, never for
 request's whole max_tokens up front; when a decode finds no free block, the most
 recently admitted running request is preempted and later recomputed. Full blocks enter
 the prefix cache as soon as their KV is scheduled; an admission starts after the longest
-cached prefix of its tokens.
+cached prefix of its tokens. For a hybrid (GDN) model each running request also holds one
+state slot, taken at admission and given back when it finishes or is preempted; every slice
+names it.
 
 Pipelining: plans may be sent before earlier results are back. A decode slice carries
 no token (the worker feeds back its own last sample), so ``num_scheduled`` runs ahead
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 
 from services.scheduler.kv_blocks import BlockPool
 from services.scheduler.requests import Phase, Request
+from services.scheduler.state_slots import SlotPool
 from shared.frames import DetokOpen, FinishReason, Slice, StepPlan, StepResult, Submit, TokenDelta
 
 
@@ -41,8 +44,9 @@ class Outcome:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_waiting: int) -> None:
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_waiting: int, slots: SlotPool | None = None) -> None:
         self.pool = pool
+        self.slots = slots  # GDN state slots: hybrid models only
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_waiting = max_waiting
@@ -108,6 +112,11 @@ class Scheduler:
     def _admit(self, request: Request, budget: int, slices: list[Slice]) -> int:
         """Starts (or restarts) the request's prefill after its cached prefix; 0 if nothing fits."""
         request.prefill_len = request.num_tokens
+        if self.slots is not None:
+            slot = self.slots.allocate()
+            if slot is None:
+                return 0
+            request.slot = slot
         # At least the last token is computed, to get the logits that sample the next one.
         cached, hashes = self.pool.match_prefix(request.tokens, request.prefill_len - 1)
         request.blocks, request.block_hashes = cached, hashes
@@ -116,6 +125,7 @@ class Scheduler:
         if scheduled == 0:
             self.pool.free(cached)
             request.blocks, request.block_hashes, request.num_scheduled = [], [], 0
+            self._free_slot(request)
             return 0
         self.pool.count_lookup(request.prefill_len - 1, request.num_scheduled - scheduled)
         if request.cached_tokens is None:  # usage reports the first admission's reuse
@@ -181,6 +191,7 @@ class Scheduler:
             sampling=sampling,
             prompt_len=prompt_len,
             prefix_ids=prefix_ids,
+            slot=request.slot,
         )
 
     def _register_full_blocks(self, request: Request) -> None:
@@ -202,12 +213,19 @@ class Scheduler:
         self.running.remove(request)
         self.pool.free(request.blocks)
         request.blocks, request.block_hashes, request.blocks_sent = [], [], 0
+        self._free_slot(request)
         request.num_scheduled = 0
         request.sampling_sent = False
         request.phase = Phase.WAITING
         self.waiting.appendleft(request)
         self.num_preemptions += 1
         self._released.append(request.rid)
+
+    def _free_slot(self, request: Request) -> None:
+        """Gives back the request's GDN state slot, if it holds one (a waiting request holds none)."""
+        if request.slot >= 0:
+            self.slots.free(request.slot)
+            request.slot = -1
 
     # Results and endings. --------------------------------------------------------------
 
@@ -275,5 +293,6 @@ class Scheduler:
             self.waiting.remove(request)
         self.pool.free(request.blocks)
         request.blocks, request.block_hashes = [], []
+        self._free_slot(request)
         request.phase = Phase.FINISHED
         del self.requests[request.rid]

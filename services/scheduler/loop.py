@@ -16,6 +16,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from services.scheduler.core import AdmissionError, Outcome, Scheduler
 from services.scheduler.kv_blocks import BlockPool
+from services.scheduler.state_slots import SlotPool
 from shared.config import StackConfig
 from shared.frames import (
     Abort,
@@ -39,6 +40,8 @@ WAITING = Gauge(f"{PREFIX}num_requests_waiting", "Requests waiting for admission
 KV_USAGE = Gauge(f"{PREFIX}kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)")
 KV_BLOCKS_USED = Gauge(f"{PREFIX}kv_blocks_used", "KV blocks held by requests")
 KV_BLOCKS_TOTAL = Gauge(f"{PREFIX}kv_blocks_total", "KV blocks in the cache")
+GDN_SLOTS_USED = Gauge(f"{PREFIX}gdn_state_slots_used", "GDN state slots held by running requests (hybrid models)")
+GDN_SLOTS_TOTAL = Gauge(f"{PREFIX}gdn_state_slots_total", "GDN state slots on the worker (0: the model has no GDN layers)")
 PREFIX_QUERIES = Counter(f"{PREFIX}prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
 PREFIX_HITS = Counter(f"{PREFIX}prefix_cache_hits", "Prompt tokens found in the prefix cache")
 PREEMPTIONS = Counter(f"{PREFIX}num_preemptions", "Running requests preempted for recomputation")
@@ -71,8 +74,12 @@ class SchedulerLoop:
         self.log = log
         self.model = load_model_info(config.model)
         num_blocks = kv_cache_blocks(self.model, config.kv_cache_tokens, config.kv_cache_bytes, config.block_size, config.dtype)
-        pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_cache)
-        self.core = Scheduler(pool, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting)
+        # A hybrid model's requests hold a GDN state slot each, as many as may run at once (the worker
+        # sizes its state tensors the same way); its prefix cache stays off: cached blocks can't restore GDN state.
+        self.prefix_cache_off_reason = self.model.prefix_cache_unsupported if config.enable_prefix_cache else "disabled by --enable-prefix-cache false"
+        pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_cache and not self.prefix_cache_off_reason)
+        slots = SlotPool(config.max_num_seqs) if self.model.uses_state_slots else None
+        self.core = Scheduler(pool, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting, slots)
         self._counted_queries = self._counted_hits = 0
         ctx = zmq.Context()
         self.inbox = Inbox(ctx, config.scheduler_address, "scheduler_inbox")
@@ -85,6 +92,7 @@ class SchedulerLoop:
         self.stopping = False
         self.boot = f"{os.getpid()}-{time.time_ns()}"
         KV_BLOCKS_TOTAL.set(num_blocks)
+        GDN_SLOTS_TOTAL.set(slots.num_slots if slots else 0)
 
     # Readiness. ------------------------------------------------------------------------
 
@@ -263,6 +271,7 @@ class SchedulerLoop:
         WAITING.set(len(self.core.waiting))
         KV_USAGE.set(self.core.pool.usage)
         KV_BLOCKS_USED.set(self.core.pool.num_used)
+        GDN_SLOTS_USED.set(self.core.slots.num_used if self.core.slots else 0)
         pool = self.core.pool
         PREFIX_QUERIES.inc(pool.queries - self._counted_queries)
         PREFIX_HITS.inc(pool.hits - self._counted_hits)
@@ -288,7 +297,14 @@ class SchedulerLoop:
             "running": len(core.running),
             "waiting": len(core.waiting),
             "preemptions": core.num_preemptions,
-            "prefix_cache": {"enabled": pool.enable_prefix_cache, "cached_blocks": pool.num_cached, "queries": pool.queries, "hits": pool.hits},
+            "prefix_cache": {
+                "enabled": pool.enable_prefix_cache,
+                "disabled_reason": self.prefix_cache_off_reason,
+                "cached_blocks": pool.num_cached,
+                "queries": pool.queries,
+                "hits": pool.hits,
+            },
+            "gdn_state_slots": {"total": core.slots.num_slots, "used": core.slots.num_used} if core.slots else None,
             "peers": {name: {"state": p.state, "detail": p.detail, "progress": p.progress} for name, p in self.peers.items()},
             "addresses": {
                 "inbox": self.inbox.address,
@@ -311,5 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     loop = SchedulerLoop(config, log)
     start_metrics_server(config.metrics_host, config.metrics_port("scheduler"), loop.instrumentation, loop.health, config.metric_labels)
     PROCESS_UP.labels("scheduler").set(1)
-    log.info("scheduler_started", inbox=loop.inbox.address, kv_blocks=loop.core.pool.num_blocks)
+    log.info("scheduler_started", inbox=loop.inbox.address, kv_blocks=loop.core.pool.num_blocks, gdn_state_slots=loop.core.slots.num_slots if loop.core.slots else 0)
+    if loop.prefix_cache_off_reason and config.enable_prefix_cache:
+        log.warning("prefix_cache_disabled", reason=loop.prefix_cache_off_reason)
     loop.run()

@@ -1,4 +1,4 @@
-"""A request as the scheduler tracks it: tokens known, positions scheduled, blocks held."""
+"""A request as the scheduler tracks it: tokens known, positions scheduled, blocks and state slot held."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ class Request:
     prefill_len: int = 0  # positions to prefill since admission: the prompt, plus outputs when recomputed
     pending_samples: int = 0  # sampling slices sent whose token has not come back
     sampling_sent: bool = False  # the worker has this request's sampling params
+    slot: int = -1  # GDN state slot while running (hybrid models), else -1
     phase: Phase = Phase.WAITING
     admitted_at: float = 0.0
     queued_at: float = field(default_factory=time.monotonic)

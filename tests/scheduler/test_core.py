@@ -6,11 +6,14 @@ import pytest
 
 from services.scheduler.core import AdmissionError, Scheduler
 from services.scheduler.kv_blocks import BlockPool
+from services.scheduler.state_slots import SlotPool
 from shared.frames import FinishReason, Sampled, SamplingParams, StepPlan, StepResult, Submit, TokenLogprobs
 
 
-def make(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 16, max_waiting: int = 100, prefix_cache: bool = True) -> Scheduler:
-    return Scheduler(BlockPool(num_blocks, block_size, prefix_cache), max_num_seqs, budget, max_waiting)
+def make(
+    num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 16, max_waiting: int = 100, prefix_cache: bool = True, slots: int = 0
+) -> Scheduler:
+    return Scheduler(BlockPool(num_blocks, block_size, prefix_cache), max_num_seqs, budget, max_waiting, SlotPool(slots) if slots else None)
 
 
 def submit(s: Scheduler, rid: str, prompt_len: int, max_tokens: int = 4, **kw) -> None:
@@ -209,3 +212,44 @@ def test_penalised_requests_tell_the_worker_their_prompt_length_and_cached_token
     out = s.on_result(StepResult(step=1, sampled=[Sampled("pen", 7, TokenLogprobs(-0.5, [7, 3], [-0.5, -1.0])), Sampled("plain", 7)]))
     logprobs = {d.rid: d.logprobs for d in out.deltas}
     assert logprobs == {"pen": [TokenLogprobs(-0.5, [7, 3], [-0.5, -1.0])], "plain": []}
+
+
+def test_hybrid_requests_hold_one_state_slot_from_admission_to_their_end() -> None:
+    s = make(budget=64, max_num_seqs=2, slots=2, prefix_cache=False)
+    for rid in "abc":
+        submit(s, rid, 5, max_tokens=3)
+    p0 = s.plan(0)
+    assert [(x.rid, x.slot) for x in p0.slices] == [("a", 0), ("b", 1)]  # c waits: both slots are held
+    answer(s, p0)
+    p1 = s.plan(1)
+    assert [(x.rid, x.slot) for x in p1.slices] == [("a", 0), ("b", 1)]  # every slice names its slot
+    s.finish("a", FinishReason.ABORT)  # the abort gives slot 0 back at once
+    assert s.slots.num_used == 1
+    answer(s, p1)
+    p2 = s.plan(2)
+    assert {x.rid: x.slot for x in p2.slices} == {"b": 1, "c": 0}
+    answer(s, p2)
+    for step in range(3, 10):
+        answer(s, s.plan(step))
+    assert not s.requests
+    assert s.slots.num_used == 0
+
+
+def test_a_preempted_hybrid_request_gives_its_slot_back_and_takes_one_again_when_readmitted() -> None:
+    s = make(num_blocks=2, block_size=4, budget=64, max_num_seqs=4, prefix_cache=False, slots=4)
+    submit(s, "a", 3, max_tokens=5)
+    submit(s, "b", 3, max_tokens=5)
+    answer(s, s.plan(0))
+    answer(s, s.plan(1))
+    plan = s.plan(2)  # b is preempted for a's second block
+    assert s.take_released() == ["b"] and s.slots.num_used == 1
+    answer(s, plan)
+    s.finish("a", FinishReason.ABORT)
+    (b,) = s.plan(3).slices
+    assert b.rid == "b" and b.start == 0 and b.slot >= 0 and s.slots.num_used == 1
+
+
+def test_plain_models_send_no_slot() -> None:
+    s = make()
+    submit(s, "a", 5)
+    assert s.plan(0).slices[0].slot == -1

@@ -54,7 +54,7 @@ EXAMPLES = [
     StepPlan(
         step=9,
         slices=[
-            Slice(rid="r1", start=0, num_tokens=3, token_ids=[1, 2, 3], new_blocks=[4], sample=True, sampling=SamplingParams(seed=1)),
+            Slice(rid="r1", start=0, num_tokens=3, token_ids=[1, 2, 3], new_blocks=[4], sample=True, sampling=SamplingParams(seed=1), slot=2),
             Slice(rid="r2", start=7, num_tokens=1),
             Slice(rid="r3", start=2, num_tokens=1, token_ids=[3], sampling=SamplingParams(frequency_penalty=1.0), prompt_len=3, prefix_ids=[1, 2]),
         ],
