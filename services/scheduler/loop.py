@@ -327,7 +327,9 @@ def main(argv: list[str] | None = None) -> None:
     loop = SchedulerLoop(config, log)
     start_metrics_server(config.metrics_host, config.metrics_port("scheduler"), loop.instrumentation, loop.health, config.metric_labels)
     PROCESS_UP.labels("scheduler").set(1)
-    log.info("scheduler_started", inbox=loop.inbox.address, kv_blocks=loop.core.pool.num_blocks, gdn_state_slots=loop.core.slots.num_slots if loop.core.slots else 0)
+    log.info(
+        "scheduler_started", inbox=loop.inbox.address, kv_blocks=loop.core.pool.num_blocks, gdn_state_slots=loop.core.slots.num_slots if loop.core.slots else 0
+    )
     if loop.prefix_cache_off_reason and config.enable_prefix_cache:
         log.warning("prefix_cache_disabled", reason=loop.prefix_cache_off_reason)
     loop.run()
