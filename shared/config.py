@@ -19,8 +19,12 @@ from typing import Any
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "SmolLM2-135M-Instruct")
 
 
-def _opt(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+API_KEY_ENV = "TOKENYARD_API_KEY"
+
+
+def _opt(default: Any, help: str, **flags: bool) -> Any:
+    """A setting; ``repeatable`` lets its flag be given several times (joined with commas), ``secret`` keeps it off child argv."""
+    return field(default=default, metadata={"help": help, **flags})
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,15 @@ class StackConfig:
     engine_timeout_s: float = _opt(3.0, "a process silent this long is taken for dead (its requests fail)")
     stall_timeout_s: float = _opt(60.0, "a step unanswered this long marks the worker stalled (unhealthy)")
     max_body_bytes: int = _opt(8 * 1024 * 1024, "largest accepted HTTP request body")
+    max_in_flight: int = _opt(0, "most engine requests the api holds (running or waiting) before answering 429 (0: max_num_seqs + max_waiting)")
+    drain_timeout_s: float = _opt(30.0, "on SIGTERM, how long running requests may take to finish before they are aborted")
+    api_key: str = _opt(
+        "", f"API key required on generation and admin routes; repeat the flag or separate keys with commas (also ${API_KEY_ENV})", repeatable=True, secret=True
+    )
+    auth_health_metrics: bool = _opt(False, "require the API key on /health and /metrics too (open by default, for probes and Prometheus)")
+    curve_key_file: str = _opt(
+        "", "ZMQ CURVE certificate with its secret key (zmq.auth format), shared by the stack's processes; required to bind ZMQ outside loopback or ipc"
+    )
     log_level: str = _opt("info", "log level")
     log_format: str = _opt("auto", "log as json, console, or auto (console on a terminal, JSON lines otherwise)")
 
@@ -94,6 +107,16 @@ class StackConfig:
     def detokenizer_address(self) -> str:
         return self._ipc(self.detokenizer_addr, "detokenizer")
 
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The accepted API keys: the flag's and the environment's (none: the api is open)."""
+        joined = f"{self.api_key},{os.environ.get(API_KEY_ENV, '')}"
+        return tuple(dict.fromkeys(key.strip() for key in joined.split(",") if key.strip()))
+
+    @property
+    def in_flight_limit(self) -> int:
+        return self.max_in_flight or self.max_num_seqs + self.max_waiting
+
     def metrics_port(self, process: str) -> int:
         explicit = {
             "api": self.port,
@@ -107,11 +130,11 @@ class StackConfig:
     # Command line. -------------------------------------------------------------------
 
     def to_argv(self) -> list[str]:
-        """Flags that rebuild this config in a child process (only non-default values)."""
+        """Flags that rebuild this config in a child process (only non-default values; secrets travel in the environment)."""
         argv: list[str] = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value != f.default:
+            if value != f.default and not f.metadata.get("secret"):
                 argv += [_flag(f.name), str(value).lower() if isinstance(value, bool) else str(value)]
         return argv
 
@@ -121,11 +144,19 @@ class StackConfig:
         for f in dataclasses.fields(cls):
             kind = hints[f.name]
             parse = _parse_bool if kind is bool else kind
-            parser.add_argument(_flag(f.name), dest=f.name, type=parse, default=f.default, help=f"{f.metadata['help']} (default: {f.default})")
+            help = f"{f.metadata['help']} (default: {f.default})"
+            if f.metadata.get("repeatable"):
+                parser.add_argument(_flag(f.name), dest=f.name, type=parse, action="append", help=help)
+            else:
+                parser.add_argument(_flag(f.name), dest=f.name, type=parse, default=f.default, help=help)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> StackConfig:
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("repeatable"):
+                values[f.name] = ",".join(values[f.name] or []) or f.default
+        return cls(**values)
 
     @classmethod
     def from_argv(cls, argv: list[str] | None = None, description: str = "") -> StackConfig:

@@ -3,16 +3,25 @@
 PUSH/PULL keeps frames in order per sender, which the pipelined step protocol relies on
 (a worker runs plans in the order the scheduler sent them). A frame that fails to
 decode is logged and counted, and the receiving loop carries on.
+
+An inbox binds to loopback or ipc unless the stack has a CURVE certificate
+(``--curve-key-file``): then every socket speaks CURVE with the stack's one key pair,
+each inbox (the CURVE server) lets in only clients that present that same key, and a
+peer without the secret key never gets a frame through.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import structlog
 import zmq
 import zmq.asyncio
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
 
 from shared.codec import FrameDecodeError, decode, encode
 from shared.frames import Frame
@@ -21,6 +30,94 @@ from shared.metrics import FRAME_BYTES, FRAME_DECODE_ERRORS, FRAMES
 _HWM = 100_000  # frames queued per socket before a send would block
 
 log = structlog.get_logger()
+
+
+class InsecureBindError(RuntimeError):
+    """An inbox asked to bind outside loopback / ipc without CURVE keys."""
+
+
+class Curve(NamedTuple):
+    """The stack's CURVE key pair (z85): every inbox serves with it and every outbox presents it."""
+
+    public: bytes
+    secret: bytes
+
+    @classmethod
+    def load(cls, path: str) -> Curve:
+        """From a certificate written by ``zmq.auth.create_certificates`` (the ``.key_secret`` file)."""
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"CURVE certificate {path!r} does not exist")
+        public, secret = zmq.auth.load_certificate(path)
+        if not secret:
+            raise ValueError(f"CURVE certificate {path!r} has no secret key: pass the .key_secret file")
+        return cls(public, secret)
+
+    @classmethod
+    def from_file(cls, path: str) -> Curve | None:
+        """``--curve-key-file``: None when unset (loopback and ipc only)."""
+        return cls.load(path) if path else None
+
+
+_authenticators: dict[int, ThreadAuthenticator] = {}  # per zmq context: one ZAP handler each
+
+
+def _authenticate(ctx: zmq.Context, curve: Curve) -> None:
+    """Starts the context's ZAP handler, which admits a CURVE client only if it presents the stack's public key."""
+    if id(ctx) in _authenticators:
+        return
+
+    class StackKeyOnly:
+        def callback(self, domain: str, client_key: bytes) -> bool:
+            allowed = client_key == curve.public
+            if not allowed:
+                log.warning("curve_client_refused", client_key=client_key.decode(errors="replace"))
+            return allowed
+
+    authenticator = ThreadAuthenticator(ctx)
+    authenticator.start()
+    authenticator.configure_curve_callback("*", credentials_provider=StackKeyOnly())
+    _authenticators[id(ctx)] = authenticator
+
+
+def stop_authenticator(ctx: zmq.Context) -> None:
+    authenticator = _authenticators.pop(id(ctx), None)
+    if authenticator is not None:
+        authenticator.stop()
+
+
+def is_local_address(address: str) -> bool:
+    """ipc, inproc, or tcp on a loopback host: reachable from this host only."""
+    scheme, _, rest = address.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name, an interface name or "*": not provably local
+        return False
+
+
+def _secure_server(socket: zmq.Socket, ctx: zmq.Context, address: str, curve: Curve | None) -> None:
+    if curve is None:
+        if not is_local_address(address):
+            raise InsecureBindError(
+                f"refusing to bind {address}: an address outside loopback or ipc needs CURVE keys "
+                "(create them with `python -m shared.transport keys DIR` and pass --curve-key-file DIR/stack.key_secret)"
+            )
+        return
+    _authenticate(ctx, curve)
+    socket.curve_secretkey = curve.secret
+    socket.curve_publickey = curve.public
+    socket.curve_server = True
+
+
+def _secure_client(socket: zmq.Socket, curve: Curve | None) -> None:
+    if curve is not None:
+        socket.curve_serverkey = curve.public
+        socket.curve_publickey = curve.public
+        socket.curve_secretkey = curve.secret
 
 
 def _prepare_bind(address: str) -> None:
@@ -48,13 +145,14 @@ class _Receiver:
 
 
 class Inbox(_Receiver):
-    def __init__(self, ctx: zmq.Context, address: str, name: str) -> None:
+    def __init__(self, ctx: zmq.Context, address: str, name: str, curve: Curve | None = None) -> None:
         _prepare_bind(address)
         self.name = name
         self.address = address
         self.socket = ctx.socket(zmq.PULL)
         self.socket.setsockopt(zmq.RCVHWM, _HWM)
         self.socket.setsockopt(zmq.LINGER, 0)
+        _secure_server(self.socket, ctx, address, curve)
         self.socket.bind(address)
 
     def recv(self, timeout_ms: int) -> Iterator[Frame]:
@@ -75,13 +173,14 @@ class Inbox(_Receiver):
 
 
 class AsyncInbox(_Receiver):
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, name: str) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, name: str, curve: Curve | None = None) -> None:
         _prepare_bind(address)
         self.name = name
         self.address = address
         self.socket = ctx.socket(zmq.PULL)
         self.socket.setsockopt(zmq.RCVHWM, _HWM)
         self.socket.setsockopt(zmq.LINGER, 0)
+        _secure_server(self.socket, ctx, address, curve)
         self.socket.bind(address)
 
     async def recv(self) -> Frame | None:
@@ -93,12 +192,13 @@ class AsyncInbox(_Receiver):
 
 
 class Outbox:
-    def __init__(self, ctx: zmq.Context, address: str, name: str) -> None:
+    def __init__(self, ctx: zmq.Context, address: str, name: str, curve: Curve | None = None) -> None:
         self.name = name
         self.address = address
         self.socket = ctx.socket(zmq.PUSH)
         self.socket.setsockopt(zmq.SNDHWM, _HWM)
         self.socket.setsockopt(zmq.LINGER, 0)
+        _secure_client(self.socket, curve)
         self.socket.connect(address)
 
     def send(self, frame: Frame) -> None:
@@ -109,3 +209,18 @@ class Outbox:
 
     def close(self) -> None:
         self.socket.close(0)
+
+
+def _create_keys(directory: str) -> None:
+    os.makedirs(directory, exist_ok=True)
+    public_file, secret_file = zmq.auth.create_certificates(directory, "stack")
+    os.chmod(secret_file, 0o600)
+    print(secret_file)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] != "keys":
+        sys.exit("usage: python -m shared.transport keys DIR   (writes DIR/stack.key and DIR/stack.key_secret)")
+    _create_keys(sys.argv[2])

@@ -111,7 +111,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     parser = state.chat_format.parser(turn, prompt, id_prefix="toolu_")
     show_thinking = not (body.thinking and body.thinking.display == "omitted")
     message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": state.model_id}
-    async with engine_run(state.engine, submits, state.model_id) as stream:
+    async with engine_run(state, submits) as stream:
         events = parsed_stream(stream, [parser])
         if generation.stream:
             return await _stream(request, state, events, parser, message, len(prompt.ids), show_thinking)

@@ -1,10 +1,10 @@
-"""The api process: builds the aiohttp application and runs it."""
+"""The api process: builds the aiohttp application and runs it; SIGTERM drains it (see services.api.admission)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-import time
+import signal
 from collections.abc import Callable
 from importlib import metadata
 
@@ -12,12 +12,15 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from services.api.admission import Admission
 from services.api.anthropic_routes import routes as anthropic_routes
+from services.api.auth import auth_middleware
 from services.api.chat import ChatFormat
 from services.api.engine_client import Engine, EngineClient
 from services.api.errors import ApiError
 from services.api.metrics import HTTP_REQUESTS
 from services.api.openai_routes import routes as openai_routes
+from services.api.openapi import openapi_document
 from services.api.responses_routes import routes as responses_routes
 from services.api.state import API_STATE, ApiState
 from services.api.templating import PromptBuilder
@@ -55,6 +58,8 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
 
 async def health(request: web.Request) -> web.Response:
     state = request.app[API_STATE]
+    if state.admission.draining:
+        return web.json_response({"status": "draining", "detail": "shutting down: finishing running requests, admitting none"}, status=503)
     engine_state, detail = state.engine.describe_state()
     status = 200 if state.engine.ready else 503
     return web.json_response({"status": "ok" if status == 200 else engine_state, "detail": detail}, status=status)
@@ -72,6 +77,10 @@ def _package_version() -> str:
 
 
 _VERSION = _package_version()
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document(request.app, _VERSION))
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -99,6 +108,8 @@ async def instrumentation(request: web.Request) -> web.Response:
             "replica": state.config.api_replica,
             "max_body_bytes": state.config.max_body_bytes,
             "in_flight": len(engine.streams),
+            "admission": {"in_flight": state.admission.in_flight, "limit": state.admission.limit, "draining": state.admission.draining},
+            "api_keys": len(state.config.api_keys),
             "engine": {
                 "state": engine.describe_state()[0],
                 "detail": engine.describe_state()[1],
@@ -112,7 +123,9 @@ async def instrumentation(request: web.Request) -> web.Response:
 
 def create_app(config: StackConfig, engine_factory: Callable[[StackConfig], Engine] = EngineClient) -> web.Application:
     """The api; tests pass an ``engine_factory`` that builds a scripted engine instead of the ZeroMQ client."""
-    app = web.Application(middlewares=[error_middleware], client_max_size=config.max_body_bytes)
+    open_paths = frozenset({"/openapi.json"} | (set() if config.auth_health_metrics else {"/health", "/metrics"}))
+    middlewares = [error_middleware, auth_middleware(config.api_keys, open_paths)]  # auth inside: its 401 gets the protocol's shape
+    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     model = load_model_info(config.model)
 
     async def on_startup(app: web.Application) -> None:
@@ -121,7 +134,9 @@ def create_app(config: StackConfig, engine_factory: Callable[[StackConfig], Engi
         chat_format = ChatFormat.for_model(model.family, prompts.chat_template, config.tool_call_parser, config.reasoning_parser)
         engine = engine_factory(config)
         engine.start()
-        app[API_STATE] = ApiState(config=config, model=model, prompts=prompts, engine=engine, chat_format=chat_format)
+        app[API_STATE] = ApiState(
+            config=config, model=model, prompts=prompts, engine=engine, chat_format=chat_format, admission=Admission(config.in_flight_limit)
+        )
         PROCESS_UP.labels("api").set(1)
 
     async def on_cleanup(app: web.Application) -> None:
@@ -135,6 +150,7 @@ def create_app(config: StackConfig, engine_factory: Callable[[StackConfig], Engi
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/instrumentation", instrumentation)
     app.router.add_get("/version", version)
+    app.router.add_get("/openapi.json", openapi)
     app.router.add_routes(openai_routes)
     app.router.add_routes(responses_routes)
     app.router.add_routes(anthropic_routes)
@@ -142,13 +158,31 @@ def create_app(config: StackConfig, engine_factory: Callable[[StackConfig], Engi
     return app
 
 
+async def serve(config: StackConfig) -> None:
+    """Serves until SIGTERM or SIGINT, then drains: admission closes (503), running requests get ``drain_timeout_s``
+    to finish, the rest are interrupted with an error, and the process exits normally."""
+    app = create_app(config)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its requests.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    log.info("api_listening", listen=f"http://{config.host}:{config.port}")
+    try:
+        await stop.wait()
+        await app[API_STATE].admission.drain(config.drain_timeout_s)
+    finally:
+        await runner.cleanup()
+    log.info("api_stopped")
+
+
 def main(argv: list[str] | None = None) -> None:
     from shared.logging import setup_logging
 
     config = StackConfig.from_argv(argv, "tokenyard api")
     setup_logging("api", config.log_level, config.log_format)
-    started = time.perf_counter()
-    app = create_app(config)
-    log.info("api_starting", listen=f"http://{config.host}:{config.port}", model=config.model, setup_s=round(time.perf_counter() - started, 2))
-    # handler_cancellation: a client that disconnects cancels its handler, which aborts its requests.
-    web.run_app(app, host=config.host, port=config.port, handler_cancellation=True, print=None, access_log=None, handle_signals=True)
+    log.info("api_starting", listen=f"http://{config.host}:{config.port}", model=config.model, api_keys=len(config.api_keys))
+    asyncio.run(serve(config))

@@ -18,7 +18,7 @@ import zmq.asyncio
 from services.api.errors import ApiError
 from shared.config import StackConfig
 from shared.frames import Abort, EngineStatus, Error, FinishReason, Submit, TextBatch, TextDelta
-from shared.transport import AsyncInbox, Outbox
+from shared.transport import AsyncInbox, Curve, Outbox, stop_authenticator
 
 log = structlog.get_logger()
 
@@ -56,8 +56,9 @@ class EngineClient:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
         self.ctx = zmq.asyncio.Context()
-        self.inbox = AsyncInbox(self.ctx, config.api_address, "api_inbox")
-        self.to_scheduler = Outbox(self.ctx, config.scheduler_address, "api_to_scheduler")
+        curve = Curve.from_file(config.curve_key_file)
+        self.inbox = AsyncInbox(self.ctx, config.api_address, "api_inbox", curve)
+        self.to_scheduler = Outbox(self.ctx, config.scheduler_address, "api_to_scheduler", curve)
         self.streams: dict[str, asyncio.Queue[TextDelta | ApiError]] = {}
         self.status = EngineStatus(state="loading", detail="no word from the scheduler yet")
         self.status_seen = 0.0
@@ -76,6 +77,7 @@ class EngineClient:
                 task.cancel()
         self.inbox.close()
         self.to_scheduler.close()
+        stop_authenticator(self.ctx)
         self.ctx.term()
 
     def addresses(self) -> dict[str, str]:

@@ -87,12 +87,12 @@ def build_submits(generation: Generation, prompts: list[list[int]], max_tokens: 
     return submits
 
 
-async def merged_stream(engine: Engine, submits: list[Submit], model_name: str) -> AsyncIterator[tuple[int, TextDelta]]:
+async def merged_stream(engine: Engine, submits: list[Submit], model_name: str, queue: asyncio.Queue) -> AsyncIterator[tuple[int, TextDelta]]:
     """(choice index, delta) pairs from every engine request until all have finished.
 
-    An ApiError from any engine request is raised here (and the others are aborted).
+    Deltas meet in ``queue``, where the admission gate may also put an error (drain). An
+    ApiError from any engine request, or put there, is raised here (and the others are aborted).
     """
-    queue: asyncio.Queue[tuple[int, TextDelta | ApiError]] = asyncio.Queue()
 
     async def pump(index: int, submit: Submit) -> None:
         timer = RequestTimer(model_name, len(submit.prompt_ids))
@@ -123,15 +123,18 @@ async def merged_stream(engine: Engine, submits: list[Submit], model_name: str) 
 
 
 @contextlib.asynccontextmanager
-async def engine_run(engine: Engine, submits: list[Submit], model_name: str) -> AsyncIterator[AsyncIterator[tuple[int, TextDelta]]]:
-    """One HTTP request's engine requests as one merged stream, counted in flight, and aborted if the answer ends early."""
-    stream = merged_stream(engine, submits, model_name)
-    IN_FLIGHT.labels(model_name).inc()
-    try:
-        yield stream
-    finally:
-        IN_FLIGHT.labels(model_name).dec()
-        await stream.aclose()
+async def engine_run(state: ApiState, submits: list[Submit]) -> AsyncIterator[AsyncIterator[tuple[int, TextDelta]]]:
+    """One HTTP request's engine requests as one merged stream, admitted (429 when full, 503 when draining),
+    counted in flight, and aborted if the answer ends early."""
+    model_name = state.model_id
+    with state.admission.admit(len(submits)) as ticket:
+        stream = merged_stream(state.engine, submits, model_name, ticket.outcomes)
+        IN_FLIGHT.labels(model_name).inc()
+        try:
+            yield stream
+        finally:
+            IN_FLIGHT.labels(model_name).dec()
+            await stream.aclose()
 
 
 async def collect(stream: AsyncIterator[tuple[int, TextDelta]], count: int) -> list[ChoiceResult]:

@@ -206,7 +206,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _serve(
     state: ApiState, submits: list[Submit], respond: Callable[[AsyncIterator[tuple[int, TextDelta]]], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    async with engine_run(state.engine, submits, state.model_id) as stream:
+    async with engine_run(state, submits) as stream:
         return await respond(stream)
 
 

@@ -188,7 +188,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     prompt, submits = await chat_submits(state, turn, generation, "input")
     parser = state.chat_format.parser(turn, prompt)
     answer = _Answer(state, body, generation, turn, len(prompt.ids))
-    async with engine_run(state.engine, submits, state.model_id) as stream:
+    async with engine_run(state, submits) as stream:
         events = parsed_stream(stream, [parser])
         if generation.stream:
             return await _stream(request, events, parser, answer)

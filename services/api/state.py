@@ -8,6 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
+from services.api.admission import Admission
 from services.api.chat import ChatFormat
 from services.api.engine_client import Engine
 from services.api.templating import PromptBuilder
@@ -22,6 +23,7 @@ class ApiState:
     prompts: PromptBuilder
     engine: Engine
     chat_format: ChatFormat
+    admission: Admission
     keepalive_s: float = 10.0  # Anthropic streams send a ping after this long without an event
     started: int = field(default_factory=lambda: int(time.time()))
 

@@ -20,7 +20,7 @@ from shared.config import StackConfig
 from shared.frames import DetokOpen, Finish, FinishReason, Heartbeat, TextBatch, TextDelta, TextLogprobs, TokenBatch, TokenLogprobs, TokenText
 from shared.metrics import PREFIX, PROCESS_UP, start_metrics_server
 from shared.tokenizer import load_tokenizer
-from shared.transport import Inbox, Outbox
+from shared.transport import Curve, Inbox, Outbox
 
 BATCH_TIME = Histogram(f"{PREFIX}detokenize_batch_seconds", "Time to detokenize one token batch", buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1))
 STOP_MATCHES = Counter(f"{PREFIX}stop_string_matches", "Requests finished by a stop string")
@@ -42,9 +42,10 @@ class DetokenizerLoop:
         self.config = config
         self.log = log
         ctx = zmq.Context()
-        self.inbox = Inbox(ctx, config.detokenizer_address, "detokenizer_inbox")
-        self.to_api = Outbox(ctx, config.api_address, "detokenizer_to_api")
-        self.to_scheduler = Outbox(ctx, config.scheduler_address, "detokenizer_to_scheduler")
+        curve = Curve.from_file(config.curve_key_file)
+        self.inbox = Inbox(ctx, config.detokenizer_address, "detokenizer_inbox", curve)
+        self.to_api = Outbox(ctx, config.api_address, "detokenizer_to_api", curve)
+        self.to_scheduler = Outbox(ctx, config.scheduler_address, "detokenizer_to_scheduler", curve)
         self.tokenizer = None
         self.token_texts: TokenTexts | None = None
         self.requests: dict[str, _Tracked] = {}

@@ -2,7 +2,8 @@
 
 Every process is a child of this one (and dies with it); the launcher stays in the
 foreground, prints the URL once ``/health`` answers 200, and on Ctrl-C or SIGTERM stops
-every process it started. A child that dies is restarted (the others fail its in-flight
+every process it started: the api first, which drains (its running requests finish, or are
+aborted after ``--drain-timeout-s``) while the engine still serves them, then the engine. A child that dies is restarted (the others fail its in-flight
 requests and wait for it); one that keeps dying stops the stack with a non-zero exit.
 """
 
@@ -18,7 +19,7 @@ import time
 import urllib.error
 import urllib.request
 
-from shared.config import DEFAULT_MODEL_DIR, StackConfig
+from shared.config import API_KEY_ENV, DEFAULT_MODEL_DIR, StackConfig
 
 PROCESSES = ("scheduler", "worker", "detokenizer", "api")
 STOP_GRACE_S = 10.0
@@ -48,7 +49,8 @@ class Launcher:
     def _spawn(self, name: str) -> None:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         argv = [sys.executable, "-m", f"services.{name}", *self.config.to_argv()]
-        self.children[name] = subprocess.Popen(argv, cwd=root, preexec_fn=_die_with_parent)
+        env = {**os.environ, API_KEY_ENV: ",".join(self.config.api_keys)}  # keys stay out of argv (readable by every user in ps)
+        self.children[name] = subprocess.Popen(argv, cwd=root, env=env, preexec_fn=_die_with_parent)
 
     def wait_ready(self) -> bool:
         url = f"http://{self.config.host}:{self.config.port}/health"
@@ -81,7 +83,11 @@ class Launcher:
                 now = time.monotonic()
                 restarts = [t for t in restarts if now - t < RESTART_WINDOW_S] + [now]
                 if len(restarts) > MAX_RESTARTS:
-                    print(f"tokenyard: {name} exited with code {child.returncode}; {MAX_RESTARTS} restarts in {RESTART_WINDOW_S:g}s, giving up", file=sys.stderr, flush=True)
+                    print(
+                        f"tokenyard: {name} exited with code {child.returncode}; {MAX_RESTARTS} restarts in {RESTART_WINDOW_S:g}s, giving up",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     return 1
                 print(f"tokenyard: {name} (pid {child.pid}) exited with code {child.returncode}; restarting it", file=sys.stderr, flush=True)
                 self._spawn(name)
@@ -89,11 +95,17 @@ class Launcher:
         return 0
 
     def stop(self) -> None:
-        for child in self.children.values():
+        """The api first (it drains while the engine still serves its running requests), then the engine processes."""
+        self._stop([self.children[name] for name in ("api",) if name in self.children], self.config.drain_timeout_s + STOP_GRACE_S)
+        self._stop([child for name, child in self.children.items() if name != "api"], STOP_GRACE_S)
+
+    @staticmethod
+    def _stop(children: list[subprocess.Popen], grace_s: float) -> None:
+        for child in children:
             if child.poll() is None:
                 child.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for child in self.children.values():
+        deadline = time.monotonic() + grace_s
+        for child in children:
             try:
                 child.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

@@ -33,7 +33,7 @@ from shared.frames import (
 )
 from shared.metrics import PREFIX, PROCESS_UP, start_metrics_server
 from shared.model_info import kv_cache_blocks, load_model_info
-from shared.transport import Inbox, Outbox
+from shared.transport import Curve, Inbox, Outbox
 
 RUNNING = Gauge(f"{PREFIX}num_requests_running", "Requests in the running batch")
 WAITING = Gauge(f"{PREFIX}num_requests_waiting", "Requests waiting for admission")
@@ -82,10 +82,11 @@ class SchedulerLoop:
         self.core = Scheduler(pool, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting, slots)
         self._counted_queries = self._counted_hits = 0
         ctx = zmq.Context()
-        self.inbox = Inbox(ctx, config.scheduler_address, "scheduler_inbox")
-        self.to_worker = Outbox(ctx, config.worker_address, "scheduler_to_worker")
-        self.to_detokenizer = Outbox(ctx, config.detokenizer_address, "scheduler_to_detokenizer")
-        self.to_api = Outbox(ctx, config.api_address, "scheduler_to_api")
+        curve = Curve.from_file(config.curve_key_file)
+        self.inbox = Inbox(ctx, config.scheduler_address, "scheduler_inbox", curve)
+        self.to_worker = Outbox(ctx, config.worker_address, "scheduler_to_worker", curve)
+        self.to_detokenizer = Outbox(ctx, config.detokenizer_address, "scheduler_to_detokenizer", curve)
+        self.to_api = Outbox(ctx, config.api_address, "scheduler_to_api", curve)
         self.peers = {"worker": _Peer(), "detokenizer": _Peer()}
         self.in_flight: dict[int, tuple[float, list[str]]] = {}  # step -> (sent at, rids planned in it)
         self.next_step = 0

@@ -22,7 +22,7 @@ from shared.config import StackConfig
 from shared.frames import Heartbeat, Release, SamplingParams, Slice, StepPlan, StepResult
 from shared.metrics import PREFIX, PROCESS_UP, start_metrics_server
 from shared.model_info import kv_cache_blocks, load_model_info
-from shared.transport import Inbox, Outbox
+from shared.transport import Curve, Inbox, Outbox
 
 FORWARD_TIME = Histogram(
     f"{PREFIX}worker_forward_seconds",
@@ -50,8 +50,9 @@ class WorkerLoop:
         self.model = load_model_info(config.model)
         self.num_blocks = kv_cache_blocks(self.model, config.kv_cache_tokens, config.kv_cache_bytes, config.block_size, config.dtype)
         self.ctx = zmq.Context()
-        self.inbox = Inbox(self.ctx, config.worker_address, "worker_inbox")
-        self.to_scheduler = Outbox(self.ctx, config.scheduler_address, "worker_to_scheduler")
+        self.curve = Curve.from_file(config.curve_key_file)
+        self.inbox = Inbox(self.ctx, config.worker_address, "worker_inbox", self.curve)
+        self.to_scheduler = Outbox(self.ctx, config.scheduler_address, "worker_to_scheduler", self.curve)
         self.runner = None
         self.state = "loading"
         self.detail = ""
@@ -60,7 +61,7 @@ class WorkerLoop:
         self.steps_run = 0
 
     def _heartbeats(self) -> None:
-        outbox = Outbox(self.ctx, self.config.scheduler_address, "worker_heartbeat")
+        outbox = Outbox(self.ctx, self.config.scheduler_address, "worker_heartbeat", self.curve)
         while not self.stopping:
             outbox.send(Heartbeat(process="worker", pid=os.getpid(), state=self.state, detail=self.detail, progress=self.progress))
             time.sleep(self.config.heartbeat_s)
