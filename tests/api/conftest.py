@@ -133,9 +133,10 @@ class Api:
         return self.state.prompts.tokenizer.decode(self.engine.submits[index].prompt_ids)
 
 
-async def start_api(model_dir: str) -> Api:
+async def start_api(model_dir: str, **settings) -> Api:
+    """The api on ``model_dir`` around a fresh scripted engine; ``settings`` are further StackConfig fields."""
     engine = ScriptedEngine()
-    app = create_app(StackConfig(model=model_dir), engine_factory=lambda config: engine)
+    app = create_app(StackConfig(model=model_dir, **settings), engine_factory=lambda config: engine)
     client = TestClient(TestServer(app, handler_cancellation=True))  # as in production: a client gone cancels its handler
     await client.start_server()
     return Api(engine=engine, client=client, model=os.path.basename(os.path.normpath(model_dir)))

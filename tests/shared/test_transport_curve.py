@@ -9,7 +9,7 @@ import zmq
 import zmq.auth
 
 from shared.frames import Abort
-from shared.transport import Curve, InsecureBindError, Inbox, Outbox, is_local_address, stop_authenticator
+from shared.transport import Curve, Inbox, InsecureBindError, Outbox, is_local_address, stop_authenticator
 
 
 def _free_port() -> int:
