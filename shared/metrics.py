@@ -23,6 +23,7 @@ VERSION = "0.1.0"
 FRAMES = Counter(f"{PREFIX}frames", "Frames sent or received", ["socket", "direction"])
 FRAME_BYTES = Counter(f"{PREFIX}frame_bytes", "Frame bytes sent or received", ["socket", "direction"])
 FRAME_DECODE_ERRORS = Counter(f"{PREFIX}frame_decode_errors", "Frames that failed to decode", ["socket"])
+FRAMES_UNEXPECTED = Counter(f"{PREFIX}frames_unexpected", "Well-formed frames of a type this socket never receives (dropped)", ["socket"])
 PROCESS_UP = Gauge(f"{PREFIX}process_up", "1 once the process is ready to serve", ["process"])
 BUILD_INFO = Info(f"{PREFIX}build", "tokenyard build information")
 BUILD_INFO.info({"version": VERSION, "python": platform.python_version()})

@@ -18,6 +18,7 @@ import zmq.asyncio
 from services.api.errors import ApiError
 from shared.config import StackConfig
 from shared.frames import Abort, EngineStatus, Error, FinishReason, Submit, TextBatch, TextDelta
+from shared.metrics import FRAMES_UNEXPECTED
 from shared.transport import AsyncInbox, Curve, Outbox, stop_authenticator
 
 log = structlog.get_logger()
@@ -157,6 +158,7 @@ class EngineClient:
                 self._fail(frame)
             elif frame is not None:
                 log.warning("unexpected_frame", frame=type(frame).__name__)
+                FRAMES_UNEXPECTED.labels(self.inbox.name).inc()
 
     def _fail(self, error: Error) -> None:
         exc = ApiError(error.status, error.message, headers={"Retry-After": "1"} if error.status in (429, 503) else None)

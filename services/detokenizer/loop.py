@@ -18,7 +18,7 @@ from services.detokenizer.request import RequestDetokState
 from services.detokenizer.token_texts import TokenTexts
 from shared.config import StackConfig
 from shared.frames import DetokOpen, Finish, FinishReason, Heartbeat, TextBatch, TextDelta, TextLogprobs, TokenBatch, TokenLogprobs, TokenText
-from shared.metrics import PREFIX, PROCESS_UP, start_metrics_server
+from shared.metrics import FRAMES_UNEXPECTED, PREFIX, PROCESS_UP, start_metrics_server
 from shared.tokenizer import load_tokenizer
 from shared.transport import Curve, Inbox, Outbox
 
@@ -67,6 +67,7 @@ class DetokenizerLoop:
                     self.handle(frame)
                 else:
                     self.log.warning("unexpected_frame", frame=type(frame).__name__)
+                    FRAMES_UNEXPECTED.labels(self.inbox.name).inc()
             if time.monotonic() >= next_beat:
                 self._heartbeat()
                 next_beat = time.monotonic() + self.config.heartbeat_s

@@ -31,7 +31,7 @@ from shared.frames import (
     TokenBatch,
     TokenDelta,
 )
-from shared.metrics import PREFIX, PROCESS_UP, start_metrics_server
+from shared.metrics import FRAMES_UNEXPECTED, PREFIX, PROCESS_UP, start_metrics_server
 from shared.model_info import kv_cache_blocks, load_model_info
 from shared.transport import Curve, Inbox, Outbox
 
@@ -189,6 +189,7 @@ class SchedulerLoop:
             self._on_heartbeat(frame)
         else:
             self.log.warning("unexpected_frame", frame=type(frame).__name__)
+            FRAMES_UNEXPECTED.labels(self.inbox.name).inc()
 
     def _on_submit(self, submit: Submit) -> None:
         if not self.ready:

@@ -20,7 +20,7 @@ from prometheus_client import Counter, Histogram
 
 from shared.config import StackConfig
 from shared.frames import Heartbeat, Release, SamplingParams, Slice, StepPlan, StepResult
-from shared.metrics import PREFIX, PROCESS_UP, start_metrics_server
+from shared.metrics import FRAMES_UNEXPECTED, PREFIX, PROCESS_UP, start_metrics_server
 from shared.model_info import kv_cache_blocks, load_model_info
 from shared.transport import Curve, Inbox, Outbox
 
@@ -127,6 +127,7 @@ class WorkerLoop:
                     self.log.info("requests_released", rids=frame.rids)
                 else:
                     self.log.warning("unexpected_frame", frame=type(frame).__name__)
+                    FRAMES_UNEXPECTED.labels(self.inbox.name).inc()
 
     def _execute(self, plan: StepPlan) -> StepResult:
         for s in plan.slices:
