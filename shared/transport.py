@@ -101,11 +101,7 @@ def is_local_address(address: str) -> bool:
 
 def _secure_server(socket: zmq.Socket, ctx: zmq.Context, address: str, curve: Curve | None) -> None:
     if curve is None:
-        if not is_local_address(address):
-            raise InsecureBindError(
-                f"refusing to bind {address}: an address outside loopback or ipc needs CURVE keys "
-                "(create them with `python -m shared.transport keys DIR` and pass --curve-key-file DIR/stack.key_secret)"
-            )
+        check_binds([address], "")
         return
     _authenticate(ctx, curve)
     socket.curve_secretkey = curve.secret
@@ -211,11 +207,25 @@ class Outbox:
         self.socket.close(0)
 
 
-def _create_keys(directory: str) -> None:
-    os.makedirs(directory, exist_ok=True)
-    public_file, secret_file = zmq.auth.create_certificates(directory, "stack")
-    os.chmod(secret_file, 0o600)
-    print(secret_file)
+def check_binds(addresses: list[str], curve_key_file: str) -> None:
+    """Raises InsecureBindError, before anything starts, if an address outside loopback / ipc would bind without CURVE."""
+    exposed = [address for address in addresses if not is_local_address(address)]
+    if exposed and not curve_key_file:
+        raise InsecureBindError(
+            f"refusing to bind {', '.join(exposed)}: an address outside loopback or ipc needs CURVE keys "
+            "(create them with `python -m shared.transport keys DIR` and pass --curve-key-file DIR/stack.key_secret)"
+        )
+
+
+def create_keys(directory: str) -> str:
+    """The stack's certificate in ``directory`` (``stack.key`` and ``stack.key_secret``), made once and then kept."""
+    secret_file = os.path.join(directory, "stack.key_secret")
+    if not os.path.isfile(secret_file):
+        os.makedirs(directory, exist_ok=True)
+        _, secret_file = zmq.auth.create_certificates(directory, "stack")
+        os.chmod(secret_file, 0o600)
+    Curve.load(secret_file)  # a readable certificate with its secret key, or a clear error
+    return secret_file
 
 
 if __name__ == "__main__":
@@ -223,4 +233,4 @@ if __name__ == "__main__":
 
     if len(sys.argv) != 3 or sys.argv[1] != "keys":
         sys.exit("usage: python -m shared.transport keys DIR   (writes DIR/stack.key and DIR/stack.key_secret)")
-    _create_keys(sys.argv[2])
+    print(create_keys(sys.argv[2]))

@@ -20,6 +20,7 @@ import urllib.error
 import urllib.request
 
 from shared.config import API_KEY_ENV, DEFAULT_MODEL_DIR, StackConfig
+from shared.transport import InsecureBindError, check_binds
 
 PROCESSES = ("scheduler", "worker", "detokenizer", "api")
 STOP_GRACE_S = 10.0
@@ -121,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         prepare_default_model(config.model)
     if not config.run_dir:  # a fresh socket directory per stack: two stacks never collide
         config = StackConfig(**{**config.as_dict(), "run_dir": tempfile.mkdtemp(prefix="tokenyard-")})
+    try:  # the children would refuse too, one by one, and be restarted in vain
+        check_binds([config.api_address, config.scheduler_address, config.worker_address, config.detokenizer_address], config.curve_key_file)
+    except InsecureBindError as exc:
+        print(f"tokenyard: {exc}", file=sys.stderr, flush=True)
+        return 2
     launcher = Launcher(config)
 
     def request_stop(*_: object) -> None:

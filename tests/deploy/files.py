@@ -51,9 +51,16 @@ def service_argv(service: dict[str, Any]) -> list[str]:
     return [arg for part in parts for arg in (part.split() if isinstance(part, str) else part)]
 
 
+KEYS_COMMAND = ["python", "-m", "shared.transport", "keys"]
+
+
 def tokenyard_services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The services that run a tokenyard image (each runs one process)."""
-    return {name: service for name, service in compose["services"].items() if str(service.get("image", "")).startswith("tokenyard:")}
+    """The services that run a tokenyard image (each runs one process), less the one-shot that writes the CURVE keys."""
+    return {
+        name: service
+        for name, service in compose["services"].items()
+        if str(service.get("image", "")).startswith("tokenyard:") and service_argv(service)[:4] != KEYS_COMMAND
+    }
 
 
 def process_of(service: dict[str, Any]) -> str:

@@ -18,8 +18,9 @@ import zmq
 
 from shared.config import StackConfig
 from shared.frames import Abort
-from shared.transport import Inbox, Outbox
+from shared.transport import Curve, Inbox, Outbox, check_binds, create_keys
 from tests.deploy.files import (
+    KEYS_COMMAND,
     PROCESSES,
     PROMETHEUS_FILE,
     ROOT,
@@ -30,6 +31,7 @@ from tests.deploy.files import (
     load_yaml,
     process_of,
     prometheus_targets,
+    service_argv,
     stack_config,
     tokenyard_services,
 )
@@ -172,3 +174,29 @@ def test_an_inbox_binds_a_host_name_that_its_peers_connect_to() -> None:
     outbox.close()
     inbox.close()
     ctx.term()
+
+
+def test_inboxes_outside_loopback_speak_curve_with_keys_from_the_one_shot_service(compose, services) -> None:
+    keys = compose["services"]["keys"]
+    assert service_argv(keys)[:4] == KEYS_COMMAND
+    directory = service_argv(keys)[4]
+    volume = next(v.split(":")[0] for v in keys["volumes"] if v.split(":")[1] == directory)
+    assert volume in compose["volumes"]
+    for name, service in services.items():
+        config = stack_config(service)
+        addresses = [config.api_address, config.scheduler_address, config.worker_address, config.detokenizer_address]
+        check_binds(addresses, config.curve_key_file)  # what the processes check before they bind
+        assert os.path.dirname(config.curve_key_file) == directory and os.path.basename(config.curve_key_file) == "stack.key_secret", name
+        assert f"{volume}:{directory}:ro" in service["volumes"], f"{name} does not mount the keys volume read-only"
+        assert service["depends_on"]["keys"]["condition"] == "service_completed_successfully", name
+    assert "TOKENYARD_API_KEY" in compose["services"]["api"]["environment"]
+
+
+def test_the_keys_service_writes_a_certificate_once(tmp_path) -> None:
+    first = create_keys(str(tmp_path))
+    with open(first) as f:
+        written = f.read()
+    assert create_keys(str(tmp_path)) == first
+    with open(first) as f:
+        assert f.read() == written  # kept: a restart of the stack does not lock out running peers
+    assert Curve.load(first).secret
