@@ -1,0 +1,139 @@
+"""A stack as it runs across hosts: ZMQ inboxes on all interfaces (CURVE required) and API keys. A peer without
+the stack's key gets no frame in, one with it does; clients need their key; SIGTERM drains, then exits 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import pytest
+import zmq
+
+from bench.stack_client import free_port_block
+from shared.transport import Curve, Outbox, create_keys
+from tests.e2e.conftest import ROOT, Stack, http_get, http_post
+from tests.e2e.test_faults import wait_healthy
+
+MODEL = "SmolLM2-135M-Instruct"
+API_KEY = "e2e-secret"
+DRAIN_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def keys_file(tmp_path_factory) -> str:
+    return create_keys(str(tmp_path_factory.mktemp("keys")))
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory, keys_file: str) -> Stack:
+    port = free_port_block(8)  # the api and metrics ports, then the four inboxes
+    inboxes = {name: f"tcp://0.0.0.0:{port + 4 + i}" for i, name in enumerate(("api", "scheduler", "worker", "detokenizer"))}
+    log_path = str(tmp_path_factory.mktemp("secured") / "stack.log")
+    argv = [sys.executable, "-m", "services.launcher", "--port", str(port), "--kv-cache-tokens", "4096", "--max-num-batched-tokens", "64"]
+    argv += [arg for name, address in inboxes.items() for arg in (f"--{name}-addr", address)]
+    argv += ["--curve-key-file", keys_file, "--api-key", API_KEY, "--drain-timeout-s", str(DRAIN_S)]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    stack = Stack(port=port, process=process, log_path=log_path)
+    try:
+        wait_healthy(stack, 300)
+        yield stack
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_exposed_inboxes_without_keys_stop_the_launcher_at_once() -> None:
+    port = free_port_block(5)
+    result = subprocess.run(
+        [sys.executable, "-m", "services.launcher", "--port", str(port), "--scheduler-addr", f"tcp://0.0.0.0:{port + 4}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "needs CURVE keys" in result.stderr
+
+
+def _decode_errors(stack: Stack) -> float:
+    match = re.search(r'^tokenyard:frame_decode_errors_total\{socket="scheduler_inbox"\} (\S+)$', stack.metrics("scheduler"), re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_only_a_peer_with_the_stack_key_gets_frames_in(secured: Stack, keys_file: str) -> None:
+    address = secured.instrumentation("scheduler")["addresses"]["inbox"].replace("0.0.0.0", "127.0.0.1")
+    ctx = zmq.Context()
+    before = _decode_errors(secured)
+    stranger = ctx.socket(zmq.PUSH)
+    stranger.connect(address)
+    stranger.send(b"garbage from a stranger")  # counted as a decode error if it ever got in
+    time.sleep(2.0)
+    assert _decode_errors(secured) == before
+    member = Outbox(ctx, address, "member", Curve.load(keys_file))
+    member.socket.send(b"garbage from a member")
+    deadline = time.monotonic() + 10
+    while _decode_errors(secured) == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _decode_errors(secured) == before + 1
+    stranger.close(0)
+    member.close()
+    ctx.term()
+
+
+def test_clients_need_the_api_key(secured: Stack) -> None:
+    assert http_get(f"{secured.base_url}/health")[0] == 200  # open for probes
+    status, body = http_post(f"{secured.base_url}/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2}).encode())
+    assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
+    client = openai.OpenAI(base_url=f"{secured.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=12, temperature=0)
+    assert "Paris" in reply.choices[0].message.content
+
+
+def test_sigterm_drains_then_exits_zero(secured: Stack) -> None:
+    client = openai.OpenAI(base_url=f"{secured.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    outcome: list[str] = []
+
+    def long_stream() -> None:
+        try:
+            stream = client.completions.create(model=MODEL, prompt="Tell me a long story.", max_tokens=2000, stream=True, extra_body={"ignore_eos": True})
+            for _ in stream:
+                if not outcome:
+                    outcome.append("streaming")
+            outcome.append("finished")
+        except openai.APIError as exc:
+            outcome.append(f"error: {exc}")
+
+    thread = threading.Thread(target=long_stream)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not outcome and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert outcome == ["streaming"]
+    api_pid = secured.instrumentation("api")["pid"]
+    secured.process.send_signal(signal.SIGTERM)
+
+    refused = None
+    deadline = time.monotonic() + DRAIN_S
+    while refused is None and time.monotonic() < deadline:  # admission closes while the stream still runs
+        try:
+            status, body = http_post(f"{secured.base_url}/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2}).encode(), timeout=5)
+        except OSError:
+            break
+        if status == 503:
+            refused = json.loads(body)["error"]
+        time.sleep(0.05)
+    assert refused is not None and refused["code"] == "shutting_down", "no 503 while draining"
+
+    thread.join(DRAIN_S + 30)
+    assert not thread.is_alive(), "the stream hung through the drain"
+    assert outcome[-1].startswith("error") and "drain deadline" in outcome[-1], outcome  # an error event reached the client
+    assert secured.process.wait(60) == 0
+    assert not os.path.exists(f"/proc/{api_pid}") or open(f"/proc/{api_pid}/status").read().find("zombie") >= 0
+    assert "drain_finished" in secured.log()
