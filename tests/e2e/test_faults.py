@@ -23,9 +23,7 @@ def fresh_stack(tmp_path_factory) -> Stack:
     port = free_port_block()
     log_path = str(tmp_path_factory.mktemp("faults") / "stack.log")
     with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "services.launcher", "--port", str(port), "--kv-cache-tokens", "4096"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
-        )
+        process = subprocess.Popen([sys.executable, "-m", "services.launcher", "--port", str(port), "--kv-cache-tokens", "4096"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     stack = Stack(port=port, process=process, log_path=log_path)
     try:
         wait_healthy(stack, 300)
