@@ -83,7 +83,9 @@ def test_garbage_frames_are_counted_and_dropped_and_the_stack_keeps_serving(stac
     assert {name: stack.instrumentation(name)["pid"] for name in PROCESSES} == {name: facts[name]["pid"] for name in PROCESSES}, "a process restarted"
     status, body = http_post(
         f"{stack.base_url}/v1/chat/completions",
-        json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 12, "temperature": 0}).encode(),
+        json.dumps(
+            {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 12, "temperature": 0}
+        ).encode(),
     )
     assert status == 200 and "Paris" in json.loads(body)["choices"][0]["message"]["content"]
     wait_until_quiescent(stack, 5)

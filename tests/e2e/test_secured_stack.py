@@ -89,7 +89,7 @@ def test_only_a_peer_with_the_stack_key_gets_frames_in(secured: Stack, keys_file
 
 def test_clients_need_the_api_key(secured: Stack) -> None:
     assert http_get(f"{secured.base_url}/health")[0] == 200  # open for probes
-    status, body = http_post(f"{secured.base_url}/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2}).encode())
+    status, body = http_post(f"{secured.base_url}/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode())
     assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
     client = openai.OpenAI(base_url=f"{secured.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
     reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=12, temperature=0)
@@ -123,7 +123,7 @@ def test_sigterm_drains_then_exits_zero(secured: Stack) -> None:
     deadline = time.monotonic() + DRAIN_S
     while refused is None and time.monotonic() < deadline:  # admission closes while the stream still runs
         try:
-            status, body = http_post(f"{secured.base_url}/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2}).encode(), timeout=5)
+            status, body = http_post(f"{secured.base_url}/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode(), timeout=5)
         except OSError:
             break
         if status == 503:

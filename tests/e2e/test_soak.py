@@ -13,9 +13,9 @@ import aiohttp
 from tests.e2e.conftest import Stack, metric_value, wait_until_quiescent
 
 PROCESSES = ("api", "scheduler", "worker", "detokenizer")
-REQUESTS = 300
+REQUESTS = 200
 CONCURRENCY = 12
-BUDGET_S = 120.0  # a bound on the soak, not a measurement: every request is short
+HANG_GUARD_S = 600.0  # fails a soak that hangs; not a timing: about 60-90 s on 2 idle cores, far longer on busy ones
 RSS_GROWTH_BOUND_MB = 64.0  # per process, measured after a warm-up round of the same requests
 PROMPTS = ["Tell me a story.", "What is the capital of France?", "List three colors.", "Write a haiku about the sea.", "Count to ten."]
 
@@ -31,7 +31,7 @@ def rss_mb(pid: int) -> float:
 async def _one(session: aiohttp.ClientSession, url: str, rng: random.Random) -> str:
     kind = rng.choice(["plain", "stop", "stream", "cut_stream", "abandon", "n2"])
     messages = [{"role": "user", "content": rng.choice(PROMPTS)}]
-    body = {"messages": messages, "max_tokens": rng.randint(1, 24), "temperature": rng.choice([0, 0.8])}
+    body = {"model": "SmolLM2-135M-Instruct", "messages": messages, "max_tokens": rng.randint(1, 12), "temperature": rng.choice([0, 0.8])}
     if kind == "stop":
         body["stop"] = rng.choice([["e"], [" the", "."], ["\n"]])
     if kind == "n2":
@@ -71,12 +71,12 @@ async def _soak(url: str, count: int, seed: int) -> list[str]:
 
 def test_soak_leaves_nothing_behind(stack: Stack) -> None:
     pids = {name: stack.instrumentation(name)["pid"] for name in PROCESSES}
-    asyncio.run(_soak(stack.base_url, 40, seed=1))  # warm-up: allocator pools, caches, compiled paths
+    asyncio.run(_soak(stack.base_url, 24, seed=1))  # warm-up: allocator pools, caches, compiled paths
     wait_until_quiescent(stack, 30)
     baseline = {name: rss_mb(pid) for name, pid in pids.items()}
 
     started = time.monotonic()
-    outcomes = asyncio.run(asyncio.wait_for(_soak(stack.base_url, REQUESTS, seed=2), BUDGET_S))
+    outcomes = asyncio.run(asyncio.wait_for(_soak(stack.base_url, REQUESTS, seed=2), HANG_GUARD_S))
     elapsed = time.monotonic() - started
     assert sum(o == "answered 200" for o in outcomes) > REQUESTS // 2, outcomes
     assert {"cut", "abandoned"} & set(outcomes)
