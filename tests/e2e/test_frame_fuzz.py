@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import time
 
 import zmq
 
 from shared.codec import encode
 from shared.frames import Abort, EngineStatus, Release, SamplingParams, Slice, StepPlan, StepResult, Submit, TextBatch, TextDelta, TokenBatch
-from tests.e2e.conftest import Stack, http_post, wait_until_quiescent
+from tests.e2e.conftest import Stack, http_post, metric_value, wait_until_quiescent
 
 PROCESSES = ("api", "scheduler", "worker", "detokenizer")
 _SUBMIT = Submit(rid="fuzz", prompt_ids=list(range(1, 40)), max_tokens=4, sampling=SamplingParams(), stop_token_ids=[2])
@@ -43,8 +42,10 @@ def _garbage(process: str, rng: random.Random) -> list[bytes]:
 
 
 def _counter(text: str, name: str, socket: str) -> float:
-    match = re.search(rf'^{re.escape(name)}{{socket="{socket}"}} (\S+)$', text, re.M)
-    return float(match.group(1)) if match else 0.0
+    try:
+        return metric_value(text, f'{name}{{socket="{socket}"}}')
+    except KeyError:  # not counted yet
+        return 0.0
 
 
 def test_garbage_frames_are_counted_and_dropped_and_the_stack_keeps_serving(stack: Stack) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import zmq
 
 from bench.stack_client import free_port_block
 from shared.transport import Curve, Outbox, create_keys
-from tests.e2e.conftest import ROOT, Stack, http_get, http_post
+from tests.e2e.conftest import ROOT, Stack, http_get, http_post, metric_value
 from tests.e2e.test_faults import wait_healthy
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -63,8 +62,10 @@ def test_exposed_inboxes_without_keys_stop_the_launcher_at_once() -> None:
 
 
 def _decode_errors(stack: Stack) -> float:
-    match = re.search(r'^tokenyard:frame_decode_errors_total\{socket="scheduler_inbox"\} (\S+)$', stack.metrics("scheduler"), re.M)
-    return float(match.group(1)) if match else 0.0
+    try:
+        return metric_value(stack.metrics("scheduler"), 'tokenyard:frame_decode_errors_total{socket="scheduler_inbox"}')
+    except KeyError:  # none yet
+        return 0.0
 
 
 def test_only_a_peer_with_the_stack_key_gets_frames_in(secured: Stack, keys_file: str) -> None:
