@@ -42,7 +42,7 @@ def secured(tmp_path_factory, keys_file: str) -> Stack:
         process = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     stack = Stack(port=port, process=process, log_path=log_path)
     try:
-        wait_healthy(stack, 300)
+        wait_healthy(stack, 600)  # a busy 2-core machine warms up slowly
         yield stack
     finally:
         if process.poll() is None:
