@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import openai
 import pytest
@@ -117,7 +118,9 @@ def test_sigterm_drains_then_exits_zero(secured: Stack) -> None:
     while not outcome and time.monotonic() < deadline:
         time.sleep(0.05)
     assert outcome == ["streaming"]
-    api_pid = secured.instrumentation("api")["pid"]
+    request = urllib.request.Request(f"{secured.base_url}/instrumentation", headers={"Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        api_pid = json.loads(response.read())["pid"]
     secured.process.send_signal(signal.SIGTERM)
 
     refused = None
