@@ -22,4 +22,3 @@ async def test_every_route_is_documented_with_its_body(smol: Api) -> None:
             ref = operations["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
             schema = document["components"]["schemas"][ref.rsplit("/", 1)[1]]
             assert schema["type"] == "object" and schema["properties"], path
-
