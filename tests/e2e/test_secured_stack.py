@@ -130,7 +130,10 @@ def test_sigterm_drains_then_exits_zero(secured: Stack) -> None:
         draining = status == 503 and json.loads(body)["status"] == "draining"
         time.sleep(0.02)
     assert draining, "the api never reported draining on /health"
-    status, body = http_post(f"{secured.base_url}/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode(), timeout=5)
+    refusal = client.with_options(timeout=5).completions.with_raw_response
+    with pytest.raises(openai.APIStatusError) as refused:
+        refusal.create(model=MODEL, prompt="hi", max_tokens=2)
+    status, body = refused.value.status_code, refused.value.response.content
     assert status == 503 and json.loads(body)["error"]["code"] == "shutting_down", body  # admission is closed while the stream still runs
 
     thread.join(DRAIN_S + 30)
