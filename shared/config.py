@@ -38,7 +38,10 @@ class StackConfig:
     scheduler_addr: str = _opt("", "ZMQ address the scheduler receives on")
     worker_addr: str = _opt("", "ZMQ address the worker receives on")
     detokenizer_addr: str = _opt("", "ZMQ address the detokenizer receives on")
-    api_replica: str = _opt("api-0", "identity of this api replica (replies are addressed to it)")
+    api_replica: str = _opt("api-0", "identity of this api replica (names its inbox; replies are addressed to the inbox)")
+    engines: str = _opt("", "engine replicas the api routes to, as name=scheduler_addr,... (default: one, engine-0 at --scheduler-addr)")
+    router_policy: str = _opt("load", "how the api picks an engine replica: load, prefix or round_robin")
+    replicas: int = _opt(1, "engine replicas the launcher starts, each its own scheduler, worker and detokenizer")
     kv_cache_tokens: int = _opt(16384, "KV cache size in tokens (ignored if kv_cache_bytes is set)")
     kv_cache_bytes: int = _opt(0, "KV cache size in bytes (0: use kv_cache_tokens)")
     block_size: int = _opt(16, "tokens per KV block")
@@ -93,6 +96,21 @@ class StackConfig:
     @property
     def detokenizer_address(self) -> str:
         return self._ipc(self.detokenizer_addr, "detokenizer")
+
+    @property
+    def engine_addresses(self) -> dict[str, str]:
+        """Engine replica name -> scheduler address, in the order given."""
+        if not self.engines:
+            return {"engine-0": self.scheduler_address}
+        engines: dict[str, str] = {}
+        for item in self.engines.split(","):
+            name, sep, address = item.strip().partition("=")
+            if not sep or not name or not address:
+                raise ValueError(f"--engines: expected name=scheduler_addr, got {item.strip()!r}")
+            if name in engines:
+                raise ValueError(f"--engines: replica name {name!r} is given twice")
+            engines[name] = address
+        return engines
 
     def metrics_port(self, process: str) -> int:
         explicit = {

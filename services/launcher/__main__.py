@@ -1,5 +1,9 @@
 """The local launcher: prepares the default model, starts the four processes, waits until ready.
 
+With ``--replicas N`` it starts N engine replicas (each a scheduler, worker and detokenizer
+with its own sockets under ``run_dir/engine-<i>`` and its own metrics ports, replica i's at
+``port + 1 + 3i`` onwards) and one api routing among them.
+
 Every process is a child of this one (and dies with it); the launcher stays in the
 foreground, prints the URL once ``/health`` answers 200, and on Ctrl-C or SIGTERM stops
 every process it started. A child that dies is restarted (the others fail its in-flight
@@ -9,6 +13,7 @@ requests and wait for it); one that keeps dying stops the stack with a non-zero 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import signal
 import subprocess
@@ -21,6 +26,7 @@ import urllib.request
 from shared.config import DEFAULT_MODEL_DIR, StackConfig
 
 PROCESSES = ("scheduler", "worker", "detokenizer", "api")
+ENGINE_PROCESSES = PROCESSES[:3]
 STOP_GRACE_S = 10.0
 READY_TIMEOUT_S = 600.0
 MAX_RESTARTS = 5  # within RESTART_WINDOW_S, before the launcher gives up
@@ -35,20 +41,52 @@ def _die_with_parent() -> None:
         pass
 
 
+def replica_config(config: StackConfig, index: int) -> StackConfig:
+    """The configuration of engine replica ``index``'s processes: own sockets and metrics ports, the one api."""
+    if config.scheduler_addr or config.worker_addr or config.detokenizer_addr:
+        raise SystemExit("--replicas > 1 places each replica's sockets under run_dir: leave --scheduler-addr, --worker-addr and --detokenizer-addr unset")
+    return dataclasses.replace(
+        config,
+        run_dir=os.path.join(config.resolved_run_dir, f"engine-{index}"),
+        api_addr=config.api_address,
+        scheduler_metrics_port=config.metrics_port("scheduler") + 3 * index,
+        worker_metrics_port=config.metrics_port("worker") + 3 * index,
+        detokenizer_metrics_port=config.metrics_port("detokenizer") + 3 * index,
+    )
+
+
+def child_argvs(config: StackConfig) -> dict[str, list[str]]:
+    """Each child's name and the argv that starts it (one api; one set of engine processes per replica)."""
+    if config.replicas < 1:
+        raise SystemExit(f"--replicas must be at least 1, got {config.replicas}")
+    if config.replicas == 1:
+        return {name: [sys.executable, "-m", f"services.{name}", *config.to_argv()] for name in PROCESSES}
+    argvs: dict[str, list[str]] = {}
+    engines = []
+    for index in range(config.replicas):
+        engine = replica_config(config, index)
+        engines.append(f"engine-{index}={engine.scheduler_address}")
+        for process in ENGINE_PROCESSES:
+            argvs[f"{process}@engine-{index}"] = [sys.executable, "-m", f"services.{process}", *engine.to_argv()]
+    api = dataclasses.replace(config, engines=",".join(engines))
+    argvs["api"] = [sys.executable, "-m", "services.api", *api.to_argv()]
+    return argvs
+
+
 class Launcher:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
+        self.argvs = child_argvs(config)
         self.children: dict[str, subprocess.Popen] = {}
         self.stopping = False
 
     def start(self) -> None:
-        for name in PROCESSES:
+        for name in self.argvs:
             self._spawn(name)
 
     def _spawn(self, name: str) -> None:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        argv = [sys.executable, "-m", f"services.{name}", *self.config.to_argv()]
-        self.children[name] = subprocess.Popen(argv, cwd=root, preexec_fn=_die_with_parent)
+        self.children[name] = subprocess.Popen(self.argvs[name], cwd=root, preexec_fn=_die_with_parent)
 
     def wait_ready(self) -> bool:
         url = f"http://{self.config.host}:{self.config.port}/health"
@@ -81,7 +119,11 @@ class Launcher:
                 now = time.monotonic()
                 restarts = [t for t in restarts if now - t < RESTART_WINDOW_S] + [now]
                 if len(restarts) > MAX_RESTARTS:
-                    print(f"tokenyard: {name} exited with code {child.returncode}; {MAX_RESTARTS} restarts in {RESTART_WINDOW_S:g}s, giving up", file=sys.stderr, flush=True)
+                    print(
+                        f"tokenyard: {name} exited with code {child.returncode}; {MAX_RESTARTS} restarts in {RESTART_WINDOW_S:g}s, giving up",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     return 1
                 print(f"tokenyard: {name} (pid {child.pid}) exited with code {child.returncode}; restarting it", file=sys.stderr, flush=True)
                 self._spawn(name)
@@ -117,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
     launcher.start()
-    print(f"tokenyard: starting {', '.join(PROCESSES)} for {config.model_id} ...", file=sys.stderr, flush=True)
+    print(f"tokenyard: starting {', '.join(launcher.argvs)} for {config.model_id} ...", file=sys.stderr, flush=True)
     code = 0
     if launcher.wait_ready():
         print(f"tokenyard is ready: http://{config.host}:{config.port}/v1 (model {config.model_id!r})", flush=True)
