@@ -56,6 +56,9 @@ class StackConfig:
     dtype: str = _opt("float32", "weight and activation dtype on the CPU")
     weight_quant: str = _opt("none", "weight storage of the dense projections: none (the dtype's own) or int8 (per-channel, ~4x fewer bytes per step)")
     num_threads: int = _opt(0, "torch threads of the worker (0: all cores)")
+    tensor_parallel_size: int = _opt(1, "worker ranks each step is split across (torch.distributed: gloo on CPU, NCCL on GPU)")
+    tensor_parallel_rank: int = _opt(0, "this worker process's rank; rank 0 talks to the scheduler (the launcher starts the others)")
+    tensor_parallel_addr: str = _opt("", "rendezvous of the worker ranks, a torch.distributed init method (default: tcp://127.0.0.1:<port + 90>)")
     heartbeat_s: float = _opt(0.5, "interval of heartbeats and engine status frames")
     engine_timeout_s: float = _opt(3.0, "a process silent this long is taken for dead (its requests fail)")
     stall_timeout_s: float = _opt(60.0, "a step unanswered this long marks the worker stalled (unhealthy)")
@@ -111,6 +114,10 @@ class StackConfig:
                 raise ValueError(f"--engines: replica name {name!r} is given twice")
             engines[name] = address
         return engines
+
+    @property
+    def tensor_parallel_init(self) -> str:
+        return self.tensor_parallel_addr or f"tcp://127.0.0.1:{self.port + 90}"
 
     def metrics_port(self, process: str) -> int:
         explicit = {

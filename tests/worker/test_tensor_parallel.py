@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU (gloo): a worker of 2 ranks gives the greedy tokens of 1 rank.
 
-The ranks are spawned processes; rank 0 drives them with the harness's scheduler (chunked
-prefill, mixed batches, blocks freed and reused) while rank 1 follows its broadcast plans.
+A 1-rank runner is driven by the harness's scheduler (chunked prefill, mixed batches, blocks freed
+and reused) and its frames are recorded; two spawned ranks replay them, rank 0 broadcasting each
+plan to rank 1, and must sample the same tokens at every step.
 """
 
 from __future__ import annotations
@@ -10,39 +11,37 @@ import json
 import socket
 
 import pytest
-import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from services.worker.runner import ModelRunner
-from services.worker.tensor_parallel import init_group, shard_config
+from services.worker.tensor_parallel import shard_config
+from shared.codec import encode
+from shared.frames import Release, StepPlan
 
 from .harness import MAX_NEW, Checkpoint, drive, prompt_of
+from .tp_ranks import replay_rank
 
 PROMPTS = {f"r{i}": prompt_of(10 + i, n) for i, n in enumerate((3, 9, 14, 22))}
 ARRIVALS = {"r0": 0, "r1": 0, "r2": 2, "r3": 5}
 
 
-def _greedy(runner: ModelRunner) -> dict[str, list[int]]:
-    out, stats = drive(runner, PROMPTS, MAX_NEW, chunk=5, seed=3, arrivals=ARRIVALS)
-    assert stats.mixed_steps >= 4
-    return out
+class RecordingRunner(ModelRunner):
+    """A 1-rank runner that keeps every frame it ran and the tokens each step sampled."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.frames: list[str] = []
+        self.sampled: list[list[list]] = []
 
-def _rank(rank: int, size: int, path: str, init_method: str, result_path: str) -> None:
-    torch.set_num_threads(1)
-    group = init_group(rank, size, init_method, timeout_s=120)
-    try:
-        runner = ModelRunner(path, num_blocks=64, block_size=4, tp=group)
-        if group.leader:
-            out = _greedy(runner)
-            runner.close()
-            with open(result_path, "w") as f:
-                json.dump({"tokens": out, "kv_heads": runner.model.num_kv_heads}, f)
-        else:
-            runner.follow()
-    finally:
-        dist.destroy_process_group()
+    def execute(self, plan: StepPlan):
+        self.frames.append(encode(plan).hex())
+        result = super().execute(plan)
+        self.sampled.append([[s.rid, s.token_id] for s in result.sampled])
+        return result
+
+    def release(self, rids: list[str]) -> None:
+        self.frames.append(encode(Release(rids=rids)).hex())
+        super().release(rids)
 
 
 def _free_port() -> int:
@@ -51,20 +50,21 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _two_ranks(path: str, tmp_path) -> dict:
-    result = tmp_path / "rank0.json"
-    mp.spawn(_rank, args=(2, path, f"tcp://127.0.0.1:{_free_port()}", str(result)), nprocs=2, join=True)
-    return json.loads(result.read_text())
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
-def test_two_ranks_give_the_greedy_tokens_of_one(family: str, tiny_llamas: dict[str, Checkpoint], tiny_qwen3_moes: dict[str, Checkpoint], tmp_path) -> None:
-    tiny = tiny_llamas["untied"] if family == "llama" else tiny_qwen3_moes["renorm-dense-middle"]
-    one_rank = ModelRunner(tiny.path, num_blocks=64, block_size=4)
-    expected = _greedy(one_rank)
-    two_ranks = _two_ranks(tiny.path, tmp_path)
-    assert two_ranks["kv_heads"] == one_rank.model.num_kv_heads // 2  # each rank caches half the heads
-    assert two_ranks["tokens"] == expected
+def test_two_ranks_give_the_greedy_tokens_of_one(tiny_llamas: dict[str, Checkpoint], tiny_qwen3_moes: dict[str, Checkpoint], tmp_path) -> None:
+    checkpoints = {"llama": tiny_llamas["untied"], "qwen3_moe": tiny_qwen3_moes["renorm-dense-middle"]}
+    one_rank = {}
+    for family, tiny in checkpoints.items():
+        runner = one_rank[family] = RecordingRunner(tiny.path, num_blocks=64, block_size=4)
+        _, stats = drive(runner, PROMPTS, MAX_NEW, chunk=5, seed=3, arrivals=ARRIVALS)
+        assert stats.mixed_steps >= 4
+    jobs = [{"path": tiny.path, "num_blocks": 64, "block_size": 4, "frames": one_rank[family].frames} for family, tiny in checkpoints.items()]
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    mp.spawn(replay_rank, args=(2, init_method, str(tmp_path / "jobs.json"), str(tmp_path / "rank0.json")), nprocs=2, join=True)
+    results = json.loads((tmp_path / "rank0.json").read_text())
+    for (family, runner), result in zip(one_rank.items(), results):
+        assert result["kv_heads"] == runner.model.num_kv_heads // 2, family  # each rank caches half the kv heads
+        assert result["sampled"] == runner.sampled, family
 
 
 def test_unsupported_family_and_uneven_split_are_refused() -> None:
@@ -73,4 +73,4 @@ def test_unsupported_family_and_uneven_split_are_refused() -> None:
         shard_config({**config, "model_type": "qwen3_next"}, 2)
     with pytest.raises(ValueError, match="must divide num_key_value_heads=2"):
         shard_config(config, 4)
-    assert shard_config(config, 2) | {} == {**config, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 64, "head_dim": 16}
+    assert shard_config(config, 2) == {**config, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 64, "head_dim": 16}
