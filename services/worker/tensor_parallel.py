@@ -83,7 +83,9 @@ def shard_config(config: dict, size: int) -> dict:
     """config.json as one rank sees its shard: 1/size of the heads and intermediate columns."""
     family = config.get("model_type", "llama")
     if family not in SUPPORTED_FAMILIES:
-        raise ValueError(f"--tensor-parallel-size {size}: model_type {family!r} is not supported with tensor parallelism (supported: {', '.join(SUPPORTED_FAMILIES)})")
+        raise ValueError(
+            f"--tensor-parallel-size {size}: model_type {family!r} is not supported with tensor parallelism (supported: {', '.join(SUPPORTED_FAMILIES)})"
+        )
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     sizes = {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "intermediate_size": config["intermediate_size"]}

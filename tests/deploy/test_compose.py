@@ -92,7 +92,9 @@ def test_all_services_run_the_same_stack_config(services) -> None:
 def test_the_replicas_profile_routes_between_two_engines(services) -> None:
     replicas = {name: service for name, service in services.items() if "replicas" in service.get("profiles", [])}
     (api,) = [stack_config(s) for s in replicas.values() if process_of(s) == "api"]
-    schedulers = {stack_config(s).scheduler_address for s in services.values() if process_of(s) == "scheduler" and not set(s.get("profiles", [])) - {"replicas"}}
+    schedulers = {
+        stack_config(s).scheduler_address for s in services.values() if process_of(s) == "scheduler" and not set(s.get("profiles", [])) - {"replicas"}
+    }
     assert len(api.engine_addresses) == 2 and set(api.engine_addresses.values()) == schedulers
     for process in ("scheduler", "worker", "detokenizer"):  # engine-1 sends its replies to the same api
         (engine_1,) = [stack_config(s) for s in replicas.values() if process_of(s) == process]

@@ -17,12 +17,12 @@ def _config_of(argv: list[str]) -> StackConfig:
 def test_two_replicas_of_two_ranks_each(tmp_path) -> None:
     model = tmp_path / "m"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}))
+    (model / "config.json").write_text(
+        json.dumps({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128})
+    )
     config = StackConfig(model=str(model), port=9000, run_dir=str(tmp_path / "run"), replicas=2, tensor_parallel_size=2)
     argvs = child_argvs(config)
-    assert sorted(argvs) == sorted(
-        ["api"] + [f"{p}@engine-{i}" for i in (0, 1) for p in ("scheduler", "worker", "detokenizer", "worker-rank1")]
-    )
+    assert sorted(argvs) == sorted(["api"] + [f"{p}@engine-{i}" for i in (0, 1) for p in ("scheduler", "worker", "detokenizer", "worker-rank1")])
     api = _config_of(argvs["api"])
     engines = api.engine_addresses
     assert list(engines) == ["engine-0", "engine-1"] and len(set(engines.values())) == 2
