@@ -42,6 +42,7 @@ class StackConfig:
     engines: str = _opt("", "engine replicas the api routes to, as name=scheduler_addr,... (default: one, engine-0 at --scheduler-addr)")
     router_policy: str = _opt("load", "how the api picks an engine replica: load, prefix or round_robin")
     replicas: int = _opt(1, "engine replicas the launcher starts, each its own scheduler, worker and detokenizer")
+    engine_name: str = _opt("", "this engine replica's name, a `replica` label on its processes' metrics (the launcher sets engine-<i>)")
     kv_cache_tokens: int = _opt(16384, "KV cache size in tokens (ignored if kv_cache_bytes is set)")
     kv_cache_bytes: int = _opt(0, "KV cache size in bytes (0: use kv_cache_tokens)")
     block_size: int = _opt(16, "tokens per KV block")
@@ -75,7 +76,7 @@ class StackConfig:
     @property
     def metric_labels(self) -> dict[str, str]:
         """Labels on every metric sample this process exports."""
-        return {"model_name": self.model_id}
+        return {"model_name": self.model_id, **({"replica": self.engine_name} if self.engine_name else {})}
 
     @property
     def resolved_run_dir(self) -> str:

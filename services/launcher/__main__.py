@@ -51,6 +51,7 @@ def replica_config(config: StackConfig, index: int) -> StackConfig:
     return dataclasses.replace(
         config,
         run_dir=os.path.join(config.resolved_run_dir, f"engine-{index}"),
+        engine_name=f"engine-{index}",
         tensor_parallel_addr=f"tcp://127.0.0.1:{config.port + 90 + index}",
         api_addr=config.api_address,
         scheduler_metrics_port=config.metrics_port("scheduler") + 3 * index,

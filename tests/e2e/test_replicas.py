@@ -128,7 +128,7 @@ def test_concurrent_load_spreads_over_both_replicas(replicas: Replicas) -> None:
 
 def test_shared_long_prefix_stays_on_one_replica(replicas: Replicas) -> None:
     shared = "The following is a long shared system prompt about tensors and caches. " * 12  # well over 4 blocks
-    hits_before = [metric_value(replicas.metrics(e), "tokenyard:prefix_cache_hits_total") for e in (0, 1)]
+    hits_before = [metric_value(replicas.metrics(e), f'tokenyard:prefix_cache_hits_total{{replica="engine-{e}"}}') for e in (0, 1)]
     before = replicas.routed()
     for i in range(4):
         assert complete(replicas.client, f"{shared} Question {i}: why?") == "length"

@@ -32,6 +32,7 @@ def test_two_replicas_of_two_ranks_each(tmp_path) -> None:
         assert scheduler.api_address == api.api_address  # replies reach the one api
         assert scheduler.metrics_port("scheduler") == 9001 + 3 * i and worker.metrics_port("worker") == 9002 + 3 * i
         assert (worker.tensor_parallel_rank, rank1.tensor_parallel_rank) == (0, 1)
+        assert scheduler.metric_labels["replica"] == f"engine-{i}"
         assert worker.tensor_parallel_init == rank1.tensor_parallel_init == f"tcp://127.0.0.1:{9090 + i}"
     assert restart_group("worker-rank1@engine-1") == restart_group("worker@engine-1") != restart_group("worker@engine-0")
     assert restart_group("scheduler@engine-1") == "scheduler@engine-1"
