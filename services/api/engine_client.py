@@ -246,7 +246,9 @@ class EngineClient:
 
     def _on_status(self, status: EngineStatus) -> None:
         # Until this api's announcement reaches it, a scheduler addresses the configured api with engine "".
-        replica = self.replicas.get(status.engine) if status.engine or len(self.replicas) > 1 else next(iter(self.replicas.values()))
+        if not status.engine and len(self.replicas) > 1:
+            return  # which engine sent it is unknown until our announcement reaches it (within a heartbeat)
+        replica = self.replicas.get(status.engine) if status.engine else next(iter(self.replicas.values()))
         if replica is None:
             log.warning("status_from_unknown_engine", engine=status.engine)
             return
