@@ -51,9 +51,10 @@ def _routed(url: str) -> dict[str, float]:
     return {m[1]: float(m[2]) for m in re.finditer(r'^tokenyard:router_requests_total\{replica="([^"]+)"\} (\S+)$', text, re.M)}
 
 
-def run(model: str, replicas: int, threads: int, policy: str, requests: int, output_tokens: int, kv_cache_tokens: int) -> dict:
-    flags = ["--replicas", str(replicas), "--num-threads", str(threads), "--router-policy", policy, "--kv-cache-tokens", str(kv_cache_tokens)]
-    with running_stack(model, *flags) as url:
+def run(model: str, replicas: int, threads: int, policy: str, requests: int, output_tokens: int, kv_cache_tokens: int, step_tokens: int) -> dict:
+    flags = ["--replicas", str(replicas), "--num-threads", str(threads), "--router-policy", policy]
+    flags += ["--kv-cache-tokens", str(kv_cache_tokens), "--max-num-batched-tokens", str(step_tokens)]
+    with running_stack(model, *flags, timeout_s=1800) as url:
         result = asyncio.run(_load(url, served_model(url), requests, output_tokens))
         result["routed"] = _routed(url)
     return {"replicas": replicas, "threads_per_worker": threads, **result}
@@ -67,6 +68,7 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--router-policy", default="load")
     parser.add_argument("--kv-cache-tokens", type=int, default=8192)
+    parser.add_argument("--step-tokens", type=int, default=256, help="--max-num-batched-tokens (also caps the workers' warm-up ladder)")
     parser.add_argument("--out", default="bench/results/replicas.json")
     args = parser.parse_args()
     if args.cores < 2 or args.cores % 2:
@@ -75,13 +77,19 @@ def main() -> None:
     for replicas in (1, 2):
         threads = args.cores // replicas
         print(f"{replicas} replica(s) x {threads} thread(s) ...", flush=True)
-        runs.append(run(args.model, replicas, threads, args.router_policy, args.requests, args.output_tokens, args.kv_cache_tokens))
+        runs.append(run(args.model, replicas, threads, args.router_policy, args.requests, args.output_tokens, args.kv_cache_tokens, args.step_tokens))
         print(runs[-1], flush=True)
     write_results(
         args.out,
         {
             "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()},
-            "workload": {"requests": args.requests, "output_tokens": args.output_tokens, "cores": args.cores, "router_policy": args.router_policy},
+            "workload": {
+                "requests": args.requests,
+                "output_tokens": args.output_tokens,
+                "cores": args.cores,
+                "router_policy": args.router_policy,
+                "step_tokens": args.step_tokens,
+            },
             "runs": runs,
             "speedup_2_over_1": round(runs[1]["output_tok_s"] / runs[0]["output_tok_s"], 3),
         },
