@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import platform
-import re
 import time
 import urllib.request
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.stack_client import percentile, running_stack, served_model, stream_chat, write_results
 from bench.stack_throughput import PROMPTS
@@ -48,7 +48,12 @@ async def _load(url: str, model: str, requests: int, output_tokens: int) -> dict
 def _routed(url: str) -> dict[str, float]:
     with urllib.request.urlopen(f"{url}/metrics") as response:
         text = response.read().decode()
-    return {m[1]: float(m[2]) for m in re.finditer(r'^tokenyard:router_requests_total\{replica="([^"]+)"\} (\S+)$', text, re.M)}
+    return {
+        sample.labels["replica"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "tokenyard:router_requests_total"
+    }
 
 
 def run(model: str, replicas: int, threads: int, policy: str, requests: int, output_tokens: int, kv_cache_tokens: int, step_tokens: int) -> dict:
