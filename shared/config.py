@@ -42,7 +42,11 @@ class StackConfig:
     scheduler_addr: str = _opt("", "ZMQ address the scheduler receives on")
     worker_addr: str = _opt("", "ZMQ address the worker receives on")
     detokenizer_addr: str = _opt("", "ZMQ address the detokenizer receives on")
-    api_replica: str = _opt("api-0", "identity of this api replica (replies are addressed to it)")
+    api_replica: str = _opt("api-0", "identity of this api replica (names its inbox; replies are addressed to the inbox)")
+    engines: str = _opt("", "engine replicas the api routes to, as name=scheduler_addr,... (default: one, engine-0 at --scheduler-addr)")
+    router_policy: str = _opt("load", "how the api picks an engine replica: load, prefix or round_robin")
+    replicas: int = _opt(1, "engine replicas the launcher starts, each its own scheduler, worker and detokenizer")
+    engine_name: str = _opt("", "this engine replica's name, a `replica` label on its processes' metrics (the launcher sets engine-<i>)")
     kv_cache_tokens: int = _opt(16384, "KV cache size in tokens (ignored if kv_cache_bytes is set)")
     kv_cache_bytes: int = _opt(0, "KV cache size in bytes (0: use kv_cache_tokens)")
     block_size: int = _opt(16, "tokens per KV block")
@@ -57,6 +61,9 @@ class StackConfig:
     dtype: str = _opt("float32", "weight and activation dtype on the CPU")
     weight_quant: str = _opt("none", "weight storage of the dense projections: none (the dtype's own) or int8 (per-channel, ~4x fewer bytes per step)")
     num_threads: int = _opt(0, "torch threads of the worker (0: all cores)")
+    tensor_parallel_size: int = _opt(1, "worker ranks each step is split across (torch.distributed: gloo on CPU, NCCL on GPU)")
+    tensor_parallel_rank: int = _opt(0, "this worker process's rank; rank 0 talks to the scheduler (the launcher starts the others)")
+    tensor_parallel_addr: str = _opt("", "rendezvous of the worker ranks, a torch.distributed init method (default: tcp://127.0.0.1:<port + 90>)")
     heartbeat_s: float = _opt(0.5, "interval of heartbeats and engine status frames")
     engine_timeout_s: float = _opt(3.0, "a process silent this long is taken for dead (its requests fail)")
     stall_timeout_s: float = _opt(60.0, "a step unanswered this long marks the worker stalled (unhealthy)")
@@ -82,7 +89,7 @@ class StackConfig:
     @property
     def metric_labels(self) -> dict[str, str]:
         """Labels on every metric sample this process exports."""
-        return {"model_name": self.model_id}
+        return {"model_name": self.model_id, **({"replica": self.engine_name} if self.engine_name else {})}
 
     @property
     def resolved_run_dir(self) -> str:
@@ -116,6 +123,25 @@ class StackConfig:
     @property
     def in_flight_limit(self) -> int:
         return self.max_in_flight or self.max_num_seqs + self.max_waiting
+
+    @property
+    def engine_addresses(self) -> dict[str, str]:
+        """Engine replica name -> scheduler address, in the order given."""
+        if not self.engines:
+            return {"engine-0": self.scheduler_address}
+        engines: dict[str, str] = {}
+        for item in self.engines.split(","):
+            name, sep, address = item.strip().partition("=")
+            if not sep or not name or not address:
+                raise ValueError(f"--engines: expected name=scheduler_addr, got {item.strip()!r}")
+            if name in engines:
+                raise ValueError(f"--engines: replica name {name!r} is given twice")
+            engines[name] = address
+        return engines
+
+    @property
+    def tensor_parallel_init(self) -> str:
+        return self.tensor_parallel_addr or f"tcp://127.0.0.1:{self.port + 90}"
 
     def metrics_port(self, process: str) -> int:
         explicit = {

@@ -63,7 +63,7 @@ class Submit(_Frame):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     arrival_time: float = 0.0
-    reply_to: str = ""  # the api replica that owns the reply
+    reply_to: str = ""  # inbox address of the api replica that owns the reply ("": the configured api)
 
 
 class Abort(_Frame):
@@ -210,7 +210,8 @@ class EngineStatus(_Frame):
     """The scheduler's periodic summary for the api: readiness and load.
 
     ``boot`` identifies the scheduler's incarnation: when it changes, requests the api still
-    waits on were lost with the previous one.
+    waits on were lost with the previous one. ``engine`` echoes the name the receiving api
+    replica gave this engine in its ``ApiAnnounce`` ("" before it has announced itself).
     """
 
     state: str
@@ -220,6 +221,19 @@ class EngineStatus(_Frame):
     waiting: int = 0
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
+    engine: str = ""
 
 
-Frame = Submit | Abort | StepPlan | Release | StepResult | TokenBatch | TextBatch | Finish | Error | Heartbeat | EngineStatus
+class ApiAnnounce(_Frame):
+    """An api replica tells a scheduler where it receives and what it calls that engine.
+
+    Sent every heartbeat: the scheduler sends its ``EngineStatus`` to every api replica heard
+    from recently, so several api replicas can share one engine.
+    """
+
+    replica: str
+    address: str
+    engine: str
+
+
+Frame = Submit | Abort | StepPlan | Release | StepResult | TokenBatch | TextBatch | Finish | Error | Heartbeat | EngineStatus | ApiAnnounce

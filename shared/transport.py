@@ -207,6 +207,51 @@ class Outbox:
         self.socket.close(0)
 
 
+class ReplyOutboxes:
+    """PUSH outboxes to the api replicas that own requests, opened on first use by address.
+
+    ``address == ""`` means the configured default api. A request's ``reply_to`` comes from a
+    frame, so an address that is not a ZMQ endpoint is refused (None) rather than raised, and
+    at most ``max_open`` outboxes stay open (the least recently used one is closed first).
+    """
+
+    _SCHEMES = ("ipc://", "tcp://", "inproc://")
+
+    def __init__(self, ctx: zmq.Context, default_address: str, name: str, curve: Curve | None = None, max_open: int = 64) -> None:
+        self.ctx, self.name, self.max_open, self.curve = ctx, name, max_open, curve
+        self.default = Outbox(ctx, default_address, name, curve)
+        self._open: dict[str, Outbox] = {default_address: self.default}
+
+    def get(self, address: str) -> Outbox | None:
+        if not address:
+            return self.default
+        outbox = self._open.pop(address, None)
+        if outbox is None:
+            if not address.startswith(self._SCHEMES):
+                log.warning("bad_reply_address", socket=self.name, address=address[:200])
+                return None
+            try:
+                outbox = Outbox(self.ctx, address, self.name, self.curve)
+            except zmq.ZMQError as exc:
+                log.warning("bad_reply_address", socket=self.name, address=address[:200], error=str(exc))
+                return None
+            while len(self._open) >= self.max_open:
+                oldest = next(a for a in self._open if self._open[a] is not self.default)
+                self._open.pop(oldest).close()
+        self._open[address] = outbox  # most recently used last
+        return outbox
+
+    def send(self, address: str, frame: Frame) -> None:
+        outbox = self.get(address)
+        if outbox is not None:
+            outbox.send(frame)
+
+    def close(self) -> None:
+        for outbox in self._open.values():
+            outbox.close()
+        self._open.clear()
+
+
 def check_binds(addresses: list[str], curve_key_file: str) -> None:
     """Raises InsecureBindError, before anything starts, if an address outside loopback / ipc would bind without CURVE."""
     exposed = [address for address in addresses if not is_local_address(address)]

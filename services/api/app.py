@@ -22,6 +22,7 @@ from services.api.metrics import HTTP_REQUESTS
 from services.api.openai_routes import routes as openai_routes
 from services.api.openapi import openapi_document
 from services.api.responses_routes import routes as responses_routes
+from services.api.router import make_policy
 from services.api.state import API_STATE, ApiState
 from services.api.templating import PromptBuilder
 from services.api.tokenize_routes import routes as tokenize_routes
@@ -116,6 +117,8 @@ async def instrumentation(request: web.Request) -> web.Response:
                 "running": engine.status.running,
                 "waiting": engine.status.waiting,
             },
+            "replicas": engine.describe_replicas(),
+            "router_policy": state.config.router_policy,
             "addresses": engine.addresses(),
         }
     )
@@ -183,6 +186,11 @@ def main(argv: list[str] | None = None) -> None:
     from shared.logging import setup_logging
 
     config = StackConfig.from_argv(argv, "tokenyard api")
+    try:  # a bad routing setting stops the api here, with the flag named, not at its first request
+        make_policy(config.router_policy, config.block_size)
+        _ = config.engine_addresses
+    except ValueError as exc:
+        raise SystemExit(f"tokenyard api: {exc}") from None
     setup_logging("api", config.log_level, config.log_format)
     log.info("api_starting", listen=f"http://{config.host}:{config.port}", model=config.model, api_keys=len(config.api_keys))
     asyncio.run(serve(config))

@@ -1,7 +1,9 @@
-"""The api's side of the engine: submits requests, routes text deltas back to their streams.
+"""The api's side of the engine replicas: routes each request to one, streams its text deltas back.
 
-Each in-flight request has one queue. A request ends exactly once: with a finishing
-delta, an engine error, or an abort sent when its consumer goes away early.
+Each in-flight request has one queue and one owning replica. A request ends exactly once:
+with a finishing delta, an engine error, or an abort sent when its consumer goes away
+early. A replica that goes silent, reports a new boot or stops being ready leaves
+rotation and fails the requests it held; it rejoins once it reports ready again.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import zmq
 import zmq.asyncio
 
 from services.api.errors import ApiError
+from services.api.metrics import REPLICA_FAILED, REPLICA_IN_FLIGHT, REPLICA_LATENCY, REPLICA_READY, ROUTED
+from services.api.router import make_policy
 from shared.config import StackConfig
-from shared.frames import Abort, EngineStatus, Error, FinishReason, Submit, TextBatch, TextDelta
+from shared.frames import Abort, ApiAnnounce, EngineStatus, Error, FinishReason, Submit, TextBatch, TextDelta
 from shared.metrics import FRAMES_UNEXPECTED
 from shared.transport import AsyncInbox, Curve, Outbox, stop_authenticator
 
@@ -50,74 +54,159 @@ class Engine(Protocol):
 
     def addresses(self) -> dict[str, str]: ...
 
+    def describe_replicas(self) -> list[dict]: ...
+
     def generate(self, submit: Submit) -> AsyncIterator[TextDelta]: ...
 
 
-class EngineClient:
-    def __init__(self, config: StackConfig) -> None:
-        self.config = config
-        self.ctx = zmq.asyncio.Context()
-        curve = Curve.from_file(config.curve_key_file)
-        self.inbox = AsyncInbox(self.ctx, config.api_address, "api_inbox", curve)
-        self.to_scheduler = Outbox(self.ctx, config.scheduler_address, "api_to_scheduler", curve)
-        self.streams: dict[str, asyncio.Queue[TextDelta | ApiError]] = {}
+class EngineReplica:
+    """One engine replica (a scheduler with its worker and detokenizer) as this api sees it."""
+
+    def __init__(self, name: str, outbox: Outbox, timeout_s: float) -> None:
+        self.name = name
+        self.outbox = outbox
+        self.timeout_s = timeout_s
         self.status = EngineStatus(state="loading", detail="no word from the scheduler yet")
         self.status_seen = 0.0
-        self._receiver: asyncio.Task | None = None
-        self._watchdog: asyncio.Task | None = None
-
-    # Lifecycle. ------------------------------------------------------------------------
-
-    def start(self) -> None:
-        self._receiver = asyncio.create_task(self._receive())
-        self._watchdog = asyncio.create_task(self._watch())
-
-    async def close(self) -> None:
-        for task in (self._receiver, self._watchdog):
-            if task is not None:
-                task.cancel()
-        self.inbox.close()
-        self.to_scheduler.close()
-        stop_authenticator(self.ctx)
-        self.ctx.term()
-
-    def addresses(self) -> dict[str, str]:
-        return {"inbox": self.inbox.address, "scheduler": self.to_scheduler.address}
-
-    # Health. ---------------------------------------------------------------------------
+        self.rids: set[str] = set()  # this api's requests in flight on the replica
+        self.own_at_status = 0  # len(rids) when the last status arrived
+        self.in_rotation = False
 
     @property
     def connected(self) -> bool:
-        return time.monotonic() - self.status_seen < self.config.engine_timeout_s
+        return time.monotonic() - self.status_seen < self.timeout_s
 
     @property
     def ready(self) -> bool:
         return self.connected and self.status.state == "ready"
 
+    @property
+    def load(self) -> int:
+        """Requests on the replica: this api's (counted here, current) plus other api replicas'
+        (the reported total beyond what this api had in flight when it was reported)."""
+        others = max(0, self.status.running + self.status.waiting - self.own_at_status)
+        return len(self.rids) + others
+
     def describe_state(self) -> tuple[str, str]:
         if not self.status_seen:
             return "loading", "waiting for the scheduler"
         if not self.connected:
-            return "unavailable", f"no status from the scheduler for over {self.config.engine_timeout_s:g}s"
+            return "unavailable", f"no status from the scheduler for over {self.timeout_s:g}s"
         return self.status.state, self.status.detail
+
+
+class EngineClient:
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.policy = make_policy(config.router_policy, config.block_size)
+        self.ctx = zmq.asyncio.Context()
+        curve = Curve.from_file(config.curve_key_file)
+        self.inbox = AsyncInbox(self.ctx, config.api_address, "api_inbox", curve)
+        self.replicas = {
+            name: EngineReplica(name, Outbox(self.ctx, address, "api_to_scheduler", curve), config.engine_timeout_s)
+            for name, address in config.engine_addresses.items()
+        }
+        self.streams: dict[str, asyncio.Queue[TextDelta | ApiError]] = {}
+        self.owner: dict[str, EngineReplica] = {}  # rid -> the replica serving it
+        self._tasks: list[asyncio.Task] = []
+        for name in self.replicas:  # every replica's series exists from the start
+            ROUTED.labels(name)
+            REPLICA_FAILED.labels(name)
+            REPLICA_READY.labels(name).set(0)
+            REPLICA_IN_FLIGHT.labels(name).set(0)
+
+    # Lifecycle. ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self.inbox.close()
+        for replica in self.replicas.values():
+            replica.outbox.close()
+        stop_authenticator(self.ctx)
+        self.ctx.term()
+
+    def addresses(self) -> dict[str, str]:
+        if len(self.replicas) == 1:
+            (replica,) = self.replicas.values()
+            return {"inbox": self.inbox.address, "scheduler": replica.outbox.address}
+        return {"inbox": self.inbox.address, **{f"scheduler/{r.name}": r.outbox.address for r in self.replicas.values()}}
+
+    # Health. ---------------------------------------------------------------------------
+
+    @property
+    def status(self) -> EngineStatus:
+        """The replicas' load summed; the state of the healthiest."""
+        replicas = list(self.replicas.values())
+        state, detail = self.describe_state()
+        return EngineStatus(
+            state=state,
+            detail=detail,
+            running=sum(r.status.running for r in replicas),
+            waiting=sum(r.status.waiting for r in replicas),
+            kv_blocks_total=sum(r.status.kv_blocks_total for r in replicas),
+            kv_blocks_used=sum(r.status.kv_blocks_used for r in replicas),
+        )
+
+    @property
+    def ready(self) -> bool:
+        return any(r.ready for r in self.replicas.values())
+
+    def describe_state(self) -> tuple[str, str]:
+        states = [(r.name, *r.describe_state()) for r in self.replicas.values()]
+        if len(states) == 1:
+            return states[0][1:]
+        ready = [name for name, state, _ in states if state == "ready"]
+        others = "; ".join(f"{name}: {state} {detail}".strip() for name, state, detail in states if state != "ready")
+        if ready:
+            return "ready", f"{len(ready)} of {len(states)} engine replicas ready" + (f" ({others})" if others else "")
+        rank = ("loading", "unhealthy", "failed", "unavailable")  # the hopeful state names the whole
+        best = min((state for _, state, _ in states), key=lambda s: rank.index(s) if s in rank else len(rank))
+        return best, others
+
+    def describe_replicas(self) -> list[dict]:
+        return [
+            {
+                "name": r.name,
+                "scheduler": r.outbox.address,
+                "state": r.describe_state()[0],
+                "detail": r.describe_state()[1],
+                "in_rotation": r.ready,
+                "boot": r.status.boot,
+                "running": r.status.running,
+                "waiting": r.status.waiting,
+                "in_flight": len(r.rids),
+            }
+            for r in self.replicas.values()
+        ]
 
     # Requests. -------------------------------------------------------------------------
 
     async def generate(self, submit: Submit) -> AsyncIterator[TextDelta]:
         """Yields the request's text deltas up to and including the finishing one.
 
-        Raises ApiError if the engine refuses or fails the request. Closing the iterator
-        early (client gone) aborts the request in the engine.
+        Raises ApiError if no replica is ready, or the engine refuses or fails the request.
+        Closing the iterator early (client gone) aborts the request in its replica.
         """
-        if not self.ready:
+        candidates = [r for r in self.replicas.values() if r.ready]
+        if not candidates:
             state, detail = self.describe_state()
             raise ApiError(503, f"the engine is not ready ({state}: {detail})", headers={"Retry-After": "1"})
+        replica = self.policy.choose(candidates, submit.prompt_ids)
         queue: asyncio.Queue[TextDelta | ApiError] = asyncio.Queue()
         self.streams[submit.rid] = queue
+        self.owner[submit.rid] = replica
+        replica.rids.add(submit.rid)
+        ROUTED.labels(replica.name).inc()
+        REPLICA_IN_FLIGHT.labels(replica.name).set(len(replica.rids))
+        started = time.perf_counter()
         outcome = "aborted"  # unless a finishing delta or an error arrives
-        log.info("request_submitted", rid=submit.rid, prompt_tokens=len(submit.prompt_ids), max_tokens=submit.max_tokens)
+        log.info("request_submitted", rid=submit.rid, replica=replica.name, prompt_tokens=len(submit.prompt_ids), max_tokens=submit.max_tokens)
         try:
-            self.to_scheduler.send(submit)
+            replica.outbox.send(submit)
             while True:
                 item = await queue.get()
                 if isinstance(item, ApiError):
@@ -128,14 +217,18 @@ class EngineClient:
                     raise ApiError(*_FAILED[item.finish])
                 if item.finish:
                     outcome = item.finish
+                    REPLICA_LATENCY.labels(replica.name).observe(time.perf_counter() - started)
                 yield item
                 if item.finish:
                     return
         finally:
             self.streams.pop(submit.rid, None)
+            self.owner.pop(submit.rid, None)
+            replica.rids.discard(submit.rid)
+            REPLICA_IN_FLIGHT.labels(replica.name).set(len(replica.rids))
             if outcome == "aborted":
-                self.to_scheduler.send(Abort(rid=submit.rid))
-            log.info("request_ended", rid=submit.rid, outcome=outcome)
+                replica.outbox.send(Abort(rid=submit.rid))
+            log.info("request_ended", rid=submit.rid, replica=replica.name, outcome=outcome)
 
     # Receiving. ------------------------------------------------------------------------
 
@@ -148,30 +241,68 @@ class EngineClient:
                     if queue is not None:
                         queue.put_nowait(delta)
             elif isinstance(frame, EngineStatus):
-                if frame.state != self.status.state:
-                    log.info("engine_state", state=frame.state, detail=frame.detail)
-                if self.status.boot and frame.boot != self.status.boot and self.streams:
-                    log.error("scheduler_restarted", in_flight=len(self.streams))
-                    self._fail(Error(rid="", status=503, message="the scheduler restarted and lost this request; retry it"))
-                self.status, self.status_seen = frame, time.monotonic()
+                self._on_status(frame)
             elif isinstance(frame, Error):
-                self._fail(frame)
+                self._fail(list(self.streams) if not frame.rid else [frame.rid], frame)
             elif frame is not None:
                 log.warning("unexpected_frame", frame=type(frame).__name__)
                 FRAMES_UNEXPECTED.labels(self.inbox.name).inc()
 
-    def _fail(self, error: Error) -> None:
+    def _on_status(self, status: EngineStatus) -> None:
+        # Until this api's announcement reaches it, a scheduler addresses the configured api with engine "".
+        if not status.engine and len(self.replicas) > 1:
+            return  # which engine sent it is unknown until our announcement reaches it (within a heartbeat)
+        replica = self.replicas.get(status.engine) if status.engine else next(iter(self.replicas.values()))
+        if replica is None:
+            log.warning("status_from_unknown_engine", engine=status.engine)
+            return
+        if status.state != replica.status.state:
+            log.info("engine_state", replica=replica.name, state=status.state, detail=status.detail)
+        if replica.status.boot and status.boot != replica.status.boot and replica.rids:
+            log.error("scheduler_restarted", replica=replica.name, in_flight=len(replica.rids))
+            self._fail_replica(replica, "the scheduler restarted and lost this request; retry it")
+        replica.status, replica.status_seen, replica.own_at_status = status, time.monotonic(), len(replica.rids)
+        self._update_rotation(replica)
+
+    def _fail(self, rids: list[str], error: Error) -> None:
         exc = ApiError(error.status, error.message, headers={"Retry-After": "1"} if error.status in (429, 503) else None)
-        targets = list(self.streams) if not error.rid else [error.rid]
-        for rid in targets:
+        for rid in rids:
             queue = self.streams.get(rid)
             if queue is not None:
                 queue.put_nowait(exc)
 
+    def _fail_replica(self, replica: EngineReplica, message: str) -> None:
+        """Fails every request this api holds on the replica; they are over, for it too."""
+        REPLICA_FAILED.labels(replica.name).inc(len(replica.rids))
+        self._fail(list(replica.rids), Error(rid="", status=503, message=message))
+        for rid in replica.rids:  # a stalled scheduler that recovers must not keep serving them
+            replica.outbox.send(Abort(rid=rid, reason="failed by the api"))
+        replica.rids.clear()
+        REPLICA_IN_FLIGHT.labels(replica.name).set(0)
+
+    def _update_rotation(self, replica: EngineReplica) -> None:
+        """A replica leaves rotation when it is not ready, and rejoins when it is again.
+
+        Leaving because it went silent, stalled or failed fails the requests it held; a
+        scheduler that lost its worker or detokenizer fails them itself, with the reason.
+        """
+        ready = replica.ready
+        REPLICA_READY.labels(replica.name).set(int(ready))
+        if ready == replica.in_rotation:
+            return
+        replica.in_rotation = ready
+        if ready:
+            log.info("replica_joined", replica=replica.name)
+            return
+        state, detail = replica.describe_state()
+        log.error("replica_left", replica=replica.name, state=state, detail=detail, in_flight=len(replica.rids))
+        if replica.rids and state in ("unavailable", "unhealthy", "failed"):
+            self._fail_replica(replica, f"engine replica {replica.name} is {state} ({detail}); retry the request")
+
     async def _watch(self) -> None:
-        """Fails every in-flight request when the engine goes silent: a hang must never look alive."""
+        """Announces this api to every scheduler and notices silent ones: a hang must never look alive."""
         while True:
+            for replica in self.replicas.values():
+                replica.outbox.send(ApiAnnounce(replica=self.config.api_replica, address=self.inbox.address, engine=replica.name))
+                self._update_rotation(replica)
             await asyncio.sleep(self.config.heartbeat_s)
-            if self.status_seen and not self.connected and self.streams:
-                log.error("engine_lost", in_flight=len(self.streams))
-                self._fail(Error(rid="", status=503, message="the engine stopped responding"))

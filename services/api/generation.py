@@ -180,4 +180,4 @@ async def chat_submits(state: ApiState, turn: ChatTurn, generation: Generation, 
     """A conversation's rendered prompt and its engine requests, checked against the context limit."""
     prompt = await state.chat_format.render(state.prompts, turn)
     max_tokens = context_limit(len(prompt.ids), generation, state.max_model_len, prompt_param)
-    return prompt, build_submits(generation, [prompt.ids], [max_tokens], state.eos_token_ids, state.config.api_replica)
+    return prompt, build_submits(generation, [prompt.ids], [max_tokens], state.eos_token_ids, state.config.api_address)

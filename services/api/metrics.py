@@ -24,6 +24,15 @@ REQUEST_SUCCESS = Counter(f"{PREFIX}request_success", "Requests finished, by rea
 HTTP_REQUESTS = Counter(f"{PREFIX}http_requests", "HTTP requests answered", ["route", "status"])
 IN_FLIGHT = Gauge(f"{PREFIX}requests_in_flight", "Generation requests being served", ["model_name"])
 
+# Per engine replica (the router's view).
+ROUTED = Counter(f"{PREFIX}router_requests", "Engine requests routed to each replica", ["replica"])
+REPLICA_READY = Gauge(f"{PREFIX}engine_replica_ready", "1 while the replica is in rotation (ready and heard from)", ["replica"])
+REPLICA_IN_FLIGHT = Gauge(f"{PREFIX}engine_replica_in_flight", "This api's engine requests in flight on each replica", ["replica"])
+REPLICA_FAILED = Counter(f"{PREFIX}engine_replica_failed_requests", "Requests failed because their replica left rotation", ["replica"])
+REPLICA_LATENCY = Histogram(
+    f"{PREFIX}engine_replica_request_latency_seconds", "Engine request latency from submit to finish, by replica", ["replica"], buckets=_LATENCY_BUCKETS
+)
+
 
 class RequestTimer:
     """Records one engine request's latencies as its deltas arrive."""

@@ -150,7 +150,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompt_ids = [p if isinstance(p, list) else await state.prompts.encode(p) for p in prompts]
     limits = [context_limit(len(ids), generation, state.max_model_len, "prompt") for ids in prompt_ids]
     echoes = [(p if isinstance(p, str) else await state.prompts.decode(p)) if body.echo else "" for p in prompts]
-    submits = build_submits(generation, prompt_ids, limits, state.eos_token_ids, state.config.api_replica)
+    submits = build_submits(generation, prompt_ids, limits, state.eos_token_ids, state.config.api_address)
     envelope = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": state.model_id}
     echoed: set[int] = set()
     wants_logprobs = generation.sampling.logprobs is not None

@@ -20,7 +20,7 @@ from shared.config import StackConfig
 from shared.frames import DetokOpen, Finish, FinishReason, Heartbeat, TextBatch, TextDelta, TextLogprobs, TokenBatch, TokenLogprobs, TokenText
 from shared.metrics import FRAMES_UNEXPECTED, PREFIX, PROCESS_UP, start_metrics_server
 from shared.tokenizer import load_tokenizer
-from shared.transport import Curve, Inbox, Outbox
+from shared.transport import Curve, Inbox, Outbox, ReplyOutboxes
 
 BATCH_TIME = Histogram(f"{PREFIX}detokenize_batch_seconds", "Time to detokenize one token batch", buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1))
 STOP_MATCHES = Counter(f"{PREFIX}stop_string_matches", "Requests finished by a stop string")
@@ -44,7 +44,7 @@ class DetokenizerLoop:
         ctx = zmq.Context()
         curve = Curve.from_file(config.curve_key_file)
         self.inbox = Inbox(ctx, config.detokenizer_address, "detokenizer_inbox", curve)
-        self.to_api = Outbox(ctx, config.api_address, "detokenizer_to_api", curve)
+        self.to_api = ReplyOutboxes(ctx, config.api_address, "detokenizer_to_api", curve)  # by each request's reply_to
         self.to_scheduler = Outbox(ctx, config.scheduler_address, "detokenizer_to_scheduler", curve)
         self.tokenizer = None
         self.token_texts: TokenTexts | None = None
@@ -81,9 +81,14 @@ class DetokenizerLoop:
             state = RequestDetokState(self.tokenizer, opened.stop, opened.skip_special_tokens)
             self.requests[opened.rid] = _Tracked(state, opened)
             self.log.info("request_opened", rid=opened.rid, stop_strings=len(opened.stop))
-        out = [delta for delta in map(self._detokenize, batch.deltas) if delta is not None]
-        if out:
-            self.to_api.send(TextBatch(deltas=out))
+        by_owner: dict[str, list[TextDelta]] = {}
+        for delta in batch.deltas:
+            tracked = self.requests.get(delta.rid)
+            text = self._detokenize(delta)
+            if text is not None:
+                by_owner.setdefault(tracked.opened.reply_to, []).append(text)
+        for reply_to, out in by_owner.items():
+            self.to_api.send(reply_to, TextBatch(deltas=out))
         TRACKED.set(len(self.requests))
         BATCH_TIME.observe(time.perf_counter() - started)
 
@@ -132,7 +137,7 @@ class DetokenizerLoop:
             "model": self.config.model,
             "tokenizer": type(self.tokenizer).__name__ if self.tokenizer is not None else None,
             "requests": len(self.requests),
-            "addresses": {"inbox": self.inbox.address, "api": self.to_api.address, "scheduler": self.to_scheduler.address},
+            "addresses": {"inbox": self.inbox.address, "api": self.to_api.default.address, "scheduler": self.to_scheduler.address},
         }
 
     def health(self) -> tuple[int, dict]:

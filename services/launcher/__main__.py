@@ -1,5 +1,9 @@
 """The local launcher: prepares the default model, starts the four processes, waits until ready.
 
+With ``--replicas N`` it starts N engine replicas (each a scheduler, worker and detokenizer
+with its own sockets under ``run_dir/engine-<i>`` and its own metrics ports, replica i's at
+``port + 1 + 3i`` onwards) and one api routing among them.
+
 Every process is a child of this one (and dies with it); the launcher stays in the
 foreground, prints the URL once ``/health`` answers 200, and on Ctrl-C or SIGTERM stops
 every process it started: the api first, which drains (its running requests finish, or are
@@ -10,6 +14,8 @@ requests and wait for it); one that keeps dying stops the stack with a non-zero 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -23,6 +29,7 @@ from shared.config import API_KEY_ENV, DEFAULT_MODEL_DIR, StackConfig
 from shared.transport import InsecureBindError, check_binds
 
 PROCESSES = ("scheduler", "worker", "detokenizer", "api")
+ENGINE_PROCESSES = PROCESSES[:3]
 STOP_GRACE_S = 10.0
 READY_TIMEOUT_S = 600.0
 MAX_RESTARTS = 5  # within RESTART_WINDOW_S, before the launcher gives up
@@ -37,21 +44,88 @@ def _die_with_parent() -> None:
         pass
 
 
+def replica_config(config: StackConfig, index: int) -> StackConfig:
+    """The configuration of engine replica ``index``'s processes: own sockets and metrics ports, the one api."""
+    if config.scheduler_addr or config.worker_addr or config.detokenizer_addr:
+        raise SystemExit("--replicas > 1 places each replica's sockets under run_dir: leave --scheduler-addr, --worker-addr and --detokenizer-addr unset")
+    if config.tensor_parallel_addr:
+        raise SystemExit("--replicas > 1 gives each replica's worker ranks their own rendezvous: leave --tensor-parallel-addr unset")
+    return dataclasses.replace(
+        config,
+        run_dir=os.path.join(config.resolved_run_dir, f"engine-{index}"),
+        engine_name=f"engine-{index}",
+        tensor_parallel_addr=f"tcp://127.0.0.1:{config.port + 90 + index}",
+        api_addr=config.api_address,
+        scheduler_metrics_port=config.metrics_port("scheduler") + 3 * index,
+        worker_metrics_port=config.metrics_port("worker") + 3 * index,
+        detokenizer_metrics_port=config.metrics_port("detokenizer") + 3 * index,
+    )
+
+
+def check_tensor_parallel(config: StackConfig) -> None:
+    """Refuses at once a model the worker ranks could not split (instead of failing ranks restarting)."""
+    if config.tensor_parallel_size < 1:
+        raise SystemExit(f"--tensor-parallel-size must be at least 1, got {config.tensor_parallel_size}")
+    if config.tensor_parallel_size == 1:
+        return
+    from services.worker.tensor_parallel import shard_config
+
+    with open(os.path.join(config.model, "config.json")) as f:
+        model_config = json.load(f)
+    try:
+        shard_config(model_config, config.tensor_parallel_size)
+    except ValueError as exc:
+        raise SystemExit(f"tokenyard: {exc}") from None
+
+
+def _engine_argvs(config: StackConfig, suffix: str) -> dict[str, list[str]]:
+    """An engine replica's processes: scheduler, detokenizer, and the worker's ranks (rank 0 named ``worker``)."""
+    argvs = {f"{process}{suffix}": [sys.executable, "-m", f"services.{process}", *config.to_argv()] for process in ENGINE_PROCESSES}
+    for rank in range(1, config.tensor_parallel_size):
+        rank_config = dataclasses.replace(config, tensor_parallel_rank=rank)
+        argvs[f"worker-rank{rank}{suffix}"] = [sys.executable, "-m", "services.worker", *rank_config.to_argv()]
+    return argvs
+
+
+def child_argvs(config: StackConfig) -> dict[str, list[str]]:
+    """Each child's name and the argv that starts it (one api; one set of engine processes per replica)."""
+    if config.replicas < 1:
+        raise SystemExit(f"--replicas must be at least 1, got {config.replicas}")
+    check_tensor_parallel(config)
+    if config.replicas == 1:
+        return {**_engine_argvs(config, ""), "api": [sys.executable, "-m", "services.api", *config.to_argv()]}
+    argvs: dict[str, list[str]] = {}
+    engines = []
+    for index in range(config.replicas):
+        engine = replica_config(config, index)
+        engines.append(f"engine-{index}={engine.scheduler_address}")
+        argvs.update(_engine_argvs(engine, f"@engine-{index}"))
+    api = dataclasses.replace(config, engines=",".join(engines))
+    argvs["api"] = [sys.executable, "-m", "services.api", *api.to_argv()]
+    return argvs
+
+
+def restart_group(name: str) -> str:
+    """Children that restart together: a worker's ranks share one process group, so one dying restarts all."""
+    process, _, replica = name.partition("@")
+    return f"worker@{replica}" if process.startswith("worker") else name
+
+
 class Launcher:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
+        self.argvs = child_argvs(config)
         self.children: dict[str, subprocess.Popen] = {}
         self.stopping = False
 
     def start(self) -> None:
-        for name in PROCESSES:
+        for name in self.argvs:
             self._spawn(name)
 
     def _spawn(self, name: str) -> None:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        argv = [sys.executable, "-m", f"services.{name}", *self.config.to_argv()]
         env = {**os.environ, API_KEY_ENV: ",".join(self.config.api_keys)}  # keys stay out of argv (readable by every user in ps)
-        self.children[name] = subprocess.Popen(argv, cwd=root, env=env, preexec_fn=_die_with_parent)
+        self.children[name] = subprocess.Popen(self.argvs[name], cwd=root, env=env, preexec_fn=_die_with_parent)
 
     def wait_ready(self) -> bool:
         url = f"http://{self.config.host}:{self.config.port}/health"
@@ -91,7 +165,14 @@ class Launcher:
                     )
                     return 1
                 print(f"tokenyard: {name} (pid {child.pid}) exited with code {child.returncode}; restarting it", file=sys.stderr, flush=True)
-                self._spawn(name)
+                group = [other for other in self.children if restart_group(other) == restart_group(name)]
+                for other in group:
+                    if self.children[other].poll() is None:
+                        self.children[other].kill()
+                        self.children[other].wait()
+                for other in group:
+                    self._spawn(other)
+                break  # self.children changed
             time.sleep(0.2)
         return 0
 
@@ -135,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
     launcher.start()
-    print(f"tokenyard: starting {', '.join(PROCESSES)} for {config.model_id} ...", file=sys.stderr, flush=True)
+    print(f"tokenyard: starting {', '.join(launcher.argvs)} for {config.model_id} ...", file=sys.stderr, flush=True)
     code = 0
     if launcher.wait_ready():
         print(f"tokenyard is ready: http://{config.host}:{config.port}/v1 (model {config.model_id!r})", flush=True)

@@ -20,6 +20,7 @@ from services.scheduler.state_slots import SlotPool
 from shared.config import StackConfig
 from shared.frames import (
     Abort,
+    ApiAnnounce,
     EngineStatus,
     Error,
     Finish,
@@ -33,7 +34,7 @@ from shared.frames import (
 )
 from shared.metrics import FRAMES_UNEXPECTED, PREFIX, PROCESS_UP, start_metrics_server
 from shared.model_info import kv_cache_blocks, load_model_info
-from shared.transport import Curve, Inbox, Outbox
+from shared.transport import Curve, Inbox, Outbox, ReplyOutboxes
 
 RUNNING = Gauge(f"{PREFIX}num_requests_running", "Requests in the running batch")
 WAITING = Gauge(f"{PREFIX}num_requests_waiting", "Requests waiting for admission")
@@ -86,7 +87,10 @@ class SchedulerLoop:
         self.inbox = Inbox(ctx, config.scheduler_address, "scheduler_inbox", curve)
         self.to_worker = Outbox(ctx, config.worker_address, "scheduler_to_worker", curve)
         self.to_detokenizer = Outbox(ctx, config.detokenizer_address, "scheduler_to_detokenizer", curve)
-        self.to_api = Outbox(ctx, config.api_address, "scheduler_to_api", curve)
+        # Replies go to the api replica that owns the request (Submit.reply_to); status to every
+        # api replica that announced itself recently, and to the configured api until one has.
+        self.to_api = ReplyOutboxes(ctx, config.api_address, "scheduler_to_api", curve)
+        self.apis: dict[str, tuple[str, float]] = {}  # api inbox address -> (its name for this engine, last heard)
         self.peers = {"worker": _Peer(), "detokenizer": _Peer()}
         self.in_flight: dict[int, tuple[float, list[str]]] = {}  # step -> (sent at, rids planned in it)
         self.next_step = 0
@@ -147,7 +151,7 @@ class SchedulerLoop:
             now = time.monotonic()
             if now >= next_status:
                 self._check_peers()
-                self.to_api.send(self.status())
+                self._send_status()
                 self._update_gauges()
                 next_status = now + self.config.heartbeat_s
         self.log.info("scheduler_stopping")
@@ -187,25 +191,39 @@ class SchedulerLoop:
             self._send(self.core.finish(frame.rid, FinishReason.STOP))
         elif isinstance(frame, Heartbeat):
             self._on_heartbeat(frame)
+        elif isinstance(frame, ApiAnnounce):
+            if frame.address not in self.apis:
+                self.log.info("api_announced", api=frame.replica, address=frame.address, engine=frame.engine)
+            self.apis[frame.address] = (frame.engine, time.monotonic())
         else:
             self.log.warning("unexpected_frame", frame=type(frame).__name__)
             FRAMES_UNEXPECTED.labels(self.inbox.name).inc()
 
     def _on_submit(self, submit: Submit) -> None:
         if not self.ready:
-            self._reject(submit.rid, 503, "the engine is not ready")
+            self._reject(submit, 503, "the engine is not ready")
             return
         try:
             self._send(self.core.submit(submit))
             self.log.info("request_queued", rid=submit.rid, prompt_tokens=len(submit.prompt_ids), max_tokens=submit.max_tokens)
         except AdmissionError as exc:
             self.log.info("request_rejected", rid=submit.rid, status=exc.status, reason=exc.message)
-            self._reject(submit.rid, exc.status, exc.message)
+            self._reject(submit, exc.status, exc.message)
 
-    def _reject(self, rid: str, status: int, message: str) -> None:
+    def _reject(self, submit: Submit, status: int, message: str) -> None:
         REJECTED.labels(str(status)).inc()
         kind = "invalid_request_error" if status == 400 else "rate_limit_error" if status == 429 else "server_error"
-        self.to_api.send(Error(rid=rid, status=status, message=message, type=kind))
+        self.to_api.send(submit.reply_to, Error(rid=submit.rid, status=status, message=message, type=kind))
+
+    def _send_status(self) -> None:
+        """EngineStatus to every api replica heard from within engine_timeout_s (or the configured api)."""
+        now, status = time.monotonic(), self.status()
+        self.apis = {address: heard for address, heard in self.apis.items() if now - heard[1] < self.config.engine_timeout_s}
+        if self.config.api_address not in self.apis:
+            self.to_api.send("", status)
+        for address, (engine, _) in self.apis.items():
+            status.engine = engine
+            self.to_api.send(address, status)
 
     def _on_result(self, result: StepResult) -> None:
         if result.step not in self.in_flight:
@@ -216,7 +234,7 @@ class SchedulerLoop:
             self._update_gauges()
             return
         self.log.error("step_failed", step=result.step, error=result.error, requests=len(rids))
-        self._fail(self.core.fail(rids), 500, f"the worker failed the step: {result.error}")
+        self._fail(rids, 500, f"the worker failed the step: {result.error}")
 
     def _on_heartbeat(self, beat: Heartbeat) -> None:
         peer = self.peers.get(beat.process)
@@ -230,7 +248,7 @@ class SchedulerLoop:
         peer.state, peer.detail, peer.progress, peer.seen, peer.pid = beat.state, beat.detail, beat.progress, time.monotonic(), beat.pid
         peer.serving = peer.serving or beat.state == "ready"
         if changed:  # readiness changes reach the api at once, not at the next periodic status
-            self.to_api.send(self.status())
+            self._send_status()
 
     def _check_peers(self) -> None:
         for name, peer in self.peers.items():
@@ -241,20 +259,21 @@ class SchedulerLoop:
         """A process that held request state is gone: every request fails now, none hangs."""
         peer = self.peers[name]
         peer.serving, peer.state = False, "lost"
-        failed = self.core.fail(list(self.core.requests))
         self.in_flight.clear()
-        self.log.error("peer_lost", peer=name, why=why, failed_requests=len(failed))
-        self.to_api.send(self.status())
-        self._fail(failed, 503, f"the {name} process was lost ({why}); retry the request")
+        self.log.error("peer_lost", peer=name, why=why, failed_requests=len(self.core.requests))
+        self._send_status()
+        self._fail(list(self.core.requests), 503, f"the {name} process was lost ({why}); retry the request")
         self._update_gauges()
 
     def _fail(self, rids: list[str], status: int, message: str) -> None:
-        """Tells the api these requests failed; the worker and detokenizer drop their state of them."""
+        """Ends these requests with an error to their api replica; the worker and detokenizer drop their state of them."""
+        owners = {rid: self.core.requests[rid].submit.reply_to for rid in rids if rid in self.core.requests}
+        rids = self.core.fail(list(owners))
         if not rids:
             return
         FINISHED.labels(FinishReason.ERROR.value).inc(len(rids))
         for rid in rids:
-            self.to_api.send(Error(rid=rid, status=status, message=message))
+            self.to_api.send(owners[rid], Error(rid=rid, status=status, message=message))
         self.to_worker.send(Release(rids=rids))
         self.to_detokenizer.send(TokenBatch(deltas=[TokenDelta(rid=rid, finish=FinishReason.ERROR.value) for rid in rids]))
 
@@ -312,7 +331,8 @@ class SchedulerLoop:
                 "inbox": self.inbox.address,
                 "worker": self.to_worker.address,
                 "detokenizer": self.to_detokenizer.address,
-                "api": self.to_api.address,
+                "api": self.to_api.default.address,
+                "apis": {address: engine for address, (engine, _) in self.apis.items()},
             },
         }
 

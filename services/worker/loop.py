@@ -75,7 +75,14 @@ class WorkerLoop:
         self.detail = f"loading weights from {self.model.path}"
         read_ahead(self.model.path)
         started = time.perf_counter()
-        self.runner = ModelRunner(self.config.model, self.num_blocks, self.config.block_size, self.config.dtype, self.config.max_num_seqs, self.config.weight_quant)
+        tp = None
+        if self.config.tensor_parallel_size > 1:
+            from services.worker.tensor_parallel import init_group
+
+            self.detail = f"waiting for {self.config.tensor_parallel_size - 1} more tensor-parallel ranks at {self.config.tensor_parallel_init}"
+            tp = init_group(0, self.config.tensor_parallel_size, self.config.tensor_parallel_init)
+            self.detail = f"loading weights from {self.model.path} (rank 0 of {tp.size})"
+        self.runner = ModelRunner(self.config.model, self.num_blocks, self.config.block_size, self.config.dtype, self.config.max_num_seqs, self.config.weight_quant, tp=tp)
         loaded = time.perf_counter()
         self.state = "warming"
         self.warm_up()
@@ -128,6 +135,7 @@ class WorkerLoop:
                 else:
                     self.log.warning("unexpected_frame", frame=type(frame).__name__)
                     FRAMES_UNEXPECTED.labels(self.inbox.name).inc()
+        self.runner.close()
 
     def _execute(self, plan: StepPlan) -> StepResult:
         for s in plan.slices:
@@ -211,10 +219,32 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+def run_follower(config: StackConfig, log: structlog.stdlib.BoundLogger) -> None:
+    """A tensor-parallel rank > 0: joins the group, loads its shard, runs what rank 0 broadcasts."""
+    from services.worker.runner import ModelRunner
+    from services.worker.tensor_parallel import init_group
+
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    rank, size = config.tensor_parallel_rank, config.tensor_parallel_size
+    tp = init_group(rank, size, config.tensor_parallel_init)
+    model = load_model_info(config.model)
+    num_blocks = kv_cache_blocks(model, config.kv_cache_tokens, config.kv_cache_bytes, config.block_size, config.dtype)
+    runner = ModelRunner(config.model, num_blocks, config.block_size, config.dtype, config.max_num_seqs, config.weight_quant, tp=tp)
+    log.info("worker_rank_ready", rank=rank, size=size)
+    runner.follow()
+    log.info("worker_rank_stopping", rank=rank)
+
+
 def main(argv: list[str] | None = None) -> None:
     from shared.logging import setup_logging
 
     config = StackConfig.from_argv(argv, "tokenyard worker")
+    if not 0 <= config.tensor_parallel_rank < config.tensor_parallel_size:
+        raise SystemExit(f"--tensor-parallel-rank {config.tensor_parallel_rank} is outside 0..{config.tensor_parallel_size - 1}")
+    if config.tensor_parallel_rank > 0:
+        run_follower(config, setup_logging(f"worker-rank{config.tensor_parallel_rank}", config.log_level, config.log_format))
+        return
     log = setup_logging("worker", config.log_level, config.log_format)
     loop = WorkerLoop(config, log)
     start_metrics_server(config.metrics_host, config.metrics_port("worker"), loop.instrumentation, loop.health, config.metric_labels)

@@ -21,8 +21,9 @@ from services.worker.gdn_state import GDNStateCache, SlotMetadata
 from services.worker.linear import quantize_int8
 from services.worker.models import model_family
 from services.worker.sampling import LogitBias, TokenHistory, process_logits, sample, token_logprobs
+from services.worker.tensor_parallel import TensorParallelGroup, parallelize, shard_config, shard_weights
 from services.worker.weights import load_weights
-from shared.frames import Sampled, SamplingParams, Slice, StepPlan, StepResult
+from shared.frames import Release, Sampled, SamplingParams, Slice, StepPlan, StepResult
 from shared.model_info import HYBRID_PREFIX_CACHE_OFF
 
 ALL_PROMPT = 1 << 62  # a prompt_len no prefill reaches: every prefilled token is prompt
@@ -53,8 +54,18 @@ class _Request:
 
 
 class ModelRunner:
+    """With ``tp`` (a tensor-parallel group), this runner holds one rank's shard; the leader's
+    ``execute`` and ``release`` drive the followers, which run ``follow()``."""
+
     def __init__(
-        self, model_dir: str, num_blocks: int, block_size: int, dtype: str = "float32", max_num_seqs: int = 64, weight_quant: str = "none"
+        self,
+        model_dir: str,
+        num_blocks: int,
+        block_size: int,
+        dtype: str = "float32",
+        max_num_seqs: int = 64,
+        weight_quant: str = "none",
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
@@ -67,9 +78,15 @@ class ModelRunner:
         self.family = config.get("model_type", "llama")
         family = model_family(self.family)
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
+        self.tp = tp
         with torch.inference_mode():
-            self.model = family(config, load_weights(model_dir, DTYPES[dtype]))
+            weights = load_weights(model_dir, DTYPES[dtype])
+            if tp is not None:
+                config, weights = shard_config(config, tp.size), shard_weights(weights, tp.rank, tp.size)
+            self.model = family(config, weights)
             self.weight_quant, self.quantized_linears = weight_quant, quantize_int8(self.model) if weight_quant == "int8" else 0
+            if tp is not None:  # after quantization, which finds the layers' linears unwrapped
+                parallelize(self.model, tp)
             self.kv_cache = KVCache(self.model.num_kv_layers, num_blocks, block_size, self.model.num_kv_heads, self.model.head_dim, DTYPES[dtype])
             # One GDN state slot per request the scheduler may run at once; it hands out ids 0..max_num_seqs-1.
             shape = self.model.gdn_shape
@@ -88,15 +105,22 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run every slice of ``plan`` as one flat batch; a ``ValueError`` leaves all state untouched."""
+        if self.tp is not None and self.tp.leader:
+            self.tp.send_frame(plan)
         began = time.perf_counter()
         sampled = []
         with torch.inference_mode():
             rids, requests, logits = self._forward(plan.slices)
             if rids:
                 params = [r.params for r in requests]
-                processed = process_logits(logits, params, [r.history for r in requests], [r.bias for r in requests])
-                chosen = sample(processed, params, [r.generator for r in requests])
-                logprobs = token_logprobs(processed, chosen, params)
+                if self.tp is None or self.tp.leader:
+                    processed = process_logits(logits, params, [r.history for r in requests], [r.bias for r in requests])
+                    chosen = sample(processed, params, [r.generator for r in requests])
+                    logprobs = token_logprobs(processed, chosen, params)
+                else:
+                    chosen, logprobs = None, [None] * len(rids)
+                if self.tp is not None:  # every rank feeds the leader's tokens to the next decode
+                    chosen = self.tp.share_tokens(chosen, len(rids))
                 tokens = chosen.tolist()
                 for request, token in zip(requests, tokens):
                     request.last_token = token
@@ -108,16 +132,36 @@ class ModelRunner:
 
     def logits(self, plan: StepPlan) -> dict[str, torch.Tensor]:
         """Run ``plan`` like ``execute``, KV writes included, but return its sampling slices' logits, unsampled."""
+        if self.tp is not None:
+            raise RuntimeError("logits() runs on one rank alone; with tensor parallelism use execute()")
         with torch.inference_mode():
             rids, _, logits = self._forward(plan.slices)
         return dict(zip(rids, logits)) if rids else {}
 
     def release(self, rids: list[str]) -> None:
         """Forget these requests (unknown ones are ignored: a release may follow a failed step)."""
+        if self.tp is not None and self.tp.leader:
+            self.tp.send_frame(Release(rids=rids))
         for rid in rids:
             request = self._requests.pop(rid, None)
             if request is not None and self._slot_holders.get(request.slot) == rid:
                 del self._slot_holders[request.slot]
+
+    def follow(self) -> None:
+        """A follower rank: runs the frames the leader broadcasts until it sends stop."""
+        while (frame := self.tp.receive_frame()) is not None:
+            if isinstance(frame, Release):
+                self.release(frame.rids)
+                continue
+            try:
+                self.execute(frame)
+            except ValueError:  # a bad plan: the leader refused it at the same check, before any collective
+                pass
+
+    def close(self) -> None:
+        """The leader releases its followers (they return from ``follow``)."""
+        if self.tp is not None and self.tp.leader:
+            self.tp.send_frame(None)
 
     def _forward(self, slices: list[Slice]) -> tuple[list[str], list[_Request], torch.Tensor | None]:
         """The rids and states of the slices that sample, and their logits [N, vocab]."""

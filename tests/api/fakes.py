@@ -56,6 +56,9 @@ class ScriptedEngine:
     def addresses(self) -> dict[str, str]:
         return {"inbox": "scripted://"}
 
+    def describe_replicas(self) -> list[dict]:
+        return [{"name": "scripted", "state": self.status.state}]
+
     async def generate(self, submit: Submit) -> AsyncIterator[TextDelta]:
         if not self.ready:
             raise ApiError(503, "the engine is not ready (scripted)", headers={"Retry-After": "1"})

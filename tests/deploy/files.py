@@ -95,7 +95,10 @@ def host_names(name: str, service: dict[str, Any]) -> set[str]:
 
 
 def prometheus_targets(config: dict[str, Any]) -> set[str]:
-    return {target for job in config["scrape_configs"] for static in job.get("static_configs", []) for target in static["targets"]}
+    """host:port of every static target and every DNS-discovered name."""
+    static = {target for job in config["scrape_configs"] for static in job.get("static_configs", []) for target in static["targets"]}
+    dns = {f"{name}:{sd['port']}" for job in config["scrape_configs"] for sd in job.get("dns_sd_configs", []) for name in sd["names"]}
+    return static | dns
 
 
 def dashboard_queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:

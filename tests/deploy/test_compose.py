@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import re
 import socket
 from urllib.parse import urlparse
 
@@ -37,6 +38,9 @@ from tests.deploy.files import (
 )
 
 FIELDS = {f.name for f in dataclasses.fields(StackConfig)}
+# A service of the `replicas` profile differs from the default stack only in naming its replica:
+# the engine-1 processes in their inboxes, the api in the engines it routes to.
+REPLICA_FIELDS = {"scheduler_addr", "worker_addr", "detokenizer_addr", "engines", "router_policy"}
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +63,8 @@ def test_every_tokenyard_service_runs_its_process(services) -> None:
     for name, service in services.items():
         process = process_of(service)
         assert process in PROCESSES, f"{name} runs {service.get('entrypoint')} {service.get('command')}, not python -m services.<process>"
-        assert process in host_names(name, service), f"{name} runs services.{process} but does not answer to the name {process!r}"
+        replica = re.fullmatch(rf"{process}-\d+", name) is not None  # an engine replica's own process
+        assert replica or process in host_names(name, service), f"{name} runs services.{process} but does not answer to the name {process!r}"
     by_default = sorted(process_of(service) for service in default_services(services).values())
     assert by_default == sorted(PROCESSES), "`docker compose up` must start each process exactly once"
 
@@ -81,8 +86,21 @@ def test_all_services_run_the_same_stack_config(services) -> None:
     configs = {name: stack_config(service) for name, service in services.items()}
     reference = configs["api"]
     for name, config in configs.items():
-        differing = {f: (getattr(config, f), getattr(reference, f)) for f in FIELDS if getattr(config, f) != getattr(reference, f)}
+        allowed = REPLICA_FIELDS if "replicas" in services[name].get("profiles", []) else set()
+        differing = {f: (getattr(config, f), getattr(reference, f)) for f in FIELDS - allowed if getattr(config, f) != getattr(reference, f)}
         assert not differing, f"{name} disagrees with api on {differing}"
+
+
+def test_the_replicas_profile_routes_between_two_engines(services) -> None:
+    replicas = {name: service for name, service in services.items() if "replicas" in service.get("profiles", [])}
+    (api,) = [stack_config(s) for s in replicas.values() if process_of(s) == "api"]
+    schedulers = {
+        stack_config(s).scheduler_address for s in services.values() if process_of(s) == "scheduler" and not set(s.get("profiles", [])) - {"replicas"}
+    }
+    assert len(api.engine_addresses) == 2 and set(api.engine_addresses.values()) == schedulers
+    for process in ("scheduler", "worker", "detokenizer"):  # engine-1 sends its replies to the same api
+        (engine_1,) = [stack_config(s) for s in replicas.values() if process_of(s) == process]
+        assert engine_1.api_address == api.api_address
 
 
 def test_the_model_is_mounted_where_every_service_looks(services) -> None:
@@ -95,13 +113,13 @@ def test_the_model_is_mounted_where_every_service_looks(services) -> None:
 def test_each_inbox_is_bound_by_the_name_of_its_own_service(services) -> None:
     # A process binds its own inbox address and the others connect to it, so the host must be a
     # name that resolves to the binding container (not `*`, which cannot be connected to).
+    for name, service in services.items():
+        process = process_of(service)
+        address = urlparse(getattr(stack_config(service), f"{process}_address"))
+        assert address.scheme == "tcp", f"{name}'s inbox {address.geturl()} is not tcp"
+        assert address.hostname in host_names(name, service), f"{name}'s inbox host {address.hostname!r} is not a name of service {name}"
     config = stack_config(services["api"])
     addresses = {process: urlparse(getattr(config, f"{process}_address")) for process in PROCESSES}
-    for process, address in addresses.items():
-        assert address.scheme == "tcp", f"{process} inbox {address.geturl()} is not tcp"
-        runners = {name for name, service in services.items() if process_of(service) == process}
-        for name in runners:
-            assert address.hostname in host_names(name, services[name]), f"{process} inbox host {address.hostname!r} is not a name of service {name}"
     assert len({address.port for address in addresses.values()}) == len(PROCESSES), "inbox ports collide"
 
 
@@ -115,6 +133,7 @@ def test_listeners_are_reachable_from_other_containers(services) -> None:
 def test_prometheus_scrapes_every_metrics_port(compose, services) -> None:
     config = stack_config(services["api"])
     wanted = {f"{process}:{config.metrics_port(process)}" for process in PROCESSES}
+    wanted |= {f"{name}:{config.metrics_port(process_of(s))}" for name, s in services.items() if re.fullmatch(r"[a-z]+-\d+", name)}
     targets = prometheus_targets(load_yaml(PROMETHEUS_FILE))
     assert wanted <= targets, f"Prometheus does not scrape {sorted(wanted - targets)}"
     prometheus = compose["services"]["prometheus"]

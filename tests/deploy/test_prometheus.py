@@ -105,6 +105,7 @@ def local_prometheus_config(stack_port: int, prometheus_address: str) -> dict:
     config["global"].update(scrape_interval="1s", evaluation_interval="1s", scrape_timeout="1s")
     local = StackConfig(port=stack_port)
     for job in config["scrape_configs"]:
+        job.pop("dns_sd_configs", None)  # the replicas profile's second engine, not run here
         for static in job.get("static_configs", []):
             hosts = [target.split(":")[0] for target in static["targets"]]
             static["targets"] = [f"127.0.0.1:{local.metrics_port(host)}" if host in PROCESSES else prometheus_address for host in hosts]

@@ -8,6 +8,7 @@ import pytest
 from shared.codec import FrameDecodeError, decode, encode
 from shared.frames import (
     Abort,
+    ApiAnnounce,
     DetokOpen,
     EngineStatus,
     Error,
@@ -41,7 +42,7 @@ EXAMPLES = [
         ignore_eos=True,
         min_tokens=2,
         arrival_time=1.5,
-        reply_to="api-0",
+        reply_to="ipc:///tmp/tokenyard/api-api-0.sock",
     ),
     Submit(rid="r2", prompt_ids=[5], max_tokens=1),
     Submit(
@@ -73,7 +74,8 @@ EXAMPLES = [
     Finish(rid="r1", matched="\n\n"),
     Error(rid="", status=503, message="engine gone", type="server_error"),
     Heartbeat(process="worker", pid=123, state="loading", detail="weights", progress=0.5),
-    EngineStatus(state="ready", running=2, waiting=1, kv_blocks_total=10, kv_blocks_used=3),
+    EngineStatus(state="ready", running=2, waiting=1, kv_blocks_total=10, kv_blocks_used=3, engine="engine-1"),
+    ApiAnnounce(replica="api-1", address="tcp://api-1:5550", engine="engine-0"),
 ]
 
 

@@ -1,0 +1,89 @@
+"""The api's routing among engine replicas: the policies, and a replica leaving rotation."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from services.api.engine_client import EngineClient
+from services.api.errors import ApiError
+from services.api.router import LeastLoad, PrefixAffinity, RoundRobin, make_policy
+from shared.config import StackConfig
+from shared.frames import EngineStatus, Submit, TextDelta
+
+
+@dataclass
+class Replica:
+    name: str
+    load: int = 0
+
+
+def test_least_load_picks_the_idlest_and_rotates_ties() -> None:
+    a, b, c = Replica("a", 3), Replica("b", 1), Replica("c", 1)
+    policy = LeastLoad(16)
+    assert {policy.choose([a, b, c], []).name for _ in range(4)} == {"b", "c"}
+    assert RoundRobin(16).choose([a], []).name == "a"
+
+
+def test_prefix_affinity_follows_a_shared_prefix_unless_that_replica_is_much_busier() -> None:
+    a, b = Replica("a"), Replica("b")
+    policy = PrefixAffinity(block_size=4)
+    shared = list(range(100, 132))  # 8 blocks
+    first = policy.choose([a, b], shared + [1, 2])
+    other = b if first is a else a
+    first.load = 3  # busier, within the slack: the prefix still wins
+    assert all(policy.choose([a, b], shared + [i, i, i, i, i]) is first for i in range(5))
+    assert policy.choose([a, b], [7, 7, 7, 7] + shared) is other  # a different first block shares nothing
+    first.load = other.load + PrefixAffinity.BALANCE_SLACK + 1
+    assert policy.choose([a, b], shared + [9]) is other
+    assert policy.choose([other], shared) is other  # the owner out of rotation: any replica
+
+
+def test_bad_routing_settings_name_their_flag() -> None:
+    with pytest.raises(ValueError, match="--router-policy: unknown policy 'fastest'"):
+        make_policy("fastest", 16)
+    with pytest.raises(ValueError, match="--engines: expected name=scheduler_addr"):
+        _ = StackConfig(engines="engine-0").engine_addresses
+    with pytest.raises(ValueError, match="given twice"):
+        _ = StackConfig(engines="a=ipc:///x,a=ipc:///y").engine_addresses
+    assert StackConfig(port=1234).engine_addresses == {"engine-0": StackConfig(port=1234).scheduler_address}
+
+
+async def _collect(client: EngineClient, submit: Submit) -> list:
+    return [d async for d in client.generate(submit)]
+
+
+def test_a_silent_replica_fails_only_its_requests_and_leaves_rotation(tmp_path) -> None:
+    async def scenario() -> None:
+        config = StackConfig(run_dir=str(tmp_path), engines=f"e0=ipc://{tmp_path}/s0.sock,e1=ipc://{tmp_path}/s1.sock", heartbeat_s=0.05)
+        client = EngineClient(config)
+        try:
+            for name in ("e0", "e1"):
+                client._on_status(EngineStatus(state="ready", boot="b1", engine=name))
+            tasks = {rid: asyncio.create_task(_collect(client, Submit(rid=rid, prompt_ids=[1], max_tokens=1))) for rid in ("r0", "r1")}
+            await asyncio.sleep(0.01)
+            owners = {rid: client.owner[rid].name for rid in tasks}
+            assert sorted(owners.values()) == ["e0", "e1"]  # load-aware: one each
+            lost = client.replicas[owners["r0"]]
+            lost.status_seen = time.monotonic() - 10  # silent for longer than engine_timeout_s
+            client._update_rotation(lost)
+            with pytest.raises(ApiError, match=f"engine replica {lost.name} is unavailable") as failed:
+                await tasks["r0"]
+            assert failed.value.status == 503
+            assert not client.ready or [r.name for r in client.replicas.values() if r.ready] == [owners["r1"]]
+            client.streams["r1"].put_nowait(TextDelta(rid="r1", text="x", finish="length"))
+            assert [d.finish for d in await tasks["r1"]] == ["length"]
+            late = asyncio.create_task(_collect(client, Submit(rid="r2", prompt_ids=[1], max_tokens=1)))
+            await asyncio.sleep(0.01)
+            assert client.owner["r2"].name == owners["r1"]  # only the healthy replica takes new requests
+            client.streams["r2"].put_nowait(TextDelta(rid="r2", finish="stop"))
+            await late
+            client._on_status(EngineStatus(state="ready", boot="b1", engine=lost.name))  # it answers again: rejoins
+            assert lost.in_rotation and lost.ready
+        finally:
+            await client.close()
+
+    asyncio.run(scenario())

@@ -1,0 +1,173 @@
+"""Two engine replicas behind one api (``--replicas 2 --router-policy prefix``), on a tiny Llama with
+the default model's tokenizer so that steps take milliseconds.
+
+Load spreads across both replicas, a shared long prefix stays on the replica that cached it, and a
+replica whose worker or scheduler is killed fails only its own requests, leaves rotation and rejoins.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from bench.stack_client import free_port_block
+from shared.config import DEFAULT_MODEL_DIR
+from tests.e2e.conftest import ROOT, http_get, metric_value
+
+MODEL = "tiny-smollm"
+ENGINES = ("engine-0", "engine-1")
+
+
+def build_tiny_smollm(path: str) -> None:
+    """A random 2-layer Llama with SmolLM2's vocabulary and tokenizer files."""
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=49152,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    for name in os.listdir(DEFAULT_MODEL_DIR):
+        if name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(os.path.join(DEFAULT_MODEL_DIR, name), path)
+
+
+class Replicas:
+    def __init__(self, port: int, process: subprocess.Popen, log_path: str) -> None:
+        self.port, self.process, self.log_path = port, process, log_path
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def engine_port(self, engine: int, process: str) -> int:
+        return self.port + 1 + 3 * engine + ("scheduler", "worker", "detokenizer").index(process)
+
+    def metrics(self, engine: int) -> str:
+        return http_get(f"http://127.0.0.1:{self.engine_port(engine, 'scheduler')}/metrics")[1].decode()
+
+    def pid(self, engine: int, process: str) -> int | None:
+        try:
+            return json.loads(http_get(f"http://127.0.0.1:{self.engine_port(engine, process)}/instrumentation", timeout=2)[1])["pid"]
+        except (OSError, ValueError):
+            return None
+
+    def routed(self) -> dict[str, float]:
+        text = http_get(f"http://127.0.0.1:{self.port}/metrics")[1].decode()
+        return {name: metric_value(text, f'tokenyard:router_requests_total{{replica="{name}"}}') for name in ENGINES}
+
+    def in_rotation(self) -> dict[str, bool]:
+        try:
+            replicas = json.loads(http_get(f"http://127.0.0.1:{self.port}/instrumentation", timeout=2)[1])["replicas"]
+        except (OSError, ValueError):  # the api is not up yet
+            return {}
+        return {r["name"]: r["in_rotation"] for r in replicas}
+
+    def wait_all_in_rotation(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while sorted(name for name, ready in self.in_rotation().items() if ready) != list(ENGINES):
+            assert self.process.poll() is None and time.monotonic() < deadline, self.log()[-3000:]
+            time.sleep(0.2)
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory) -> Replicas:
+    tmp = tmp_path_factory.mktemp("replicas")
+    build_tiny_smollm(str(tmp / MODEL))
+    port = free_port_block(7)
+    log_path = str(tmp / "stack.log")
+    argv = ["--model", str(tmp / MODEL), "--port", str(port), "--replicas", "2", "--router-policy", "prefix", "--kv-cache-tokens", "8192", "--num-threads", "1"]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "services.launcher", *argv], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    stack = Replicas(port, process, log_path)
+    try:
+        stack.wait_all_in_rotation(180)
+        yield stack
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def complete(client: openai.OpenAI, prompt: str, max_tokens: int = 4) -> str:
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})
+    return reply.choices[0].finish_reason
+
+
+def test_concurrent_load_spreads_over_both_replicas(replicas: Replicas) -> None:
+    before = replicas.routed()
+    threads = [threading.Thread(target=complete, args=(replicas.client, f"request number {i}", 64)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    routed = {name: replicas.routed()[name] - before[name] for name in ENGINES}
+    assert sum(routed.values()) == 8 and min(routed.values()) >= 2, routed
+
+
+def test_shared_long_prefix_stays_on_one_replica(replicas: Replicas) -> None:
+    shared = "The following is a long shared system prompt about tensors and caches. " * 12  # well over 4 blocks
+    hits_before = [metric_value(replicas.metrics(e), f'tokenyard:prefix_cache_hits_total{{replica="engine-{e}"}}') for e in (0, 1)]
+    before = replicas.routed()
+    for i in range(4):
+        assert complete(replicas.client, f"{shared} Question {i}: why?") == "length"
+    routed = {name: replicas.routed()[name] - before[name] for name in ENGINES}
+    assert sorted(routed.values()) == [0, 4], routed
+    owner = ENGINES.index(max(routed, key=routed.get))
+    hits = [metric_value(replicas.metrics(e), "tokenyard:prefix_cache_hits_total") - hits_before[e] for e in (0, 1)]
+    assert hits[owner] >= 3 * 100 and hits[1 - owner] == 0, hits  # three later requests reuse the shared blocks
+
+
+@pytest.mark.parametrize("victim", ["worker", "scheduler"])
+def test_killed_replica_fails_only_its_requests_and_rejoins(replicas: Replicas, victim: str) -> None:
+    replicas.wait_all_in_rotation(120)
+    outcomes: dict[int, str] = {}
+
+    def stream(i: int) -> None:
+        try:
+            chunks = replicas.client.completions.create(model=MODEL, prompt=f"long story {i}", max_tokens=600, stream=True, extra_body={"ignore_eos": True})
+            outcomes[i] = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason][-1]
+        except (openai.APIError, openai.APIConnectionError) as exc:
+            outcomes[i] = f"error: {exc}"
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while any(metric_value(replicas.metrics(e), "tokenyard:num_requests_running") < 2 for e in (0, 1)):
+        assert time.monotonic() < deadline, "the four streams did not spread two per replica"
+        time.sleep(0.05)
+    pid = replicas.pid(1, victim)
+    os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a client hung after the kill"
+    assert sorted(o if o == "length" else "error" for o in outcomes.values()) == ["error", "error", "length", "length"], outcomes
+    # While replica 1 is out of rotation, new requests go to replica 0; then it rejoins.
+    assert complete(replicas.client, "hello again") == "length"
+    deadline = time.monotonic() + 60
+    while replicas.pid(1, victim) in (pid, None):
+        assert time.monotonic() < deadline, "the launcher did not restart the killed process"
+        time.sleep(0.2)
+    replicas.wait_all_in_rotation(120)

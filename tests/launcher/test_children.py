@@ -1,0 +1,51 @@
+"""The launcher's children: one api, and per engine replica a scheduler, a detokenizer and the worker's ranks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.launcher.__main__ import child_argvs, restart_group
+from shared.config import StackConfig
+
+
+def _config_of(argv: list[str]) -> StackConfig:
+    return StackConfig.from_argv(argv[3:])
+
+
+def test_two_replicas_of_two_ranks_each(tmp_path) -> None:
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128})
+    )
+    config = StackConfig(model=str(model), port=9000, run_dir=str(tmp_path / "run"), replicas=2, tensor_parallel_size=2)
+    argvs = child_argvs(config)
+    assert sorted(argvs) == sorted(["api"] + [f"{p}@engine-{i}" for i in (0, 1) for p in ("scheduler", "worker", "detokenizer", "worker-rank1")])
+    api = _config_of(argvs["api"])
+    engines = api.engine_addresses
+    assert list(engines) == ["engine-0", "engine-1"] and len(set(engines.values())) == 2
+    for i in (0, 1):
+        scheduler, worker, rank1 = (_config_of(argvs[f"{p}@engine-{i}"]) for p in ("scheduler", "worker", "worker-rank1"))
+        assert scheduler.scheduler_address == engines[f"engine-{i}"] == worker.scheduler_address
+        assert scheduler.api_address == api.api_address  # replies reach the one api
+        assert scheduler.metrics_port("scheduler") == 9001 + 3 * i and worker.metrics_port("worker") == 9002 + 3 * i
+        assert (worker.tensor_parallel_rank, rank1.tensor_parallel_rank) == (0, 1)
+        assert scheduler.metric_labels["replica"] == f"engine-{i}"
+        assert worker.tensor_parallel_init == rank1.tensor_parallel_init == f"tcp://127.0.0.1:{9090 + i}"
+    assert restart_group("worker-rank1@engine-1") == restart_group("worker@engine-1") != restart_group("worker@engine-0")
+    assert restart_group("scheduler@engine-1") == "scheduler@engine-1"
+
+
+def test_one_replica_keeps_the_four_processes_and_their_flags() -> None:
+    config = StackConfig(port=9000)
+    argvs = child_argvs(config)
+    assert sorted(argvs) == ["api", "detokenizer", "scheduler", "worker"]
+    assert all(_config_of(argv) == config for argv in argvs.values())
+
+
+def test_a_model_that_cannot_be_split_is_refused_at_once(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_next", "num_attention_heads": 4, "intermediate_size": 8}))
+    with pytest.raises(SystemExit, match="qwen3_next"):
+        child_argvs(StackConfig(model=str(tmp_path), tensor_parallel_size=2))
