@@ -58,8 +58,13 @@ class StackConfig:
     max_model_len: int = _opt(0, "context limit (0: the model's max_position_embeddings)")
     tool_call_parser: str = _opt("", "tool-call format: hermes, qwen3_coder, llama3_json or none (default: chosen by the model)")
     reasoning_parser: str = _opt("", "reasoning format: think or none (default: chosen by the model)")
-    dtype: str = _opt("float32", "weight and activation dtype on the CPU")
+    dtype: str = _opt("auto", "weight and activation dtype: auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16 or float16")
     weight_quant: str = _opt("none", "weight storage of the dense projections: none (the dtype's own) or int8 (per-channel, ~4x fewer bytes per step)")
+    device: str = _opt("auto", "worker device: auto (CUDA when available), cpu or cuda")
+    cuda_graph_max_batch: int = _opt(32, "largest decode batch replayed from a CUDA graph (buckets 1, 2, 4, 8, 16, 24, ...; 0: always eager)")
+    gpu_memory_utilization: float = _opt(
+        0.9, "fraction of the GPU the worker may use; the KV cache gets what the weights leave (0: size it by kv_cache_tokens/bytes)"
+    )
     num_threads: int = _opt(0, "torch threads of the worker (0: all cores)")
     tensor_parallel_size: int = _opt(1, "worker ranks each step is split across (torch.distributed: gloo on CPU, NCCL on GPU)")
     tensor_parallel_rank: int = _opt(0, "this worker process's rank; rank 0 talks to the scheduler (the launcher starts the others)")

@@ -204,6 +204,7 @@ class Heartbeat(_Frame):
     state: str  # "loading" | "warming" | "ready" | "failed"
     detail: str = ""
     progress: float = 0.0
+    kv_blocks: int = 0  # the worker's KV cache blocks (it may size them from device memory); 0: not said
 
 
 class EngineStatus(_Frame):

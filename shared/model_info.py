@@ -13,7 +13,8 @@ import json
 import os
 from dataclasses import dataclass
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# "auto" counts as float32, its CPU meaning; on CUDA the worker sizes the cache itself and reports the count.
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "auto": 4}
 
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 _KV_LAYER_TYPES = (FULL_ATTENTION, "sliding_attention")

@@ -247,8 +247,22 @@ class SchedulerLoop:
             self.log.info("peer_state", peer=beat.process, state=beat.state, detail=beat.detail, pid=beat.pid)
         peer.state, peer.detail, peer.progress, peer.seen, peer.pid = beat.state, beat.detail, beat.progress, time.monotonic(), beat.pid
         peer.serving = peer.serving or beat.state == "ready"
+        if beat.kv_blocks and beat.kv_blocks != self.core.pool.num_blocks:
+            self._adopt_kv_blocks(beat.kv_blocks)
         if changed:  # readiness changes reach the api at once, not at the next periodic status
             self._send_status()
+
+    def _adopt_kv_blocks(self, num_blocks: int) -> None:
+        """The worker sized its KV cache itself (from device memory): plan with its count. Only while
+        no request holds blocks; the worker reports before it is ready, so none does yet."""
+        if self.core.requests:
+            self.log.error("kv_blocks_mismatch", scheduler=self.core.pool.num_blocks, worker=num_blocks)
+            return
+        old = self.core.pool
+        self.core.pool = BlockPool(num_blocks, old.block_size, old.enable_prefix_cache)
+        self._counted_queries = self._counted_hits = 0  # the new pool counts from zero
+        KV_BLOCKS_TOTAL.set(num_blocks)
+        self.log.info("kv_blocks_adopted", previous=old.num_blocks, num_blocks=num_blocks)
 
     def _check_peers(self) -> None:
         for name, peer in self.peers.items():

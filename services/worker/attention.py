@@ -3,10 +3,14 @@
 Slot layout: position ``p`` of a request lives at slot ``table[p // block_size] * block_size +
 p % block_size`` of every layer's cache. ``AttentionMetadata`` turns a step's slices into the
 slot indices and masks once; every layer reuses them.
+
+Two backends implement ``paged_attention``'s contract: the torch path below (the CPU production path
+and the reference) and the Triton kernel (``kernels/paged_attention.py``) on CUDA, chosen once at load.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,9 +23,11 @@ class KVCache:
     Zero-filled at start-up, so its memory is committed and a masked padding slot is never NaN.
     """
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.tensor = torch.zeros(num_layers, num_blocks * block_size, 2, num_kv_heads, head_dim, dtype=dtype)
+        self.tensor = torch.zeros(num_layers, num_blocks * block_size, 2, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.layers = list(self.tensor.unbind(0))
 
     @property
@@ -50,10 +56,28 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [B, 1, 1, L] additive; None when no decode needs padding
     prefills: tuple[PrefillChunk, ...]
     max_position: int
+    # What the Triton backend reads, one row per slice in flat-batch order (int32, on the device).
+    block_tables: torch.Tensor | None = None  # [S, W]
+    query_starts: torch.Tensor | None = None  # [S + 1] cumulative query rows
+    context_starts: torch.Tensor | None = None  # [S] position of each slice's first row
+    max_query_len: int = 1
+    block_size: int = 0
 
     @classmethod
-    def build(cls, starts: list[int], lens: list[int], tables: list[list[int]], num_decodes: int, block_size: int, dtype: torch.dtype) -> AttentionMetadata:
-        """Slices given in flat-batch order: ``num_decodes`` decodes (``lens`` 1), then prefill chunks."""
+    def build(
+        cls,
+        starts: list[int],
+        lens: list[int],
+        tables: list[list[int]],
+        num_decodes: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        torch_path: bool = True,
+    ) -> AttentionMetadata:
+        """Slices given in flat-batch order: ``num_decodes`` decodes (``lens`` 1), then prefill chunks.
+        Built on the CPU, then moved to ``device`` (where the model runs). ``torch_path=False`` skips
+        the context slots and masks only the torch backend reads (the Triton one needs none)."""
         width = max(map(len, tables))
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
         in_block = torch.arange(block_size)
@@ -65,7 +89,7 @@ class AttentionMetadata:
 
         b = num_decodes
         decode_len, decode_slots, decode_mask = 0, None, None
-        if b:
+        if b and torch_path:
             context = start_t[:b] + 1
             decode_len = max(starts[:b]) + 1
             nblocks = -(-decode_len // block_size)
@@ -79,7 +103,7 @@ class AttentionMetadata:
         for j in range(b, len(lens)):
             start, n = starts[j], lens[j]
             slots = mask = None
-            if start:
+            if start and torch_path:
                 end = start + n
                 nblocks = -(-end // block_size)
                 slots = (table[j, :nblocks, None] * block_size + in_block).view(-1)[:end]
@@ -87,7 +111,43 @@ class AttentionMetadata:
             prefills.append(PrefillChunk(slice(row, row + n), slots, mask))
             row += n
         max_position = max(s + n for s, n in zip(starts, lens)) - 1
-        return cls(positions, write_slots, b, decode_len, decode_slots, decode_mask, tuple(prefills), max_position)
+        query_starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(len_t, 0)])
+        meta = cls(
+            positions, write_slots, b, decode_len, decode_slots, decode_mask, tuple(prefills), max_position,
+            table.to(torch.int32), query_starts.to(torch.int32), start_t.to(torch.int32), max(lens), block_size,
+        )  # fmt: skip
+        return meta if torch.device(device).type == "cpu" else meta.to(device)
+
+    @classmethod
+    def for_decode(cls, positions: torch.Tensor, block_tables: torch.Tensor, block_size: int, dtype: torch.dtype, torch_path: bool = True) -> AttentionMetadata:
+        """A decode-only step from device tensors alone, every shape fixed by ``block_tables`` [B, W]:
+        what a CUDA graph captures. For the torch backend every decode attends over ``W * block_size``
+        slots, masked past its position; nothing here reads a tensor's value on the host."""
+        batch, width = block_tables.shape
+        device = block_tables.device
+        tables = block_tables.long()
+        span = width * block_size
+        write_slots = tables.gather(1, (positions // block_size)[:, None]).squeeze(1) * block_size + positions % block_size
+        decode_slots = decode_mask = None
+        if torch_path:
+            decode_slots = (tables[:, :, None] * block_size + torch.arange(block_size, device=device)).view(-1)
+            keep = torch.arange(span, device=device) <= positions[:, None]
+            decode_mask = torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, float("-inf")).view(batch, 1, 1, span)
+        query_starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        return cls(
+            positions, write_slots, batch, span, decode_slots, decode_mask, (), span - 1,
+            block_tables, query_starts, positions.to(torch.int32), 1, block_size,
+        )  # fmt: skip
+
+    def to(self, device: torch.device | str) -> AttentionMetadata:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        prefills = tuple(PrefillChunk(c.rows, move(c.context_slots), move(c.mask)) for c in self.prefills)
+        return AttentionMetadata(
+            move(self.positions), move(self.write_slots), self.num_decodes, self.decode_len, move(self.decode_slots), move(self.decode_mask),
+            prefills, self.max_position, move(self.block_tables), move(self.query_starts), move(self.context_starts), self.max_query_len, self.block_size,
+        )  # fmt: skip
 
 
 def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -115,3 +175,21 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, meta
         out = F.scaled_dot_product_attention(qp, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, enable_gqa=True)
         outs.append(out.transpose(0, 1).reshape(n, heads * dim))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def paged_attention_triton(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """``paged_attention``'s contract with one Triton launch for the whole flat batch, decodes and prefills alike."""
+    from services.worker.kernels.paged_attention import paged_attention_kernel
+
+    cache.index_copy_(0, meta.write_slots, kv)
+    out = paged_attention_kernel(q, cache, meta.block_tables, meta.query_starts, meta.context_starts, meta.max_query_len, meta.block_size)
+    return out.view(q.shape[0], -1)
+
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+ATTENTION_BACKENDS: dict[str, AttentionFn] = {"torch": paged_attention, "triton": paged_attention_triton}
+
+
+def select_attention_backend(device: torch.device) -> str:
+    """The Triton kernel where the model runs on CUDA, else the torch path."""
+    return "triton" if device.type == "cuda" else "torch"

@@ -8,7 +8,6 @@ worker while the main thread is inside a long forward pass.
 from __future__ import annotations
 
 import os
-import platform
 import signal
 import threading
 import time
@@ -16,8 +15,10 @@ import time
 import structlog
 import torch
 import zmq
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
+from services.worker.device import cpu_name, describe_device, device_memory, resolve_device
+from services.worker.device_memory import MemoryPlan, activation_reserve, gdn_bytes_per_slot, plan_memory
 from shared.config import StackConfig
 from shared.frames import Heartbeat, Release, SamplingParams, Slice, StepPlan, StepResult
 from shared.metrics import FRAMES_UNEXPECTED, PREFIX, PROCESS_UP, start_metrics_server
@@ -34,6 +35,11 @@ BATCH_SIZE = Histogram(f"{PREFIX}worker_batch_size", "Requests in one step", buc
 STEP_TOKENS = Histogram(f"{PREFIX}worker_step_tokens", "Tokens computed in one step", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048))
 STEPS = Counter(f"{PREFIX}worker_steps", "Steps run", ["kind"])
 STEP_ERRORS = Counter(f"{PREFIX}worker_step_errors", "Steps that raised")
+DECODE_STEPS = Counter(f"{PREFIX}worker_decode_steps", "Decode-only steps, replayed from a CUDA graph or run eagerly", ["mode"])
+for _mode in ("graph", "eager"):  # both series exist from the start, at 0
+    DECODE_STEPS.labels(_mode)
+DEVICE_MEMORY_USED = Gauge(f"{PREFIX}worker_device_memory_used_bytes", "Device memory held by this worker's tensors (CUDA)")
+DEVICE_MEMORY_RESERVED = Gauge(f"{PREFIX}worker_device_memory_reserved_bytes", "Device memory reserved by this worker's caching allocator (CUDA)")
 
 
 def step_kind(plan: StepPlan) -> str:
@@ -59,11 +65,15 @@ class WorkerLoop:
         self.progress = 0.0
         self.stopping = False
         self.steps_run = 0
+        self.device: torch.device | None = None
+        self.device_info: dict = {"type": "cpu", "name": cpu_name(), "cores": os.cpu_count()}
+        self.memory_plan: MemoryPlan | None = None
 
     def _heartbeats(self) -> None:
         outbox = Outbox(self.ctx, self.config.scheduler_address, "worker_heartbeat", self.curve)
         while not self.stopping:
-            outbox.send(Heartbeat(process="worker", pid=os.getpid(), state=self.state, detail=self.detail, progress=self.progress))
+            beat = Heartbeat(process="worker", pid=os.getpid(), state=self.state, detail=self.detail, progress=self.progress, kv_blocks=self.num_blocks)
+            outbox.send(beat)
             time.sleep(self.config.heartbeat_s)
         outbox.close()
 
@@ -72,7 +82,10 @@ class WorkerLoop:
 
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
-        self.detail = f"loading weights from {self.model.path}"
+        self.device = device = resolve_device(self.config.device)
+        self.device_info = describe_device(device)
+        cuda = device.type == "cuda"
+        self.detail = f"loading weights from {self.model.path} onto {device}"
         read_ahead(self.model.path)
         started = time.perf_counter()
         tp = None
@@ -82,15 +95,53 @@ class WorkerLoop:
             self.detail = f"waiting for {self.config.tensor_parallel_size - 1} more tensor-parallel ranks at {self.config.tensor_parallel_init}"
             tp = init_group(0, self.config.tensor_parallel_size, self.config.tensor_parallel_init)
             self.detail = f"loading weights from {self.model.path} (rank 0 of {tp.size})"
-        self.runner = ModelRunner(self.config.model, self.num_blocks, self.config.block_size, self.config.dtype, self.config.max_num_seqs, self.config.weight_quant, tp=tp)
+        size_kv = self._kv_budget(torch.cuda.mem_get_info(device)[0]) if cuda and self.config.gpu_memory_utilization > 0 else None
+        self.runner = ModelRunner(
+            self.config.model, self.num_blocks, self.config.block_size, self.config.dtype, self.config.max_num_seqs, self.config.weight_quant,
+            tp=tp, device=str(device), cuda_graph_max_batch=self.config.cuda_graph_max_batch if cuda else 0,
+            max_model_len=self.config.max_model_len, size_kv_cache=size_kv,
+        )  # fmt: skip
+        self.num_blocks = self.runner.num_blocks  # the scheduler adopts it from the heartbeats
+        if cuda:
+            DEVICE_MEMORY_USED.set_function(lambda: torch.cuda.memory_allocated(device))
+            DEVICE_MEMORY_RESERVED.set_function(lambda: torch.cuda.memory_reserved(device))
         loaded = time.perf_counter()
         self.state = "warming"
         self.warm_up()
         if self.stopping:
             return
+        if self.runner.graphs is not None:
+            self.detail = f"capturing CUDA graphs for decode batches {self.runner.graphs.buckets}"
+            try:
+                self.runner.capture_graphs(stop=lambda: self.stopping)
+            except Exception:  # serving goes on eagerly: graphs are an optimisation
+                self.log.exception("cuda_graph_capture_failed")
+                self.runner.graphs = None
+            if self.stopping:
+                return
         self.log.info("worker_ready", load_s=round(loaded - started, 2), warmup_s=round(time.perf_counter() - loaded, 2), kv_blocks=self.num_blocks)
         self.state, self.detail, self.progress = "ready", "", 1.0
         PROCESS_UP.labels("worker").set(1)
+
+    def _kv_budget(self, free_before_load: int):
+        """The ``size_kv_cache`` of the runner: the memory plan, from what loading the weights left free."""
+
+        def size(model) -> int:
+            free_after, total = torch.cuda.mem_get_info(self.device)
+            element = model.dtype.itemsize
+            per_token = model.num_kv_layers * 2 * model.num_kv_heads * model.head_dim * element  # attention layers only
+            hidden = getattr(getattr(model, "cfg", None), "hidden_size", 8192)
+            reserve = activation_reserve(self.config.max_num_batched_tokens, self.config.max_num_seqs, hidden, model.vocab_size, element)
+            state_bytes = gdn_bytes_per_slot(model.gdn_shape, model.dtype)  # hybrid families: one slot per running request
+            self.memory_plan = plan_memory(
+                total, free_before_load, free_after, self.config.gpu_memory_utilization, reserve, per_token, self.config.block_size,
+                state_bytes, self.config.max_num_seqs if state_bytes else 0,
+            )  # fmt: skip
+            self.log.info("kv_cache_sized", **self.memory_plan.describe())
+            # +1 dummy block when graphs are on: keep the scheduler's count within the plan
+            return self.memory_plan.num_blocks - (1 if self.config.cuda_graph_max_batch > 0 else 0)
+
+        return size
 
     def warm_up(self) -> None:
         """One prefill at each length of a ladder, each with a decode step, so no first request pays a one-off cost.
@@ -105,7 +156,9 @@ class WorkerLoop:
                     return
                 self.detail, self.progress = f"warm-up prefill {i + 1}/{len(ladder)} ({length} tokens)", i / len(ladder)
                 blocks = list(range(-(-(length + 1) // block_size)))
-                first = Slice(rid="warmup", start=0, num_tokens=length, token_ids=[0] * length, new_blocks=blocks, sampling=SamplingParams(temperature=0), slot=0)
+                first = Slice(
+                    rid="warmup", start=0, num_tokens=length, token_ids=[0] * length, new_blocks=blocks, sampling=SamplingParams(temperature=0), slot=0
+                )
                 self.runner.execute(StepPlan(step=-1, slices=[first]))
                 self.runner.execute(StepPlan(step=-1, slices=[Slice(rid="warmup", start=length, num_tokens=1, slot=0)]))
                 self.runner.release(["warmup"])
@@ -145,6 +198,8 @@ class WorkerLoop:
         started = time.perf_counter()
         try:
             result = self.runner.execute(plan)
+            if kind == "decode":
+                DECODE_STEPS.labels("graph" if self.runner.last_step_graphed else "eager").inc()
         except Exception as exc:  # a bad plan must not take the worker down
             STEP_ERRORS.inc()
             self.log.exception("step_failed", step=plan.step)
@@ -165,7 +220,8 @@ class WorkerLoop:
             "detail": self.detail,
             "model": self.model.path,
             "model_revision": self.model.revision(),
-            "device": {"type": "cpu", "name": _cpu_name(), "cores": os.cpu_count()},
+            "device": {**self.device_info, **(device_memory(self.device) if self.device is not None else {})},
+            "memory_plan": None if self.memory_plan is None else self.memory_plan.describe(),
             "torch_threads": torch.get_num_threads(),
             "torch_version": torch.__version__,
             "kv_blocks_total": self.num_blocks,
@@ -206,17 +262,6 @@ def read_ahead(model_dir: str) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
             finally:
                 os.close(fd)
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def run_follower(config: StackConfig, log: structlog.stdlib.BoundLogger) -> None:

@@ -41,17 +41,17 @@ def rope_config(config: dict) -> tuple[float, dict]:
 class RotaryEmbedding:
     """cos and sin for every position up to ``max_positions``; the table grows if a step goes past it."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict, max_positions: int, dtype: torch.dtype) -> None:
-        self.head_dim, self.dtype = head_dim, dtype
+    def __init__(self, head_dim: int, theta: float, scaling: dict, max_positions: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        self.head_dim, self.dtype, self.device = head_dim, dtype, device
         self.inv_freq = _inverse_frequencies(head_dim, theta, scaling)
         self._build(max_positions)
 
     def _build(self, num_positions: int) -> None:
         freqs = torch.outer(torch.arange(num_positions, dtype=torch.float32), self.inv_freq)
-        self.cos = freqs.cos().repeat(1, 2).to(self.dtype)
+        self.cos = freqs.cos().repeat(1, 2).to(self.device, self.dtype)
         # rotate_half(x) * sin == x.roll(half) * [-sin, sin]: the sign is folded into the table.
         sin = freqs.sin()
-        self.sin = torch.cat((-sin, sin), dim=-1).to(self.dtype)
+        self.sin = torch.cat((-sin, sin), dim=-1).to(self.device, self.dtype)
 
     def lookup(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [T, 1, head_dim], broadcastable over heads."""

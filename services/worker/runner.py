@@ -4,20 +4,28 @@
 and each running request's state (block table, last sampled token, sampling params, rng). It makes
 no scheduling decision: it executes plans in the order they arrive, a decode slice is fed the token
 this runner sampled last for its request, and a hybrid model's slice runs in the state slot it names.
+
+On CUDA, decode-only steps that fit a captured bucket replay a CUDA graph (``cuda_graphs``);
+everything else runs eagerly.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from services.worker.attention import AttentionMetadata, KVCache
+from services.worker.cuda_graphs import Capture, CudaGraphCapture, DecodeGraphs
+from services.worker.device import resolve_dtype
 from services.worker.gdn_state import GDNStateCache, SlotMetadata
+from services.worker.kernels.sampling import SamplingTensors, sample_on_device
 from services.worker.linear import quantize_int8
 from services.worker.models import model_family
 from services.worker.sampling import LogitBias, TokenHistory, process_logits, sample, token_logprobs
@@ -43,6 +51,8 @@ class _Request:
     last_token: int | None = None
     end: int = 0  # positions computed so far: where the next slice must start
     slot: int = -1  # GDN state slot (hybrid models)
+    noise_seed: int = 0  # the device sampler's noise stream (the params' seed, else random)
+    draws: int = 0  # tokens sampled so far
 
     def record_prefill(self, start: int, token_ids: list[int]) -> None:
         """Tells the penalty history about a prefill chunk: prompt tokens, then (after a preemption) earlier outputs."""
@@ -66,9 +76,20 @@ class ModelRunner:
         max_num_seqs: int = 64,
         weight_quant: str = "none",
         tp: TensorParallelGroup | None = None,
+        device: str = "cpu",
+        cuda_graph_max_batch: int = 0,
+        capture: Capture | None = None,
+        max_model_len: int = 0,
+        size_kv_cache: Callable[[Any], int] | None = None,
     ) -> None:
+        """``dtype`` "auto" is bfloat16 on CUDA, float32 on the CPU. ``cuda_graph_max_batch`` > 0 captures
+        decode graphs up to that batch at ``capture_graphs()`` (with ``capture``: CUDA graphs by default
+        on CUDA; tests pass ``eager_capture``). ``size_kv_cache(model)``, when given, is asked for the
+        block count once the weights are loaded (the device memory budget) and overrides ``num_blocks``."""
+        self.device = torch.device(device)
+        dtype = resolve_dtype(dtype, self.device)
         if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
+            raise ValueError(f"dtype {dtype!r} is not supported (supported: auto, {', '.join(DTYPES)})")
         if weight_quant not in WEIGHT_QUANTS:
             raise ValueError(f"weight_quant {weight_quant!r} is not supported (supported: {', '.join(WEIGHT_QUANTS)})")
         if num_blocks < 1 or block_size < 1:
@@ -79,24 +100,70 @@ class ModelRunner:
         family = model_family(self.family)
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
         self.tp = tp
+        graphed = cuda_graph_max_batch > 0
         with torch.inference_mode():
-            weights = load_weights(model_dir, DTYPES[dtype])
+            weights = load_weights(model_dir, DTYPES[dtype], self.device)
             if tp is not None:
                 config, weights = shard_config(config, tp.size), shard_weights(weights, tp.rank, tp.size)
             self.model = family(config, weights)
             self.weight_quant, self.quantized_linears = weight_quant, quantize_int8(self.model) if weight_quant == "int8" else 0
             if tp is not None:  # after quantization, which finds the layers' linears unwrapped
                 parallelize(self.model, tp)
-            self.kv_cache = KVCache(self.model.num_kv_layers, num_blocks, block_size, self.model.num_kv_heads, self.model.head_dim, DTYPES[dtype])
+            if size_kv_cache is not None:
+                num_blocks = size_kv_cache(self.model)
+                if num_blocks < 1:
+                    raise ValueError(f"the device memory budget leaves room for {num_blocks} KV blocks; raise --gpu-memory-utilization")
+            self.num_blocks = num_blocks
+            self._torch_attention = getattr(self.model, "attention_backend", "torch") == "torch"
             # One GDN state slot per request the scheduler may run at once; it hands out ids 0..max_num_seqs-1.
             shape = self.model.gdn_shape
             self.states = None if shape is None else GDNStateCache(shape, max_num_seqs, DTYPES[dtype], self.model.embed.device)
+            # Hybrid (GDN) models keep per-request state slots that graph padding does not stage yet: eager.
+            graphed = graphed and self.states is None
+            # With graphs, one block past the scheduler's is the dummy block that padding rows write.
+            cache_blocks = num_blocks + 1 if graphed else num_blocks
+            self.kv_cache = KVCache(
+                self.model.num_kv_layers, cache_blocks, block_size, self.model.num_kv_heads, self.model.head_dim, DTYPES[dtype], self.device
+            )
         self._requests: dict[str, _Request] = {}
         self._slot_holders: dict[int, str] = {}  # GDN slot -> the live request computing in it
+        # Sampling where the logits are: the torch path with per-request generators on the CPU.
+        self.sampler = "torch" if self.device.type == "cpu" else "device"
+        self._sample = self._sample_torch if self.sampler == "torch" else self._sample_device
+        self.graphs: DecodeGraphs | None = None
+        self.last_step_graphed = False
+        if graphed:
+            context = max_model_len or config.get("max_position_embeddings", 2048)
+            width = min(-(-context // block_size), num_blocks)
+            if capture is None:
+                capture = CudaGraphCapture(self.device) if self.device.type == "cuda" else None
+            if capture is None:
+                raise ValueError("CUDA graphs need a CUDA device (or an injected capture)")
+            self.graphs = DecodeGraphs(
+                self._decode_step, min(cuda_graph_max_batch, max_num_seqs), width, self.model.vocab_size, num_blocks, self.device, self.model.dtype, capture
+            )
 
-    @property
-    def num_blocks(self) -> int:
-        return self.kv_cache.num_blocks
+    def _sample_torch(self, logits: torch.Tensor, requests: list[_Request]) -> torch.Tensor:
+        return sample(logits, [r.params for r in requests], [r.generator for r in requests])
+
+    def _sample_device(self, logits: torch.Tensor, requests: list[_Request]) -> torch.Tensor:
+        if all(r.params.temperature == 0 for r in requests):
+            return logits.argmax(dim=-1)
+        params = SamplingTensors.build(
+            [r.params for r in requests], [r.noise_seed for r in requests], [r.draws for r in requests], logits.shape[-1], logits.device
+        )
+        return sample_on_device(logits, params)
+
+    def _decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+        """A decode-only step from device tensors alone: what a graph records (metadata built inside)."""
+        meta = AttentionMetadata.for_decode(positions, block_tables, self.block_size, self.model.dtype, self._torch_attention)
+        return self.model.compute_logits(self.model.forward(input_ids, positions, meta, self.kv_cache))
+
+    def capture_graphs(self, stop: Callable[[], bool] = lambda: False) -> None:
+        """Capture the decode graphs (part of warm-up, before the worker reports ready)."""
+        if self.graphs is not None:
+            with torch.inference_mode():
+                self.graphs.capture_all(stop)
 
     @property
     def num_slots(self) -> int:
@@ -115,7 +182,7 @@ class ModelRunner:
                 params = [r.params for r in requests]
                 if self.tp is None or self.tp.leader:
                     processed = process_logits(logits, params, [r.history for r in requests], [r.bias for r in requests])
-                    chosen = sample(processed, params, [r.generator for r in requests])
+                    chosen = self._sample(processed, requests)
                     logprobs = token_logprobs(processed, chosen, params)
                 else:
                     chosen, logprobs = None, [None] * len(rids)
@@ -124,6 +191,7 @@ class ModelRunner:
                 tokens = chosen.tolist()
                 for request, token in zip(requests, tokens):
                     request.last_token = token
+                    request.draws += 1
                     if request.history is not None:
                         request.history.add_outputs([token])
                 by_rid = {rid: (token, lp) for rid, token, lp in zip(rids, tokens, logprobs)}
@@ -175,6 +243,7 @@ class ModelRunner:
                 generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
                 history = TokenHistory(self.model.vocab_size, params) if params.penalised else None
                 request = self._requests[s.rid] = _Request(params, generator, history, LogitBias.of(params.logit_bias), s.prompt_len or ALL_PROMPT)
+                request.noise_seed = random.getrandbits(62) if params.seed is None else params.seed
                 request.record_prefill(0, s.prefix_ids)
             request.table.extend(s.new_blocks)
             request.record_prefill(s.start, s.token_ids)
@@ -188,19 +257,30 @@ class ModelRunner:
         num_decodes = len(slices) - sum(1 for s in slices if s.token_ids)
         requests = [self._requests[s.rid] for s in ordered]
         input_ids = [r.last_token for r in requests[:num_decodes]]
+        self.last_step_graphed = False
+        if self.graphs is not None and num_decodes == len(slices) and all(s.sample for s in slices):
+            tables = [r.table for r in requests]
+            bucket = self.graphs.fits(num_decodes, tables)
+            if bucket is not None:
+                self.last_step_graphed = True
+                logits = self.graphs.run(bucket, input_ids, [s.start for s in ordered], tables)
+                return [s.rid for s in ordered], requests, logits  # a decode slice always samples
+            self.graphs.eager += 1
         for s in ordered[num_decodes:]:
             input_ids += s.token_ids
         lens = [s.num_tokens for s in ordered]
         starts = [s.start for s in ordered]
-        meta = AttentionMetadata.build(starts, lens, [r.table for r in requests], num_decodes, self.block_size, self.model.dtype)
+        meta = AttentionMetadata.build(
+            starts, lens, [r.table for r in requests], num_decodes, self.block_size, self.model.dtype, self.device, self._torch_attention
+        )
         slots = None if self.states is None else SlotMetadata.build(self.states, [s.slot for s in ordered], starts, lens, num_decodes)
-        hidden = self.model.forward(torch.tensor(input_ids), meta.positions, meta, self.kv_cache, slots)
+        hidden = self.model.forward(torch.tensor(input_ids, device=self.device), meta.positions, meta, self.kv_cache, slots)
 
         to_sample = [j for j, s in enumerate(ordered) if s.sample]
         if not to_sample:
             return [], [], None
         last_rows = (torch.tensor(lens).cumsum(0) - 1)[to_sample]
-        logits = self.model.compute_logits(hidden[last_rows])
+        logits = self.model.compute_logits(hidden[last_rows.to(self.device)])
         return [ordered[j].rid for j in to_sample], [requests[j] for j in to_sample], logits
 
     def _validate(self, slices: list[Slice]) -> None:
@@ -269,7 +349,11 @@ class ModelRunner:
         cache = self.kv_cache.tensor
         return {
             "family": self.family,
+            "device": str(self.device),
             "dtype": str(cache.dtype).removeprefix("torch."),
+            "attention_backend": getattr(self.model, "attention_backend", "torch"),
+            "sampler": self.sampler,
+            "cuda_graphs": None if self.graphs is None else self.graphs.describe(),
             "num_layers": self.model.num_layers,
             "num_kv_heads": self.model.num_kv_heads,
             "head_dim": self.model.head_dim,
@@ -277,7 +361,7 @@ class ModelRunner:
             "num_blocks": self.num_blocks,
             "block_size": self.block_size,
             "kv_cache_bytes": self.kv_cache.nbytes,
-            "kv_bytes_per_token": self.kv_cache.nbytes // (self.num_blocks * self.block_size),
+            "kv_bytes_per_token": self.kv_cache.nbytes // (self.kv_cache.num_blocks * self.block_size),
             "param_count": sum(t.numel() for t in tensors),
             "param_bytes": sum(t.numel() * t.element_size() for t in tensors),
             "threads": torch.get_num_threads(),

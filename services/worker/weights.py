@@ -29,8 +29,8 @@ def weight_files(model_dir: str) -> list[str]:
     return files
 
 
-def load_weights(model_dir: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint by name, in ``dtype`` (floating tensors only are cast)."""
+def load_weights(model_dir: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint by name, in ``dtype`` (floating tensors only are cast), on ``device``."""
     weights: dict[str, torch.Tensor] = {}
     for path in weight_files(model_dir):
         for name, tensor in load_file(path).items():
@@ -38,5 +38,5 @@ def load_weights(model_dir: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
                 raise ValueError(f"tensor {name!r} appears in more than one shard of {model_dir}")
             # An owned copy: a tensor still backed by the file's mapping would keep every page of
             # the file resident beside the layouts the model builds from it.
-            weights[name] = tensor.to(dtype, copy=True) if tensor.is_floating_point() else tensor.clone()
+            weights[name] = tensor.to(device, dtype if tensor.is_floating_point() else tensor.dtype, copy=True)
     return weights

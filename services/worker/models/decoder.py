@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 
-from services.worker.attention import AttentionMetadata, KVCache, paged_attention
+from services.worker.attention import ATTENTION_BACKENDS, AttentionFn, AttentionMetadata, KVCache, paged_attention, select_attention_backend
 from services.worker.gdn_state import GDNShape, SlotMetadata
 from services.worker.linear import Linear, RowSplitLinear
 from services.worker.rmsnorm import RMSNorm
@@ -67,8 +67,9 @@ class DecoderConfig:
 class Attention:
     """Input-normed hidden states → ``residual + o_proj(attention)`` over the paged KV cache."""
 
-    def __init__(self, w: Weights, prefix: str, cfg: DecoderConfig, qk_norm: bool) -> None:
+    def __init__(self, w: Weights, prefix: str, cfg: DecoderConfig, qk_norm: bool, attend: AttentionFn = paged_attention) -> None:
         p = prefix + "self_attn."
+        self.attend = attend
         self.heads, self.kv_heads, self.dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv_bias = torch.cat([w[f"{p}{x}_proj.bias"] for x in "qkv"]) if cfg.attention_bias else None
         self.qkv = Linear(torch.cat([w[f"{p}{x}_proj.weight"] for x in "qkv"]), cfg.threads, qkv_bias)  # hidden -> (heads + 2 kv_heads) * dim
@@ -93,7 +94,7 @@ class Attention:
         if self.qk_norm is not None:
             self.qk_norm.norm_(qk)
         apply_rotary_(qk, cos, sin)
-        out = paged_attention(qkv[:, :heads], qkv[:, heads:].view(total, 2, kv_heads, dim), cache, meta)
+        out = self.attend(qkv[:, :heads], qkv[:, heads:].view(total, 2, kv_heads, dim), cache, meta)
         return self.o_proj(out, residual=residual)
 
 
@@ -146,7 +147,8 @@ class DecoderForCausalLM:
         self.embed = weights["model.embed_tokens.weight"]
         self.dtype = self.embed.dtype
         theta, scaling = rope_config(config)
-        self.rotary = RotaryEmbedding(self.rotary_dim(config), theta, scaling, cfg.max_positions, self.dtype)
+        self.rotary = RotaryEmbedding(self.rotary_dim(config), theta, scaling, cfg.max_positions, self.dtype, self.embed.device)
+        self.attention_backend = select_attention_backend(self.embed.device)
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
         self.norm = self.rms_norm(weights["model.norm.weight"])
         if cfg.tie_word_embeddings:
@@ -167,7 +169,7 @@ class DecoderForCausalLM:
         p = f"model.layers.{index}."
         return DecoderLayer(
             input_norm=self.rms_norm(w[p + "input_layernorm.weight"]),
-            attn=Attention(w, p, self.cfg, self.QK_NORM),
+            attn=Attention(w, p, self.cfg, self.QK_NORM, ATTENTION_BACKENDS[self.attention_backend]),
             post_norm=self.rms_norm(w[p + "post_attention_layernorm.weight"]),
             mlp=self.mlp(w, p, index),
         )
