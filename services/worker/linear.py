@@ -4,10 +4,12 @@ MKL runs a GEMM of one to a few rows on one core, bound by how fast that core st
 weight from memory. For such steps the weight is cut into one slice per thread and the slices
 run as one batched GEMM (``bmm`` gives each core its own slice); many-row steps take plain GEMM.
 
-A deployment may also store the weights as int8 (``quantize_int8``): symmetric, one scale per
-output channel, activations kept in their own dtype. A single-stream step streams every weight
-once, so a quarter of the bytes is the lever there; the logit error it costs is measured by
-``bench/quantization.py`` and bounded by tests.
+A deployment may also store the weights as int8 (``--weight-quant int8``): symmetric, one scale
+per output channel, activations kept in their own dtype (aten's ``_weight_int8pack_mm``). On the
+default model it costs +0.1 % perplexity (``bench/quantization.py``). Measured on an AVX2-only
+CPU, that kernel is slower than the fp32 GEMM (0.4x at one row), so it stays off by default;
+fbgemm's dynamic int8 GEMM was 1.5-3.5x faster there but its per-tensor activation quantization
+tripled the perplexity (98.5 vs 32.7), so it is not offered.
 """
 
 from __future__ import annotations
