@@ -32,6 +32,7 @@ import yaml
 
 from bench.stack_client import free_port_block
 from shared.config import DEFAULT_MODEL_DIR, StackConfig
+from shared.transport import create_keys
 from tests.deploy.files import (
     PROCESSES,
     PROMETHEUS_FILE,
@@ -74,10 +75,10 @@ def http(url: str, body: dict | None = None, timeout: float = 60.0) -> tuple[int
         return exc.code, exc.read()
 
 
-def local_stack_flags(port: int, first_inbox: int) -> list[str]:
+def local_stack_flags(port: int, first_inbox: int, curve_key_file: str) -> list[str]:
     """docker-compose.yml's flags for this machine: the local model, loopback listeners on `port`
-    (metrics ports following it), and each inbox on tcp bound by a host name (localhost for the
-    service name), as in compose."""
+    (metrics ports following it), each inbox on tcp bound by a host name (localhost for the
+    service name), and CURVE with keys made here (compose's come from its `keys` service)."""
     compose = stack_config(tokenyard_services(load_compose())["api"])
     inboxes = {}
     for offset, process in enumerate(PROCESSES):
@@ -94,6 +95,7 @@ def local_stack_flags(port: int, first_inbox: int) -> list[str]:
         worker_metrics_port=0,
         detokenizer_metrics_port=0,
         kv_cache_tokens=4096,
+        curve_key_file=curve_key_file,
         **inboxes,
     )
     return local.to_argv()
@@ -183,7 +185,7 @@ def observed(tmp_path_factory) -> Iterator[Observed]:
         pytest.fail(f"the default model is missing at {DEFAULT_MODEL_DIR}: run `make setup`")
     tmp = tmp_path_factory.mktemp("prometheus")
     ports = free_port_block(9)  # api and metrics ports, four inboxes, Prometheus
-    stack_flags = local_stack_flags(port=ports, first_inbox=ports + 4)
+    stack_flags = local_stack_flags(port=ports, first_inbox=ports + 4, curve_key_file=create_keys(str(tmp / "keys")))
     # Prometheus first: it discovers its targets while the stack loads and scrapes them once they answer.
     with running_prometheus(tmp, f"127.0.0.1:{ports + 8}", stack_port=ports) as prometheus_url, launched_stack(tmp, stack_flags) as stack_url:
         observed = Observed(stack_url, prometheus_url)
