@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+from collections.abc import Iterator
+from multiprocessing.pool import Pool
+
 import pytest
 
 from .harness import TINY_LLAMAS, TINY_QWEN3_MOES, TINY_QWEN3_NEXTS, TINY_QWEN3S, Checkpoint, build_tiny
@@ -54,3 +59,20 @@ def tiny_qwen3_nexts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Chec
 def tiny_qwen3_next(request: pytest.FixtureRequest, tiny_qwen3_nexts: dict[str, Checkpoint]) -> Checkpoint:
     """Each tiny Qwen3-Next in turn: grouped GDN heads with a dense layer and half rotary; every second layer full attention, tied, biased."""
     return tiny_qwen3_nexts[request.param]
+
+
+@pytest.fixture(scope="session")
+def interpreter() -> Iterator[Pool]:
+    """One worker process whose environment has TRITON_INTERPRET=1 from its first import: ``triton.jit``
+    reads it when a kernel is decorated, so the kernel tests run their Triton calls there."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        pool = multiprocessing.get_context("spawn").Pool(1)
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+    with pool:
+        yield pool

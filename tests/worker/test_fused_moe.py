@@ -10,9 +10,6 @@ the rest of the suite never see it.
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-from collections.abc import Iterator
 from multiprocessing.pool import Pool
 
 import pytest
@@ -24,22 +21,6 @@ pytest.importorskip("triton")
 
 from services.worker.kernels.fused_moe import MoEConfig, fused_moe  # noqa: E402  (run in the child, interpreted)
 from services.worker.kernels.moe_align import max_padded_size, moe_align_torch, moe_align_triton  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def interpreter() -> Iterator[Pool]:
-    """One worker process whose environment has TRITON_INTERPRET=1 from its first import."""
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        pool = multiprocessing.get_context("spawn").Pool(1)
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-    with pool:
-        yield pool
 
 
 def _uneven_routing(tokens: int, experts: int, top_k: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,9 +18,6 @@ child works on copies, so the helpers below return the state pools that the kern
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-from collections.abc import Iterator
 from multiprocessing.pool import Pool
 
 import pytest
@@ -33,21 +30,6 @@ from services.worker.kernels import conv1d, gdn  # noqa: E402  (run in the child
 
 Tensor = torch.Tensor
 
-
-@pytest.fixture(scope="module")
-def interpreter() -> Iterator[Pool]:
-    """One worker process whose environment has TRITON_INTERPRET=1 from its first import."""
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        pool = multiprocessing.get_context("spawn").Pool(1)
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-    with pool:
-        yield pool
 
 
 # What the child runs: the kernels, returning the pools they updated in place. ---------------------------

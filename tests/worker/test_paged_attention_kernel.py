@@ -7,10 +7,7 @@ As in ``test_fused_moe``, the kernels run in one child process started with the 
 
 from __future__ import annotations
 
-import multiprocessing
-import os
 import random
-from collections.abc import Iterator
 from multiprocessing.pool import Pool
 
 import pytest
@@ -25,20 +22,6 @@ from services.worker.attention import paged_attention_triton  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0)
 
-
-@pytest.fixture(scope="module")
-def interpreter() -> Iterator[Pool]:
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        pool = multiprocessing.get_context("spawn").Pool(1)
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-    with pool:
-        yield pool
 
 
 CASES = {  # heads, kv_heads, head_dim, block size, decode contexts (start of each), prefill chunks (start, length)
