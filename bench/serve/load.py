@@ -83,7 +83,9 @@ async def run_level(
     records: list[RequestRecord] = []
     clock_origin = time.perf_counter()
     timeout = aiohttp.ClientTimeout(total=request_timeout_s)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+    # A fresh connection per request: a server may close an idle keep-alive connection just as a
+    # reused one is written to (llama-server does), which would fail a request for the client's sake.
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0, force_close=True)) as session:
         for phase, count, offset in (("warmup", warmup, 0), ("measured", measured, warmup)):
             phase_records: list[RequestRecord | None] = [None] * count
 
