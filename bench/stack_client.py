@@ -48,23 +48,37 @@ def running_stack(model: str, *flags: str, timeout_s: float = 600) -> Iterator[s
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the stack exited with {process.returncode}")
-            if time.monotonic() > deadline:
-                raise RuntimeError("the stack did not become ready")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(url, process, timeout_s, "the stack")
         yield url
     finally:
-        process.send_signal(signal.SIGINT)
-        process.wait(60)
+        stop_process(process, grace_s=60)
+
+
+def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float, what: str) -> None:
+    """Returns once ``url``/health answers 200; raises if ``process`` exits or ``timeout_s`` passes first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with {process.returncode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not become healthy within {timeout_s:g}s")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.25)
+
+
+def stop_process(process: subprocess.Popen, grace_s: float = 30) -> None:
+    """Ctrl-C (the launcher and llama-server both stop their children on it), then SIGKILL after ``grace_s``."""
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def served_model(url: str) -> str:

@@ -10,13 +10,12 @@ import argparse
 import glob
 import importlib.util
 import os
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from bench.stack_client import stop_process, wait_healthy
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_BINARY = os.path.join(REPO, "bench", "peer", "build", "bin", "llama-server")
@@ -56,22 +55,6 @@ def llama_server_command(binary: str, gguf: str, port: int, parallel: int, threa
     ]  # fmt: skip
 
 
-def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {process.returncode}")
-        if time.monotonic() > deadline:
-            raise RuntimeError("llama-server did not become healthy")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.25)
-
-
 @contextmanager
 def running_llama_server(parallel: int, gguf: str | None = None, threads: int = 2, log_path: str | None = None, timeout_s: float = 300) -> Iterator[str]:
     """Starts llama-server with --parallel slots on a free port; yields its base URL; stops it afterwards."""
@@ -83,15 +66,10 @@ def running_llama_server(parallel: int, gguf: str | None = None, threads: int = 
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(url, process, timeout_s)
+        wait_healthy(url, process, timeout_s, "llama-server")
         yield url
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
         if log_path:
             log.close()
 
