@@ -3,7 +3,9 @@
 A slot holds one request's whole GDN state: per GDN layer, the conv1d history (the last ``K − 1``
 inputs, in the model dtype) and the recurrent state (fp32). The scheduler hands slots out and takes
 them back; the worker never clears one: a request's first chunk reads zeros instead of its slot
-(``has_initial_state`` False), so a slot reused after an abort or a preemption starts clean.
+(``has_initial_state`` False), so a slot reused after an abort or a preemption starts clean. With
+decode graphs, the worker's pool has one slot more than the scheduler hands out: the dummy slot of
+graph padding rows, which is zeroed on every replay.
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ class GDNStateCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.conv_tensor, self.recurrent_tensor))
 
+    def zero_slot_(self, slot: int) -> None:
+        """Clear one slot's state in every layer (two kernels, no host sync: it may run inside a graph)."""
+        self.conv_tensor[:, slot].zero_()
+        self.recurrent_tensor[:, slot].zero_()
+
 
 @dataclass(frozen=True)
 class SlotMetadata:
@@ -57,15 +64,31 @@ class SlotMetadata:
 
     @classmethod
     def build(cls, cache: GDNStateCache, slots: list[int], starts: list[int], lens: list[int], num_decodes: int) -> SlotMetadata:
+        """Built on the CPU, then moved to the device the state lives on (where the kernels read it)."""
         prefill_lens = lens[num_decodes:]
         cu = [0]
         for n in prefill_lens:
             cu.append(cu[-1] + n)
+        tensors = (
+            torch.tensor(slots[:num_decodes], dtype=torch.int32),
+            torch.tensor(slots[num_decodes:], dtype=torch.int32),
+            torch.tensor(cu, dtype=torch.int32),
+            torch.tensor([s > 0 for s in starts[num_decodes:]], dtype=torch.bool),
+        )
+        device = cache.conv_tensor.device
+        if device.type != "cpu":
+            tensors = tuple(t.to(device, non_blocking=True) for t in tensors)
+        return cls(cache, num_decodes, *tensors)
+
+    @classmethod
+    def for_decode(cls, cache: GDNStateCache, decode_slots: torch.Tensor) -> SlotMetadata:
+        """A decode-only step from the device tensor of its slots [B] int32 alone (what a CUDA graph captures)."""
+        device = decode_slots.device
         return cls(
-            cache=cache,
-            num_decodes=num_decodes,
-            decode_slots=torch.tensor(slots[:num_decodes], dtype=torch.int32),
-            prefill_slots=torch.tensor(slots[num_decodes:], dtype=torch.int32),
-            prefill_cu_seqlens=torch.tensor(cu, dtype=torch.int32),
-            prefill_has_initial_state=torch.tensor([s > 0 for s in starts[num_decodes:]], dtype=torch.bool),
+            cache,
+            decode_slots.shape[0],
+            decode_slots,
+            torch.zeros(0, dtype=torch.int32, device=device),
+            torch.zeros(1, dtype=torch.int32, device=device),
+            torch.zeros(0, dtype=torch.bool, device=device),
         )

@@ -116,10 +116,11 @@ class ModelRunner:
             self.num_blocks = num_blocks
             self._torch_attention = getattr(self.model, "attention_backend", "torch") == "torch"
             # One GDN state slot per request the scheduler may run at once; it hands out ids 0..max_num_seqs-1.
+            # With graphs, slot max_num_seqs past them is the dummy slot that padding rows run in.
             shape = self.model.gdn_shape
-            self.states = None if shape is None else GDNStateCache(shape, max_num_seqs, DTYPES[dtype], self.model.embed.device)
-            # Hybrid (GDN) models keep per-request state slots that graph padding does not stage yet: eager.
-            graphed = graphed and self.states is None
+            self._dummy_slot = max_num_seqs if graphed and shape is not None else None
+            pool_slots = max_num_seqs + (self._dummy_slot is not None)
+            self.states = None if shape is None else GDNStateCache(shape, pool_slots, DTYPES[dtype], self.model.embed.device)
             # With graphs, one block past the scheduler's is the dummy block that padding rows write.
             cache_blocks = num_blocks + 1 if graphed else num_blocks
             self.kv_cache = KVCache(
@@ -140,8 +141,9 @@ class ModelRunner:
             if capture is None:
                 raise ValueError("CUDA graphs need a CUDA device (or an injected capture)")
             self.graphs = DecodeGraphs(
-                self._decode_step, min(cuda_graph_max_batch, max_num_seqs), width, self.model.vocab_size, num_blocks, self.device, self.model.dtype, capture
-            )
+                self._decode_step, min(cuda_graph_max_batch, max_num_seqs), width, self.model.vocab_size, num_blocks, self.device, self.model.dtype, capture,
+                self._dummy_slot,
+            )  # fmt: skip
 
     def _sample_torch(self, logits: torch.Tensor, requests: list[_Request]) -> torch.Tensor:
         return sample(logits, [r.params for r in requests], [r.generator for r in requests])
@@ -154,10 +156,15 @@ class ModelRunner:
         )
         return sample_on_device(logits, params)
 
-    def _decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    def _decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, gdn_slots: torch.Tensor) -> torch.Tensor:
         """A decode-only step from device tensors alone: what a graph records (metadata built inside)."""
         meta = AttentionMetadata.for_decode(positions, block_tables, self.block_size, self.model.dtype, self._torch_attention)
-        return self.model.compute_logits(self.model.forward(input_ids, positions, meta, self.kv_cache))
+        slots = None
+        if self.states is not None:
+            # Padding rows read the dummy slot's state before they write it: reinitialised on every replay.
+            self.states.zero_slot_(self._dummy_slot)
+            slots = SlotMetadata.for_decode(self.states, gdn_slots)
+        return self.model.compute_logits(self.model.forward(input_ids, positions, meta, self.kv_cache, slots))
 
     def capture_graphs(self, stop: Callable[[], bool] = lambda: False) -> None:
         """Capture the decode graphs (part of warm-up, before the worker reports ready)."""
@@ -167,8 +174,9 @@ class ModelRunner:
 
     @property
     def num_slots(self) -> int:
-        """GDN state slots (0 for models without GDN layers, which ignore ``Slice.slot``)."""
-        return 0 if self.states is None else self.states.num_slots
+        """GDN state slots the scheduler may hand out (0 for models without GDN layers, which ignore
+        ``Slice.slot``); the graphs' dummy slot, when there is one, is past them."""
+        return 0 if self.states is None else self.max_num_seqs
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run every slice of ``plan`` as one flat batch; a ``ValueError`` leaves all state untouched."""
@@ -263,7 +271,8 @@ class ModelRunner:
             bucket = self.graphs.fits(num_decodes, tables)
             if bucket is not None:
                 self.last_step_graphed = True
-                logits = self.graphs.run(bucket, input_ids, [s.start for s in ordered], tables)
+                slots = [s.slot for s in ordered] if self.states is not None else ()
+                logits = self.graphs.run(bucket, input_ids, [s.start for s in ordered], tables, slots)
                 return [s.rid for s in ordered], requests, logits  # a decode slice always samples
             self.graphs.eager += 1
         for s in ordered[num_decodes:]:
@@ -380,8 +389,9 @@ class ModelRunner:
             "gdn_state": {
                 "slots_total": self.num_slots,
                 "slots_used": len(self._slot_holders),
+                "dummy_slot": self._dummy_slot,  # graph padding's, past the scheduler's slots
                 "bytes": self.states.nbytes,
-                "bytes_per_slot": self.states.nbytes // self.num_slots,
+                "bytes_per_slot": self.states.nbytes // self.states.num_slots,
             },
             "prefix_cache": {"enabled": False, "reason": HYBRID_PREFIX_CACHE_OFF},
         }

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from services.worker.attention import AttentionMetadata, KVCache, paged_attention
+from services.worker.attention import ATTENTION_BACKENDS, AttentionFn, AttentionMetadata, KVCache, paged_attention
 from services.worker.gdn import GDNKernels, select_gdn_kernels
 from services.worker.gdn_state import GDNShape, SlotMetadata
 from services.worker.linear import Linear
@@ -37,8 +37,9 @@ class GatedAttention:
     and k, v are one contiguous slice, as the shared decoder's attention has them.
     """
 
-    def __init__(self, w: Weights, prefix: str, cfg: DecoderConfig, rotary_dim: int) -> None:
+    def __init__(self, w: Weights, prefix: str, cfg: DecoderConfig, rotary_dim: int, attend: AttentionFn = paged_attention) -> None:
         p = prefix + "self_attn."
+        self.attend = attend
         heads, kv_heads, dim = self.heads, self.kv_heads, self.dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.rotary_dim = rotary_dim
 
@@ -67,7 +68,7 @@ class GatedAttention:
         qk = qkvg[:, : heads + kv_heads]
         self.qk_norm.norm_(qk)
         apply_rotary_(qk[..., : self.rotary_dim], cos, sin)
-        out = paged_attention(qkvg[:, :heads], qkvg[:, heads : heads + 2 * kv_heads].view(total, 2, kv_heads, dim), cache, meta)
+        out = self.attend(qkvg[:, :heads], qkvg[:, heads : heads + 2 * kv_heads].view(total, 2, kv_heads, dim), cache, meta)
         out.mul_(torch.sigmoid(qkvg[:, heads + 2 * kv_heads :].reshape(total, heads * dim)))
         return self.o_proj(out, residual=residual)
 
@@ -216,7 +217,8 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
     def _layer(self, w: Weights, index: int) -> DecoderLayer:
         p = f"model.layers.{index}."
         if self.layer_types[index] == FULL_ATTENTION:
-            mixer: GatedAttention | GatedDeltaNet = GatedAttention(w, p, self.cfg, self.rotary_dim(self._config))
+            attend = ATTENTION_BACKENDS[self.attention_backend]
+            mixer: GatedAttention | GatedDeltaNet = GatedAttention(w, p, self.cfg, self.rotary_dim(self._config), attend)
         else:
             mixer = GatedDeltaNet(w, p, self._config, self.cfg, self.gdn_kernels)
         return DecoderLayer(
