@@ -8,7 +8,9 @@
 #    graphed decode identical to eager over 64 steps with joins and leaves, Triton attention on the GPU;
 # 2. decode step time graphed vs eager at batch 1/8/32, and the device-to-device copy bandwidth;
 # 3. GB/s of the MoE (bench/moe_gpu.py, with its error against the torch path) and GDN (bench/gdn_gpu.py,
-#    when present) decode kernels, to hold against the copy bandwidth of part 2.
+#    when present) decode kernels, to hold against the copy bandwidth of part 2;
+# 4. the decoder's fusions (fused residual-add + RMSNorm, SiLU-and-mul) against their unfused torch ops:
+#    time and the unfused/fused ratio, measured in the same run (bench/fusions_gpu.py).
 # Each part has its own time limit; a failing part is reported and the rest still run. Exit status:
 # non-zero when any part failed. Without a CUDA device it says so, shows the GPU tests skipping, and exits 0.
 set -uo pipefail
@@ -39,10 +41,11 @@ part "gpu tests" 200 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/worker/
 part "decode graphed vs eager" 100 "$PY" -m bench.gpu_decode --batches 1,8,32
 part "moe kernel GB/s" 60 "$PY" -m bench.moe_gpu --batches 1,8,32 --prefill 0
 if [ -f bench/gdn_gpu.py ]; then
-    part "gdn kernel GB/s" 75 "$PY" -m bench.gdn_gpu --batches 1,8,32
+    part "gdn kernel GB/s" 65 "$PY" -m bench.gdn_gpu --batches 1,8,32
 else
     echo "=== gdn kernel GB/s: bench/gdn_gpu.py is not in this tree; skipped"
 fi
+part "fusions fused vs unfused" 30 "$PY" -m bench.fusions_gpu --tokens 1,8,32,256,2048
 
 if [ ${#failed[@]} -gt 0 ]; then
     echo "gpu_check: FAILED: ${failed[*]}"

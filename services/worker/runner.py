@@ -361,6 +361,7 @@ class ModelRunner:
             "device": str(self.device),
             "dtype": str(cache.dtype).removeprefix("torch."),
             "attention_backend": getattr(self.model, "attention_backend", "torch"),
+            "fusion_kernels": getattr(getattr(self.model, "fusions", None), "names", None),
             "sampler": self.sampler,
             "cuda_graphs": None if self.graphs is None else self.graphs.describe(),
             "num_layers": self.model.num_layers,

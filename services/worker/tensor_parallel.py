@@ -132,8 +132,8 @@ class _ReducedBlock:
     def tensors(self) -> list[torch.Tensor]:
         return self.block.tensors()
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor, *rest) -> torch.Tensor:
-        out = self.block(x, residual if self.group.leader else torch.zeros_like(residual), *rest)
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, *rest) -> torch.Tensor:
+        out = self.block(x, residual if self.group.leader or residual is None else torch.zeros_like(residual), *rest)
         return self.group.all_reduce(out)
 
 

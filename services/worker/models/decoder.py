@@ -8,6 +8,7 @@ layer's MLP is built, and (Qwen3-Next) zero-centred norms, partial rotary and it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.attention import ATTENTION_BACKENDS, AttentionFn, AttentionMetadata, KVCache, paged_attention, select_attention_backend
+from services.worker.fusions import select_fusion_kernels
 from services.worker.gdn_state import GDNShape, SlotMetadata
 from services.worker.linear import Linear, RowSplitLinear
 from services.worker.rmsnorm import RMSNorm
@@ -125,6 +127,17 @@ class DenseMLP:
         return self.down(gate.mul_(gate_up[:, self.intermediate :]), residual=residual)
 
 
+class FusedDenseMLP(DenseMLP):
+    """``DenseMLP`` with ``silu(gate) · up`` as one kernel (the GPU path; ``select_fusion_kernels``)."""
+
+    def __init__(self, w: Weights, prefix: str, threads: int, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__(w, prefix, threads)
+        self.silu_and_mul = silu_and_mul
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        return self.down(self.silu_and_mul(self.gate_up(x)), residual=residual)
+
+
 class DecoderLayer(NamedTuple):
     input_norm: RMSNorm
     attn: Attention
@@ -149,8 +162,11 @@ class DecoderForCausalLM:
         theta, scaling = rope_config(config)
         self.rotary = RotaryEmbedding(self.rotary_dim(config), theta, scaling, cfg.max_positions, self.dtype, self.embed.device)
         self.attention_backend = select_attention_backend(self.embed.device)
+        self.fusions = select_fusion_kernels(self.embed.device)
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
         self.norm = self.rms_norm(weights["model.norm.weight"])
+        if self.fusions.add_rms_norm is not None:  # chosen once: the CPU keeps ``forward`` as it is
+            self.forward = self._forward_fused
         if cfg.tie_word_embeddings:
             self.lm_head = RowSplitLinear(self.embed, cfg.threads)
         elif "lm_head.weight" in weights:
@@ -176,7 +192,13 @@ class DecoderForCausalLM:
 
     def mlp(self, w: Weights, prefix: str, index: int) -> MLP:
         """The feed-forward block of layer ``index`` (weights under ``prefix``): dense SwiGLU by default."""
-        return DenseMLP(w, prefix + "mlp.", self.cfg.threads)
+        return self.dense_mlp(w, prefix + "mlp.")
+
+    def dense_mlp(self, w: Weights, prefix: str) -> DenseMLP:
+        """A SwiGLU MLP under ``prefix``, its activation one kernel where the fusion is on."""
+        if self.fusions.silu_and_mul is None:
+            return DenseMLP(w, prefix, self.cfg.threads)
+        return FusedDenseMLP(w, prefix, self.cfg.threads, self.fusions.silu_and_mul)
 
     def describe(self) -> dict[str, Any]:
         """Family-specific facts for the instrumentation endpoint (e.g. the kernel backends chosen at load)."""
@@ -199,6 +221,25 @@ class DecoderForCausalLM:
             h = layer.attn(layer.input_norm(h), h, cos, sin, attn, cache)
             h = layer.mlp(layer.post_norm(h), h)
         return self.norm(h)
+
+    def _mix(
+        self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache, slots: SlotMetadata | None
+    ) -> torch.Tensor:
+        """Layer ``index``'s token mixer on normed ``x``, without the residual (``_forward_fused``'s step)."""
+        return self.layers[index].attn(x, None, cos, sin, attn, kv_cache.layers[index])
+
+    def _forward_fused(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache, slots: SlotMetadata | None = None
+    ) -> torch.Tensor:
+        """``forward`` with each residual add folded into the RMSNorm after it (``add_rms_norm``): the GPU path."""
+        add_norm, eps = self.fusions.add_rms_norm, self.cfg.eps
+        cos, sin = self.rotary.lookup(positions, attn.max_position)
+        x, residual = add_norm(F.embedding(input_ids, self.embed), None, self.layers[0].input_norm.weight, eps)
+        next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
+        for i, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
+            x, residual = add_norm(self._mix(i, x, cos, sin, attn, kv_cache, slots), residual, layer.post_norm.weight, eps)
+            x, residual = add_norm(layer.mlp(x, None), residual, next_norm.weight, eps)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -179,7 +179,7 @@ class SharedExpertMoE:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         shared = self.shared(x, None).mul_(torch.sigmoid(F.linear(x, self.gate)))
-        return self.moe(x, shared.add_(residual))
+        return self.moe(x, shared if residual is None else shared.add_(residual))
 
 
 class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
@@ -232,7 +232,7 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
         routed = super().mlp(w, prefix, index)
         if not isinstance(routed, SparseMoE) or prefix + "mlp.shared_expert_gate.weight" not in w:
             return routed
-        return SharedExpertMoE(routed, DenseMLP(w, prefix + "mlp.shared_expert.", self.cfg.threads), w[prefix + "mlp.shared_expert_gate.weight"])
+        return SharedExpertMoE(routed, self.dense_mlp(w, prefix + "mlp.shared_expert."), w[prefix + "mlp.shared_expert_gate.weight"])
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache, slots: SlotMetadata | None = None
@@ -249,6 +249,16 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
                 h = layer.attn(x, h, slots, j)
             h = layer.mlp(layer.post_norm(h), h)
         return self.norm(h)
+
+    def _mix(
+        self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache, slots: SlotMetadata | None
+    ) -> torch.Tensor:
+        layer, j = self.layers[index], self.cache_index[index]
+        if self.layer_types[index] == FULL_ATTENTION:
+            return layer.attn(x, None, cos, sin, attn, kv_cache.layers[j])
+        if slots is None:
+            raise ValueError("a qwen3_next step needs the GDN state slots of its requests")
+        return layer.attn(x, None, slots, j)
 
     def describe(self) -> dict[str, Any]:
         return {
