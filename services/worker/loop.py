@@ -18,7 +18,7 @@ import zmq
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.worker.device import cpu_name, describe_device, device_memory, resolve_device
-from services.worker.device_memory import MemoryPlan, activation_reserve, gdn_bytes_per_slot, plan_memory
+from services.worker.device_memory import GRAPH_POOL_RESERVE, ActivationProfile, MemoryPlan, gdn_bytes_per_slot, plan_memory
 from shared.config import StackConfig
 from shared.frames import Heartbeat, Release, SamplingParams, Slice, StepPlan, StepResult
 from shared.metrics import FRAMES_UNEXPECTED, PREFIX, PROCESS_UP, start_metrics_server
@@ -99,7 +99,7 @@ class WorkerLoop:
         self.runner = ModelRunner(
             self.config.model, self.num_blocks, self.config.block_size, self.config.dtype, self.config.max_num_seqs, self.config.weight_quant,
             tp=tp, device=str(device), cuda_graph_max_batch=self.config.cuda_graph_max_batch if cuda else 0,
-            max_model_len=self.config.max_model_len, size_kv_cache=size_kv,
+            max_model_len=self.config.max_model_len, size_kv_cache=size_kv, profile_tokens=self.config.max_num_batched_tokens if size_kv else 0,
         )  # fmt: skip
         self.num_blocks = self.runner.num_blocks  # the scheduler adopts it from the heartbeats
         if cuda:
@@ -124,22 +124,20 @@ class WorkerLoop:
         PROCESS_UP.labels("worker").set(1)
 
     def _kv_budget(self, free_before_load: int):
-        """The ``size_kv_cache`` of the runner: the memory plan, from what loading the weights left free."""
+        """The ``size_kv_cache`` of the runner: the memory plan, from what loading the weights left free and
+        the activation peak of the runner's profile step (run before this, its memory handed back)."""
 
-        def size(model) -> int:
+        def size(model, profile: ActivationProfile | None, state_slots: int) -> int:
             free_after, total = torch.cuda.mem_get_info(self.device)
-            element = model.dtype.itemsize
-            per_token = model.num_kv_layers * 2 * model.num_kv_heads * model.head_dim * element  # attention layers only
-            hidden = getattr(getattr(model, "cfg", None), "hidden_size", 8192)
-            reserve = activation_reserve(self.config.max_num_batched_tokens, self.config.max_num_seqs, hidden, model.vocab_size, element)
-            state_bytes = gdn_bytes_per_slot(model.gdn_shape, model.dtype)  # hybrid families: one slot per running request
+            per_token = model.num_kv_layers * 2 * model.num_kv_heads * model.head_dim * model.dtype.itemsize  # attention layers only
+            graph_pool = GRAPH_POOL_RESERVE if self.config.cuda_graph_max_batch > 0 else 0
+            state_bytes = gdn_bytes_per_slot(model.gdn_shape, model.dtype)  # hybrid families: one slot per running request (+ the dummy)
             self.memory_plan = plan_memory(
-                total, free_before_load, free_after, self.config.gpu_memory_utilization, reserve, per_token, self.config.block_size,
-                state_bytes, self.config.max_num_seqs if state_bytes else 0,
+                total, free_before_load, free_after, self.config.gpu_memory_utilization, profile, graph_pool, per_token, self.config.block_size,
+                state_bytes, state_slots,
             )  # fmt: skip
             self.log.info("kv_cache_sized", **self.memory_plan.describe())
-            # +1 dummy block when graphs are on: keep the scheduler's count within the plan
-            return self.memory_plan.num_blocks - (1 if self.config.cuda_graph_max_batch > 0 else 0)
+            return self.memory_plan.num_blocks  # the runner keeps its dummy block (graphs) out of the scheduler's count
 
         return size
 

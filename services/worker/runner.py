@@ -24,6 +24,7 @@ import torch
 from services.worker.attention import AttentionMetadata, KVCache
 from services.worker.cuda_graphs import Capture, CudaGraphCapture, DecodeGraphs
 from services.worker.device import resolve_dtype
+from services.worker.device_memory import ActivationProfile, CudaMemoryProbe, MemoryProbe
 from services.worker.gdn_state import GDNStateCache, SlotMetadata
 from services.worker.kernels.sampling import SamplingTensors, sample_on_device
 from services.worker.linear import quantize_int8
@@ -80,12 +81,19 @@ class ModelRunner:
         cuda_graph_max_batch: int = 0,
         capture: Capture | None = None,
         max_model_len: int = 0,
-        size_kv_cache: Callable[[Any], int] | None = None,
+        size_kv_cache: Callable[[Any, ActivationProfile | None, int], int] | None = None,
+        profile_tokens: int = 0,
+        memory_probe: MemoryProbe | None = None,
     ) -> None:
         """``dtype`` "auto" is bfloat16 on CUDA, float32 on the CPU. ``cuda_graph_max_batch`` > 0 captures
         decode graphs up to that batch at ``capture_graphs()`` (with ``capture``: CUDA graphs by default
-        on CUDA; tests pass ``eager_capture``). ``size_kv_cache(model)``, when given, is asked for the
-        block count once the weights are loaded (the device memory budget) and overrides ``num_blocks``."""
+        on CUDA; tests pass ``eager_capture``).
+
+        The device memory budget: ``size_kv_cache(model, profile, state_slots)``, when given, is asked once
+        the weights are loaded how many KV blocks fit (graphs' dummy block included) beside ``state_slots``
+        GDN state slots, and overrides ``num_blocks``. With ``profile_tokens`` > 0 (and no tensor
+        parallelism) it first gets the ``ActivationProfile`` of one step of that many tokens, measured by
+        ``memory_probe`` (the CUDA allocator's by default)."""
         self.device = torch.device(device)
         dtype = resolve_dtype(dtype, self.device)
         if dtype not in DTYPES:
@@ -101,6 +109,14 @@ class ModelRunner:
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
         self.tp = tp
         graphed = cuda_graph_max_batch > 0
+        self._requests: dict[str, _Request] = {}
+        self._slot_holders: dict[int, str] = {}  # GDN slot -> the live request computing in it
+        # Sampling where the logits are: the torch path with per-request generators on the CPU.
+        self.sampler = "torch" if self.device.type == "cpu" else "device"
+        self._sample = self._sample_torch if self.sampler == "torch" else self._sample_device
+        self.graphs: DecodeGraphs | None = None
+        self.last_step_graphed = False
+        self.activation_profile: ActivationProfile | None = None
         with torch.inference_mode():
             weights = load_weights(model_dir, DTYPES[dtype], self.device)
             if tp is not None:
@@ -109,30 +125,27 @@ class ModelRunner:
             self.weight_quant, self.quantized_linears = weight_quant, quantize_int8(self.model) if weight_quant == "int8" else 0
             if tp is not None:  # after quantization, which finds the layers' linears unwrapped
                 parallelize(self.model, tp)
-            if size_kv_cache is not None:
-                num_blocks = size_kv_cache(self.model)
-                if num_blocks < 1:
-                    raise ValueError(f"the device memory budget leaves room for {num_blocks} KV blocks; raise --gpu-memory-utilization")
-            self.num_blocks = num_blocks
             self._torch_attention = getattr(self.model, "attention_backend", "torch") == "torch"
             # One GDN state slot per request the scheduler may run at once; it hands out ids 0..max_num_seqs-1.
             # With graphs, slot max_num_seqs past them is the dummy slot that padding rows run in.
             shape = self.model.gdn_shape
             self._dummy_slot = max_num_seqs if graphed and shape is not None else None
             pool_slots = max_num_seqs + (self._dummy_slot is not None)
+            if size_kv_cache is not None:
+                if profile_tokens > 0 and tp is None:  # under TP every rank would have to join the profile step
+                    probe = memory_probe or CudaMemoryProbe(self.device)
+                    self.activation_profile = self._profile_activations(profile_tokens, probe, DTYPES[dtype])
+                fit = size_kv_cache(self.model, self.activation_profile, pool_slots if shape is not None else 0)
+                num_blocks = fit - 1 if graphed else fit  # the scheduler's share: the dummy block is the worker's
+                if num_blocks < 1:
+                    raise ValueError(f"the device memory budget leaves room for {fit} KV blocks; raise --gpu-memory-utilization")
+            self.num_blocks = num_blocks
             self.states = None if shape is None else GDNStateCache(shape, pool_slots, DTYPES[dtype], self.model.embed.device)
             # With graphs, one block past the scheduler's is the dummy block that padding rows write.
             cache_blocks = num_blocks + 1 if graphed else num_blocks
             self.kv_cache = KVCache(
                 self.model.num_kv_layers, cache_blocks, block_size, self.model.num_kv_heads, self.model.head_dim, DTYPES[dtype], self.device
             )
-        self._requests: dict[str, _Request] = {}
-        self._slot_holders: dict[int, str] = {}  # GDN slot -> the live request computing in it
-        # Sampling where the logits are: the torch path with per-request generators on the CPU.
-        self.sampler = "torch" if self.device.type == "cpu" else "device"
-        self._sample = self._sample_torch if self.sampler == "torch" else self._sample_device
-        self.graphs: DecodeGraphs | None = None
-        self.last_step_graphed = False
         if graphed:
             context = max_model_len or config.get("max_position_embeddings", 2048)
             width = min(-(-context // block_size), num_blocks)
@@ -144,6 +157,35 @@ class ModelRunner:
                 self._decode_step, min(cuda_graph_max_batch, max_num_seqs), width, self.model.vocab_size, num_blocks, self.device, self.model.dtype, capture,
                 self._dummy_slot,
             )  # fmt: skip
+
+    def _profile_activations(self, tokens: int, probe: MemoryProbe, dtype: torch.dtype) -> ActivationProfile:
+        """The memory of one step at the largest a plan may be: ``tokens`` prompt tokens over as many
+        sequences as a step may hold, every one sampled (top-k/top-p, so the sampler's buffers count), run
+        through scratch KV blocks and state slots that are freed afterwards (the cache does not exist yet)."""
+        seqs = max(1, min(self.max_num_seqs, tokens))
+        lens = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
+        blocks = [-(-n // self.block_size) for n in lens]
+        weights = probe.allocated()
+        model, device = self.model, self.device
+        self.kv_cache = KVCache(model.num_kv_layers, sum(blocks), self.block_size, model.num_kv_heads, model.head_dim, dtype, device)
+        self.states = None if model.gdn_shape is None else GDNStateCache(model.gdn_shape, seqs, dtype, model.embed.device)
+        self.num_blocks = sum(blocks)
+        scratch = probe.allocated() - weights
+        rids, first, slices = [f"__profile{i}__" for i in range(seqs)], 0, []
+        for i, (rid, n) in enumerate(zip(rids, lens)):
+            params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=i)
+            prompt = [(first + j) % model.vocab_size for j in range(n)]
+            slices.append(Slice(rid, 0, n, prompt, list(range(first, first + blocks[i])), sampling=params, slot=i))
+            first += blocks[i]
+        probe.reset_peak()
+        try:
+            self.execute(StepPlan(-1, slices))
+            peak = probe.peak()
+        finally:
+            self.release(rids)
+            self.kv_cache = self.states = None
+            probe.release()
+        return ActivationProfile(tokens, seqs, weights, scratch, peak)
 
     def _sample_torch(self, logits: torch.Tensor, requests: list[_Request]) -> torch.Tensor:
         return sample(logits, [r.params for r in requests], [r.generator for r in requests])
