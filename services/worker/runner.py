@@ -181,6 +181,10 @@ class ModelRunner:
         try:
             self.execute(StepPlan(-1, slices))
             peak = probe.peak()
+        except torch.OutOfMemoryError as exc:
+            raise ValueError(
+                f"one step of {tokens} tokens over {seqs} sequences does not fit beside the weights; lower --max-num-batched-tokens or --max-num-seqs"
+            ) from exc
         finally:
             self.release(rids)
             self.kv_cache = self.states = None

@@ -1,7 +1,7 @@
 """The GPU path on a real CUDA device (marked ``gpu``; skipped without one; run by ``bench/gpu_check.sh``):
 bf16 parity with transformers for every family the harness builds, graphed decode identical to eager
 decode over 64 steps of a mixed batch whose requests join and leave (every family, the hybrid
-qwen3_next included), and the Triton paged attention in bf16 against the torch path.
+qwen3_next included), and the Triton paged attention and fusion kernels in bf16 against the torch path.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ def test_bf16_logits_match_transformers_through_prefill_and_decode(checkpoint: t
     reference = reference.to("cuda", torch.bfloat16)
     runner = ModelRunner(path, num_blocks=64, block_size=16, dtype="bfloat16", device="cuda")
     assert runner.describe()["attention_backend"] == "triton" and runner.sampler == "device"
+    assert runner.describe()["fusion_kernels"] == {"add_rms_norm": "triton", "silu_and_mul": "triton"}  # the fused forward
     prompt = prompt_of(5, 37)
     greedy = SamplingParams(temperature=0)
     logits = runner.logits(StepPlan(0, [Slice("r", 0, len(prompt), prompt, [3, 1, 4], sampling=greedy)]))["r"]
@@ -75,3 +76,19 @@ def test_triton_paged_attention_on_the_gpu_matches_the_torch_path(dtype: torch.d
     ours = paged_attention_triton(q, kv, cache.clone(), meta)
     expected = paged_attention(q.float(), kv.float(), cache.float(), AttentionMetadata.build(starts, lens, tables, 2, block_size, torch.float32, "cuda"))
     assert rel_err(ours.float(), expected) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fusion_kernels_on_the_gpu_match_their_references(dtype: torch.dtype) -> None:
+    from services.worker.fusions import add_rms_norm_torch, silu_and_mul_torch
+    from services.worker.kernels.fusions import add_rms_norm, silu_and_mul
+
+    generator = torch.Generator().manual_seed(0)
+    for rows, hidden in ((1, 2048), (37, 576), (300, 4096)):
+        x, residual = (torch.randn(2, rows, hidden, generator=generator) * 2).to("cuda", dtype)
+        weight = (1 + 0.3 * torch.randn(hidden, generator=generator)).to("cuda", dtype)
+        out, updated = add_rms_norm(x, residual, weight, 1e-6)
+        expected, expected_updated = add_rms_norm_torch(x, residual, weight, 1e-6)
+        assert torch.equal(updated, expected_updated) and rel_err(out.float(), expected.float()) < 1e-2
+        gate_up = (torch.randn(rows, 2 * hidden + 6, generator=generator) * 2).to("cuda", dtype)
+        assert rel_err(silu_and_mul(gate_up).float(), silu_and_mul_torch(gate_up).float()) < 1e-2
