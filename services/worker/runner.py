@@ -6,7 +6,9 @@ no scheduling decision: it executes plans in the order they arrive, a decode sli
 this runner sampled last for its request, and a hybrid model's slice runs in the state slot it names.
 
 On CUDA, decode-only steps that fit a captured bucket replay a CUDA graph (``cuda_graphs``);
-everything else runs eagerly.
+everything else runs eagerly. When the device memory budget sizes the KV cache, one profile step at
+the largest step size runs first, through scratch blocks and slots, to measure the activation peak
+(``device_memory``).
 """
 
 from __future__ import annotations
