@@ -1,8 +1,8 @@
-"""Weight-only int8 against fp32 on the same checkpoint: what it costs in accuracy, what it buys in speed.
+"""Weight formats (fp16 packs, weight-only int8) against fp32 on the same checkpoint: what each costs in accuracy, what it buys in speed.
 
 Accuracy: perplexity of a fixed text (teacher-forced, every position's logits) and the relative
 error of those logits against fp32; top-1 agreement. Speed: in-process decode step time at a few
-batch sizes, fp32 and int8 measured alternately in the same run.
+batch sizes, every format measured alternately in the same run.
 
     .venv/bin/python -m bench.quantization --model models/SmolLM2-135M-Instruct
 """
@@ -72,28 +72,30 @@ def main() -> None:
     args = parser.parse_args()
 
     ids = load_tokenizer(args.model).encode(TEXT)
-    runners = {quant: ModelRunner(args.model, num_blocks=1024, block_size=16, weight_quant=quant) for quant in ("none", "int8")}
+    formats = ("none", "fp16", "int8")
+    runners = {quant: ModelRunner(args.model, num_blocks=1024, block_size=16, weight_quant=quant) for quant in formats}
     logits = {quant: teacher_forced_logits(runner, ids) for quant, runner in runners.items()}
-    exact, quantized = logits["none"], logits["int8"]
+    exact = logits["none"]
     results: dict = {
         "model": args.model,
         "text_tokens": len(ids),
         "perplexity": {quant: perplexity(value, ids) for quant, value in logits.items()},
-        "logit_relative_error": float((quantized - exact).norm() / exact.norm()),
-        "top1_agreement": float((quantized.argmax(-1) == exact.argmax(-1)).float().mean()),
+        "logit_relative_error": {quant: float((value - exact).norm() / exact.norm()) for quant, value in logits.items()},
+        "top1_agreement": {quant: float((value.argmax(-1) == exact.argmax(-1)).float().mean()) for quant, value in logits.items()},
         "weight_bytes": {quant: runner.describe()["param_bytes"] for quant, runner in runners.items()},
         "decode_step_ms": {},
     }
-    print(f"perplexity fp32 {results['perplexity']['none']:.3f}  int8 {results['perplexity']['int8']:.3f}; "
-          f"logit rel. error {results['logit_relative_error']:.2e}; top-1 agreement {results['top1_agreement']:.3f}")
+    for quant in formats:
+        print(f"{quant:5s}: perplexity {results['perplexity'][quant]:.3f}, logit rel. error {results['logit_relative_error'][quant]:.2e}, "
+              f"top-1 agreement {results['top1_agreement'][quant]:.3f}, weights {results['weight_bytes'][quant] / 1e6:.0f} MB")
     for batch in args.batches:
         times = {quant: [] for quant in runners}
-        for _ in range(3):  # alternate, so a burst of load elsewhere hits both
+        for _ in range(3):  # alternate, so a burst of load elsewhere hits all of them
             for quant, runner in runners.items():
                 times[quant].append(decode_step_s(runner, batch, context=128, steps=args.steps))
         step = {quant: 1e3 * min(values) for quant, values in times.items()}
         results["decode_step_ms"][batch] = step
-        print(f"batch {batch:3d}: fp32 {step['none']:.1f} ms, int8 {step['int8']:.1f} ms, speed-up {step['none'] / step['int8']:.2f}x")
+        print(f"batch {batch:3d}: " + ", ".join(f"{quant} {ms:.1f} ms ({step['none'] / ms:.2f}x)" for quant, ms in step.items()))
     write_results(args.out, results)
 
 

@@ -59,7 +59,11 @@ class StackConfig:
     tool_call_parser: str = _opt("", "tool-call format: hermes, qwen3_coder, llama3_json or none (default: chosen by the model)")
     reasoning_parser: str = _opt("", "reasoning format: think or none (default: chosen by the model)")
     dtype: str = _opt("auto", "weight and activation dtype: auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16 or float16")
-    weight_quant: str = _opt("none", "weight storage of the dense projections: none (the dtype's own) or int8 (per-channel, ~4x fewer bytes per step)")
+    weight_quant: str = _opt(
+        "auto",
+        "weight storage of the dense projections and lm_head: auto (fp16 for a float32 model on an x86 CPU, else none), "
+        "none (the dtype's own), fp16 (fbgemm fp16 packs, fp32 arithmetic) or int8 (per-channel, weight-only)",
+    )
     device: str = _opt("auto", "worker device: auto (CUDA when available), cpu or cuda")
     cuda_graph_max_batch: int = _opt(32, "largest decode batch replayed from a CUDA graph (buckets 1, 2, 4, 8, 16, 24, ...; 0: always eager)")
     gpu_memory_utilization: float = _opt(

@@ -4,15 +4,22 @@ MKL runs a GEMM of one to a few rows on one core, bound by how fast that core st
 weight from memory. For such steps the weight is cut into one slice per thread and the slices
 run as one batched GEMM (``bmm`` gives each core its own slice); many-row steps take plain GEMM.
 
-A deployment may also store the weights as int8 (``--weight-quant int8``): symmetric, one scale
-per output channel, activations kept in their own dtype (aten's ``_weight_int8pack_mm``). On the
-default model it costs +0.1 % perplexity (``bench/quantization.py``). Measured on an AVX2-only
-CPU, that kernel is slower than the fp32 GEMM (0.4x at one row), so it stays off by default;
-fbgemm's dynamic int8 GEMM was 1.5-3.5x faster there but its per-tensor activation quantization
-tripled the perplexity (98.5 vs 32.7), so it is not offered.
+Weight storage formats (``--weight-quant``), chosen per deployment:
+
+- ``fp16`` (the default for fp32 models on a CPU with fbgemm): the weight rounded to fp16 and
+  packed for fbgemm's fp16 GEMM, which converts it to fp32 in registers and multiplies in fp32.
+  Half the bytes per step, and fbgemm's small-row kernels beat MKL's fp32 GEMM 2-4x on an AVX2
+  CPU (``bench/quantization.py``); the rounding costs a relative logit error of ~1e-4.
+- ``int8``: symmetric, one scale per output channel, activations kept in their own dtype (aten's
+  ``_weight_int8pack_mm``); +0.1 % perplexity on the default model, but on an AVX2-only CPU that
+  kernel is slower than the fp32 GEMM (0.4x at one row). fbgemm's dynamic int8 GEMM is faster
+  still, but its activation quantization costs +4 % perplexity even per token, so it is not offered.
+- ``none``: the checkpoint's dtype as loaded.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,19 +39,47 @@ def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scales.to(weight.dtype)
 
 
+def fp16_packing_available() -> bool:
+    """fbgemm's fp16-weight GEMM is built into this torch (x86 CPUs)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+WEIGHT_QUANTS = ("auto", "none", "fp16", "int8")
+
+
+def resolve_weight_quant(weight_quant: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``auto``: fp16 packs for an fp32 model on a CPU with fbgemm, else the dtype's own weights.
+    Refuses a format the device or dtype cannot run, naming why."""
+    if weight_quant not in WEIGHT_QUANTS:
+        raise ValueError(f"weight_quant {weight_quant!r} is not supported (supported: {', '.join(WEIGHT_QUANTS)})")
+    fp16_runs = device.type == "cpu" and dtype == torch.float32 and fp16_packing_available()
+    if weight_quant == "auto":
+        return "fp16" if fp16_runs else "none"
+    if weight_quant == "fp16" and not fp16_runs:
+        raise ValueError("weight_quant 'fp16' needs a float32 model on a CPU whose torch has fbgemm (x86)")
+    return weight_quant
+
+
+def _packed_placeholder(out_features: int, in_features: int) -> torch.Tensor:
+    """Stands in for a weight that lives only in an fbgemm pack: it has the pack's shape, dtype and
+    byte count for accounting, and no storage, so any other use fails loudly."""
+    return torch.empty(out_features, in_features, dtype=torch.float16, device="meta")
+
+
 class Linear:
     """``x @ weight.T (+ bias) (+ residual)``.
 
     fp32: stored transposed ([in, out]) and, for steps of few rows, split along ``in`` (the
     slices' partial products are summed). bf16/fp16: kept as [out, in] for oneDNN, whose
     AMX/AVX-512 kernels are fast at every row count, while its bf16 ``bmm`` is not. int8:
-    [out, in] values and per-row scales for ``_weight_int8pack_mm``.
+    [out, in] values and per-row scales for ``_weight_int8pack_mm``. fp16: an fbgemm pack (bias inside).
     """
 
     def __init__(self, weight: torch.Tensor, threads: int, bias: torch.Tensor | None = None) -> None:
         out_features, in_features = weight.shape
         self.bias = bias
         self.scales: torch.Tensor | None = None
+        self.packed: Any = None
         self.split = weight.dtype == torch.float32
         if not self.split:
             self.weight, self.slices = weight.contiguous(), 1
@@ -60,8 +95,19 @@ class Linear:
         self.weight, self.scales = int8_per_channel(self.weight.t() if self.split else self.weight)
         self.split, self._sliced = False, None
 
+    def pack_fp16(self) -> None:
+        """From now on the weight is fp16 in an fbgemm pack (the float weight is dropped)."""
+        if self.packed is not None or self.scales is not None:
+            return
+        weight = (self.weight.t() if self.split else self.weight).float().contiguous()
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight, None if self.bias is None else self.bias.float())
+        self.weight, self.split, self._sliced = _packed_placeholder(*weight.shape), False, None
+
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
+        if self.packed is not None:
+            out = torch.ops.quantized.linear_dynamic_fp16(x, self.packed)  # the bias is in the pack
+            return out if residual is None else out.add_(residual)
         if self.scales is not None:
             out = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
             if self.bias is not None:
@@ -88,6 +134,7 @@ class RowSplitLinear:
         out_features, in_features = weight.shape
         self.weight = weight
         self.scales: torch.Tensor | None = None
+        self.packed: Any = None
         self.slices = _slices(out_features, threads) if weight.dtype == torch.float32 else 1
         self._sliced_t = weight.view(self.slices, out_features // self.slices, in_features).transpose(1, 2)
 
@@ -96,8 +143,16 @@ class RowSplitLinear:
         if self.scales is None:
             self.weight, self.scales = int8_per_channel(self.weight)
 
+    def pack_fp16(self) -> None:
+        """An fp16 fbgemm pack for the products; a tied embedding table keeps its float original for lookups."""
+        if self.packed is None and self.scales is None:
+            self.packed = torch.ops.quantized.linear_prepack_fp16(self.weight.float().contiguous(), None)
+            self.weight = _packed_placeholder(*self.weight.shape)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
+        if self.packed is not None:
+            return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
         if self.scales is not None:
             return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
         if rows > SPLIT_MAX_ROWS or self.slices == 1:
@@ -106,9 +161,11 @@ class RowSplitLinear:
         return out.transpose(0, 1).reshape(rows, -1)
 
 
-def quantize_int8(model: object) -> int:
+def convert_weights(model: object, weight_quant: str) -> int:
     """Every ``Linear`` and ``RowSplitLinear`` reachable from ``model``'s attributes (lists and tuples
-    included) switches to int8 weights; returns how many. Expert weights (grouped GEMMs) stay as they are."""
+    included) switches to the ``weight_quant`` format (``fp16`` or ``int8``); returns how many. Expert
+    weights (grouped GEMMs) stay as they are."""
+    convert = {"fp16": "pack_fp16", "int8": "quantize_int8"}[weight_quant]
     seen: set[int] = set()
     count = 0
 
@@ -118,7 +175,7 @@ def quantize_int8(model: object) -> int:
             return
         seen.add(id(obj))
         if isinstance(obj, Linear | RowSplitLinear):
-            obj.quantize_int8()
+            getattr(obj, convert)()
             count += 1
         elif isinstance(obj, list | tuple):
             for item in obj:

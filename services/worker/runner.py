@@ -29,7 +29,7 @@ from services.worker.device import resolve_dtype
 from services.worker.device_memory import ActivationProfile, CudaMemoryProbe, MemoryProbe
 from services.worker.gdn_state import GDNStateCache, SlotMetadata
 from services.worker.kernels.sampling import SamplingTensors, sample_on_device
-from services.worker.linear import quantize_int8
+from services.worker.linear import convert_weights, resolve_weight_quant
 from services.worker.models import model_family
 from services.worker.sampling import LogitBias, TokenHistory, process_logits, sample, token_logprobs
 from services.worker.tensor_parallel import TensorParallelGroup, parallelize, shard_config, shard_weights
@@ -40,9 +40,6 @@ from shared.model_info import HYBRID_PREFIX_CACHE_OFF
 ALL_PROMPT = 1 << 62  # a prompt_len no prefill reaches: every prefilled token is prompt
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-WEIGHT_QUANTS = ("none", "int8")
-
-
 @dataclass
 class _Request:
     params: SamplingParams
@@ -100,8 +97,7 @@ class ModelRunner:
         dtype = resolve_dtype(dtype, self.device)
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported (supported: auto, {', '.join(DTYPES)})")
-        if weight_quant not in WEIGHT_QUANTS:
-            raise ValueError(f"weight_quant {weight_quant!r} is not supported (supported: {', '.join(WEIGHT_QUANTS)})")
+        weight_quant = resolve_weight_quant(weight_quant, self.device, DTYPES[dtype])
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"the KV cache needs num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}")
         with open(os.path.join(model_dir, "config.json")) as f:
@@ -124,7 +120,7 @@ class ModelRunner:
             if tp is not None:
                 config, weights = shard_config(config, tp.size), shard_weights(weights, tp.rank, tp.size)
             self.model = family(config, weights)
-            self.weight_quant, self.quantized_linears = weight_quant, quantize_int8(self.model) if weight_quant == "int8" else 0
+            self.weight_quant, self.quantized_linears = weight_quant, convert_weights(self.model, weight_quant) if weight_quant != "none" else 0
             if tp is not None:  # after quantization, which finds the layers' linears unwrapped
                 parallelize(self.model, tp)
             self._torch_attention = getattr(self.model, "attention_backend", "torch") == "torch"

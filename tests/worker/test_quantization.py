@@ -1,12 +1,13 @@
-"""Weight-only int8: the per-channel codec's exact bound, and the logit error it costs a whole model
-against the same checkpoint in fp32 — through the runner, prefill and decode."""
+"""Weight formats: int8's per-channel codec bound, fp16 packs equal to fp16-rounded weights in fp32
+arithmetic, the logit error each costs a whole model against the same checkpoint in fp32 — through
+the runner — and which format ``auto`` picks where."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from services.worker.linear import Linear, RowSplitLinear, int8_per_channel
+from services.worker.linear import Linear, RowSplitLinear, int8_per_channel, resolve_weight_quant
 from services.worker.runner import ModelRunner
 from shared.frames import Slice, StepPlan
 
@@ -33,6 +34,44 @@ def test_int8_products_equal_the_dequantized_weight(rows: int) -> None:
     torch.testing.assert_close(head(x), x @ dequantized.T, rtol=1e-5, atol=1e-5)
 
 
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 33])
+def test_fp16_packs_compute_in_fp32_with_fp16_rounded_weights(rows: int) -> None:
+    w, bias, x, residual = torch.randn(24, 16), torch.randn(24), torch.randn(rows, 16), torch.randn(rows, 24)
+    rounded = w.half().float()
+    linear = Linear(w.clone(), threads=2, bias=bias)
+    linear.pack_fp16()
+    assert linear.weight.device.type == "meta" and linear.weight.dtype == torch.float16  # accounted, not stored
+    torch.testing.assert_close(linear(x, residual=residual.clone()), x @ rounded.T + bias + residual, rtol=1e-5, atol=1e-5)
+    head = RowSplitLinear(w.clone(), threads=2)
+    head.pack_fp16()
+    torch.testing.assert_close(head(x), x @ rounded.T, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(x @ rounded.T, x @ w.T, rtol=1e-6, atol=0)  # the rounding is real, so the check above could fail
+
+
+def test_auto_weight_format_is_fp16_packs_for_fp32_on_the_cpu_only() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_weight_quant("auto", cpu, torch.float32) == "fp16"
+    assert resolve_weight_quant("auto", cpu, torch.bfloat16) == "none"
+    assert resolve_weight_quant("auto", cuda, torch.bfloat16) == "none"
+    assert resolve_weight_quant("int8", cpu, torch.float32) == "int8"
+    with pytest.raises(ValueError, match="needs a float32 model on a CPU"):
+        resolve_weight_quant("fp16", cpu, torch.bfloat16)
+
+
+def test_model_logit_error_of_fp16_packs_is_negligible(tiny_llamas: dict[str, Checkpoint]) -> None:
+    tiny = tiny_llamas["tied-sharded"]
+    prompt = prompt_of(5, 20)
+    plan = StepPlan(0, [Slice("q", 0, len(prompt), prompt, list(range(8)), sampling=GREEDY)])
+    exact = ModelRunner(tiny.path, num_blocks=8, block_size=4).logits(plan)["q"]
+    packed_runner = ModelRunner(tiny.path, num_blocks=8, block_size=4, weight_quant="auto")
+    packed = packed_runner.logits(plan)["q"]
+    facts = packed_runner.describe()
+    assert facts["weight_quant"] == "fp16" and facts["quantized_linears"] == 4 * tiny.reference.config.num_hidden_layers + 1
+    relative = float((packed - exact).norm() / exact.norm())
+    # fp16 keeps 11 significant bits: expect ~1e-4 (the real model: 6.6e-4, perplexity +0.03 %, bench/quantization.py).
+    assert 0 < relative < 2e-3, relative
 
 
 def test_model_logit_error_of_int8_weights_is_small(tiny_llamas: dict[str, Checkpoint]) -> None:
