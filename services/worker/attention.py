@@ -4,8 +4,10 @@ Slot layout: position ``p`` of a request lives at slot ``table[p // block_size] 
 p % block_size`` of every layer's cache. ``AttentionMetadata`` turns a step's slices into the
 slot indices and masks once; every layer reuses them.
 
-Two backends implement ``paged_attention``'s contract: the torch path below (the CPU production path
-and the reference) and the Triton kernel (``kernels/paged_attention.py``) on CUDA, chosen once at load.
+Three backends implement ``paged_attention``'s contract, chosen once at load: the torch path below
+(the reference, and the CPU fallback), ``cpp`` on the CPU (decodes read the cache in place through
+the block tables in a C++ kernel, ``csrc/paged_decode_attention.cpp``; prefill chunks take the torch
+path) and the Triton kernel (``kernels/paged_attention.py``) on CUDA.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from services.worker.cpu_kernels import cpu_kernels
 
 
 class KVCache:
@@ -62,6 +66,7 @@ class AttentionMetadata:
     context_starts: torch.Tensor | None = None  # [S] position of each slice's first row
     max_query_len: int = 1
     block_size: int = 0
+    decode_lens: torch.Tensor | None = None  # [num_decodes] int32 context lengths (the cpp backend)
 
     @classmethod
     def build(
@@ -73,11 +78,12 @@ class AttentionMetadata:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
-        torch_path: bool = True,
+        backend: str = "torch",
     ) -> AttentionMetadata:
         """Slices given in flat-batch order: ``num_decodes`` decodes (``lens`` 1), then prefill chunks.
-        Built on the CPU, then moved to ``device`` (where the model runs). ``torch_path=False`` skips
-        the context slots and masks only the torch backend reads (the Triton one needs none)."""
+        Built on the CPU, then moved to ``device`` (where the model runs), with what ``backend`` reads:
+        the torch one context slots and masks, cpp those of prefill chunks only, triton none."""
+        decode_context, prefill_context = backend == "torch", backend in ("torch", "cpp")
         width = max(map(len, tables))
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
         in_block = torch.arange(block_size)
@@ -89,7 +95,7 @@ class AttentionMetadata:
 
         b = num_decodes
         decode_len, decode_slots, decode_mask = 0, None, None
-        if b and torch_path:
+        if b and decode_context:
             context = start_t[:b] + 1
             decode_len = max(starts[:b]) + 1
             nblocks = -(-decode_len // block_size)
@@ -103,7 +109,7 @@ class AttentionMetadata:
         for j in range(b, len(lens)):
             start, n = starts[j], lens[j]
             slots = mask = None
-            if start and torch_path:
+            if start and prefill_context:
                 end = start + n
                 nblocks = -(-end // block_size)
                 slots = (table[j, :nblocks, None] * block_size + in_block).view(-1)[:end]
@@ -115,11 +121,12 @@ class AttentionMetadata:
         meta = cls(
             positions, write_slots, b, decode_len, decode_slots, decode_mask, tuple(prefills), max_position,
             table.to(torch.int32), query_starts.to(torch.int32), start_t.to(torch.int32), max(lens), block_size,
+            (start_t[:b] + 1).to(torch.int32) if b and backend == "cpp" else None,
         )  # fmt: skip
         return meta if torch.device(device).type == "cpu" else meta.to(device)
 
     @classmethod
-    def for_decode(cls, positions: torch.Tensor, block_tables: torch.Tensor, block_size: int, dtype: torch.dtype, torch_path: bool = True) -> AttentionMetadata:
+    def for_decode(cls, positions: torch.Tensor, block_tables: torch.Tensor, block_size: int, dtype: torch.dtype, backend: str = "torch") -> AttentionMetadata:
         """A decode-only step from device tensors alone, every shape fixed by ``block_tables`` [B, W]:
         what a CUDA graph captures. For the torch backend every decode attends over ``W * block_size``
         slots, masked past its position; nothing here reads a tensor's value on the host."""
@@ -129,14 +136,14 @@ class AttentionMetadata:
         span = width * block_size
         write_slots = tables.gather(1, (positions // block_size)[:, None]).squeeze(1) * block_size + positions % block_size
         decode_slots = decode_mask = None
-        if torch_path:
+        if backend == "torch":
             decode_slots = (tables[:, :, None] * block_size + torch.arange(block_size, device=device)).view(-1)
             keep = torch.arange(span, device=device) <= positions[:, None]
             decode_mask = torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, float("-inf")).view(batch, 1, 1, span)
         query_starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
         return cls(
             positions, write_slots, batch, span, decode_slots, decode_mask, (), span - 1,
-            block_tables, query_starts, positions.to(torch.int32), 1, block_size,
+            block_tables, query_starts, positions.to(torch.int32), 1, block_size, (positions + 1).to(torch.int32) if backend == "cpp" else None,
         )  # fmt: skip
 
     def to(self, device: torch.device | str) -> AttentionMetadata:
@@ -147,6 +154,7 @@ class AttentionMetadata:
         return AttentionMetadata(
             move(self.positions), move(self.write_slots), self.num_decodes, self.decode_len, move(self.decode_slots), move(self.decode_mask),
             prefills, self.max_position, move(self.block_tables), move(self.query_starts), move(self.context_starts), self.max_query_len, self.block_size,
+            move(self.decode_lens),
         )  # fmt: skip
 
 
@@ -167,6 +175,14 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, meta
         # g queries of that kv head, so keys are never repeated.
         qd = q[:b].view(b, kv_heads, heads // kv_heads, dim)
         outs.append(F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask).reshape(b, heads * dim))
+    outs += _prefill_attention(q, kv, cache, meta)
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _prefill_attention(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> list[torch.Tensor]:
+    """Each prefill chunk's attention over its context so far (torch SDPA), in flat-batch order."""
+    heads, dim = q.shape[1:]
+    outs = []
     for chunk in meta.prefills:
         n = chunk.rows.stop - chunk.rows.start
         context = kv[chunk.rows] if chunk.context_slots is None else cache.index_select(0, chunk.context_slots)
@@ -174,6 +190,19 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, meta
         qp = q[chunk.rows].transpose(0, 1)
         out = F.scaled_dot_product_attention(qp, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, enable_gqa=True)
         outs.append(out.transpose(0, 1).reshape(n, heads * dim))
+    return outs
+
+
+def paged_attention_cpp(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """``paged_attention``'s contract with the decodes in the C++ kernel, which reads the context in
+    place through the block tables instead of gathering it; prefill chunks as in the torch path."""
+    cache.index_copy_(0, meta.write_slots, kv)
+    outs = []
+    if b := meta.num_decodes:
+        kernels, _ = cpu_kernels()
+        out = kernels.paged_decode_attention(q[:b], cache, meta.block_tables, meta.decode_lens, meta.block_size, q.shape[-1] ** -0.5)
+        outs.append(out.view(b, -1))
+    outs += _prefill_attention(q, kv, cache, meta)
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
@@ -187,9 +216,12 @@ def paged_attention_triton(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tenso
 
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
-ATTENTION_BACKENDS: dict[str, AttentionFn] = {"torch": paged_attention, "triton": paged_attention_triton}
+ATTENTION_BACKENDS: dict[str, AttentionFn] = {"torch": paged_attention, "cpp": paged_attention_cpp, "triton": paged_attention_triton}
 
 
-def select_attention_backend(device: torch.device) -> str:
-    """The Triton kernel where the model runs on CUDA, else the torch path."""
-    return "triton" if device.type == "cuda" else "torch"
+def select_attention_backend(device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """The Triton kernel where the model runs on CUDA; on the CPU the C++ decode kernel for fp32 when
+    it builds here (else the torch path; ``cpu_kernels()`` says why)."""
+    if device.type == "cuda":
+        return "triton"
+    return "cpp" if dtype == torch.float32 and cpu_kernels()[0] is not None else "torch"

@@ -29,6 +29,7 @@ from services.worker.device import resolve_dtype
 from services.worker.device_memory import ActivationProfile, CudaMemoryProbe, MemoryProbe
 from services.worker.gdn_state import GDNStateCache, SlotMetadata
 from services.worker.kernels.sampling import SamplingTensors, sample_on_device
+from services.worker.cpu_kernels import cpu_kernels
 from services.worker.linear import convert_weights, resolve_weight_quant
 from services.worker.models import model_family
 from services.worker.sampling import LogitBias, TokenHistory, process_logits, sample, token_logprobs
@@ -123,7 +124,7 @@ class ModelRunner:
             self.weight_quant, self.quantized_linears = weight_quant, convert_weights(self.model, weight_quant) if weight_quant != "none" else 0
             if tp is not None:  # after quantization, which finds the layers' linears unwrapped
                 parallelize(self.model, tp)
-            self._torch_attention = getattr(self.model, "attention_backend", "torch") == "torch"
+            self._attention_backend = getattr(self.model, "attention_backend", "torch")
             # One GDN state slot per request the scheduler may run at once; it hands out ids 0..max_num_seqs-1.
             # With graphs, slot max_num_seqs past them is the dummy slot that padding rows run in.
             shape = self.model.gdn_shape
@@ -202,7 +203,7 @@ class ModelRunner:
 
     def _decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, gdn_slots: torch.Tensor) -> torch.Tensor:
         """A decode-only step from device tensors alone: what a graph records (metadata built inside)."""
-        meta = AttentionMetadata.for_decode(positions, block_tables, self.block_size, self.model.dtype, self._torch_attention)
+        meta = AttentionMetadata.for_decode(positions, block_tables, self.block_size, self.model.dtype, self._attention_backend)
         slots = None
         if self.states is not None:
             # Padding rows read the dummy slot's state before they write it: reinitialised on every replay.
@@ -324,7 +325,7 @@ class ModelRunner:
         lens = [s.num_tokens for s in ordered]
         starts = [s.start for s in ordered]
         meta = AttentionMetadata.build(
-            starts, lens, [r.table for r in requests], num_decodes, self.block_size, self.model.dtype, self.device, self._torch_attention
+            starts, lens, [r.table for r in requests], num_decodes, self.block_size, self.model.dtype, self.device, self._attention_backend
         )
         slots = None if self.states is None else SlotMetadata.build(self.states, [s.slot for s in ordered], starts, lens, num_decodes)
         hidden = self.model.forward(torch.tensor(input_ids, device=self.device), meta.positions, meta, self.kv_cache, slots)
@@ -405,6 +406,7 @@ class ModelRunner:
             "device": str(self.device),
             "dtype": str(cache.dtype).removeprefix("torch."),
             "attention_backend": getattr(self.model, "attention_backend", "torch"),
+            **({"cpu_kernels": cpu_kernels()[1] or "built"} if self.device.type == "cpu" else {}),
             "fusion_kernels": getattr(getattr(self.model, "fusions", None), "names", None),
             "sampler": self.sampler,
             "cuda_graphs": None if self.graphs is None else self.graphs.describe(),

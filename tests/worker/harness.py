@@ -22,6 +22,7 @@ from transformers import (
     Qwen3NextForCausalLM,
 )
 
+from services.worker.attention import AttentionMetadata
 from services.worker.runner import ModelRunner
 from shared.frames import SamplingParams, Slice, StepPlan
 
@@ -296,3 +297,31 @@ def check_greedy_in_mixed_batches(tiny: Checkpoint) -> None:
     assert stats.mixed_steps >= 4 and stats.multi_prefill_steps >= 1
     for rid, prompt in prompts.items():
         assert out[rid] == reference_greedy(tiny.reference, prompt, MAX_NEW), rid
+
+
+ATTENTION_CASES = {  # heads, kv_heads, head_dim, block size, decode contexts (start of each), prefill chunks (start, length)
+    "decode-only-gqa4": (8, 2, 32, 4, [0, 6, 13, 21], []),
+    "prefill-only-mha": (4, 4, 16, 8, [], [(0, 11), (0, 3)]),
+    "mixed-gqa3-cached-prefix": (6, 2, 24, 4, [9, 2], [(7, 10), (0, 5), (16, 1)]),
+    "long-prefix-wide-block": (4, 1, 64, 16, [70], [(45, 30)]),
+    "smollm2-shaped-decodes": (9, 3, 64, 16, [0, 15, 16, 17, 250, 511], [(100, 7)]),
+}
+
+
+def attention_step(case: str, dtype: torch.dtype, backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A cache holding every request's earlier keys, this step's q and new kv, and the step's metadata."""
+    heads, kv_heads, dim, block_size, decodes, prefills = ATTENTION_CASES[case]
+    generator = torch.Generator().manual_seed(len(case))
+    starts = decodes + [start for start, _ in prefills]
+    lens = [1] * len(decodes) + [n for _, n in prefills]
+    blocks_needed = [-(-(s + n) // block_size) for s, n in zip(starts, lens)]
+    num_blocks = sum(blocks_needed) + 3
+    free = list(range(num_blocks))
+    random.Random(len(case)).shuffle(free)  # tables out of order, interleaved between requests
+    tables = [[free.pop() for _ in range(n)] for n in blocks_needed]
+    cache = (torch.randn(num_blocks * block_size, 2, kv_heads, dim, generator=generator) / 2).to(dtype)
+    total = sum(lens)
+    q = torch.randn(total, heads, dim, generator=generator).to(dtype)
+    kv = torch.randn(total, 2, kv_heads, dim, generator=generator).to(dtype)
+    meta = AttentionMetadata.build(starts, lens, tables, len(decodes), block_size, dtype, backend=backend)
+    return q, kv, cache, meta

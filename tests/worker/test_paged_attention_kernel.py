@@ -16,6 +16,8 @@ import torch
 from services.worker.attention import AttentionMetadata, paged_attention
 from shared.frames import SamplingParams, Slice, StepPlan
 
+from .harness import ATTENTION_CASES, attention_step
+
 pytest.importorskip("triton")
 
 from services.worker.attention import paged_attention_triton  # noqa: E402
@@ -24,37 +26,10 @@ GREEDY = SamplingParams(temperature=0)
 
 
 
-CASES = {  # heads, kv_heads, head_dim, block size, decode contexts (start of each), prefill chunks (start, length)
-    "decode-only-gqa4": (8, 2, 32, 4, [0, 6, 13, 21], []),
-    "prefill-only-mha": (4, 4, 16, 8, [], [(0, 11), (0, 3)]),
-    "mixed-gqa3-cached-prefix": (6, 2, 24, 4, [9, 2], [(7, 10), (0, 5), (16, 1)]),
-    "long-prefix-wide-block": (4, 1, 64, 16, [70], [(45, 30)]),
-}
-
-
-def _step(case: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """A cache holding every request's earlier keys, this step's q and new kv, and the step's metadata."""
-    heads, kv_heads, dim, block_size, decodes, prefills = CASES[case]
-    generator = torch.Generator().manual_seed(len(case))
-    starts = decodes + [start for start, _ in prefills]
-    lens = [1] * len(decodes) + [n for _, n in prefills]
-    blocks_needed = [-(-(s + n) // block_size) for s, n in zip(starts, lens)]
-    num_blocks = sum(blocks_needed) + 3
-    free = list(range(num_blocks))
-    random.Random(len(case)).shuffle(free)  # tables out of order, interleaved between requests
-    tables = [[free.pop() for _ in range(n)] for n in blocks_needed]
-    cache = (torch.randn(num_blocks * block_size, 2, kv_heads, dim, generator=generator) / 2).to(dtype)
-    total = sum(lens)
-    q = torch.randn(total, heads, dim, generator=generator).to(dtype)
-    kv = torch.randn(total, 2, kv_heads, dim, generator=generator).to(dtype)
-    meta = AttentionMetadata.build(starts, lens, tables, len(decodes), block_size, dtype)
-    return q, kv, cache, meta
-
-
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.float16, 2e-3)], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
 def test_triton_paged_attention_matches_the_torch_path(interpreter: Pool, case: str, dtype: torch.dtype, tolerance: float) -> None:
-    q, kv, cache, meta = _step(case, dtype)
+    q, kv, cache, meta = attention_step(case, dtype)
     cache_ours = cache.clone()
     ours = interpreter.apply(_run_triton, (q, kv, cache_ours, meta))
     # The torch path in fp32 on the same (fp16-representable) values.
@@ -67,7 +42,7 @@ def test_triton_paged_attention_matches_the_torch_path(interpreter: Pool, case: 
 
 
 def test_triton_backend_stores_this_steps_keys_in_the_cache(interpreter: Pool) -> None:
-    q, kv, cache, meta = _step("mixed-gqa3-cached-prefix", torch.float32)
+    q, kv, cache, meta = attention_step("mixed-gqa3-cached-prefix", torch.float32)
     _, cache_after = interpreter.apply(_run_triton_with_cache, (q, kv, cache.clone(), meta))
     expected = cache.clone()
     paged_attention(q, kv, expected, meta)
@@ -132,7 +107,7 @@ def _greedy_with_triton_attention(path: str, prompts: dict[str, list[int]], arri
     runner = ModelRunner(path, 48, 4, cuda_graph_max_batch=4, capture=eager_capture, max_model_len=64)
     for layer in runner.model.layers:
         layer.attn.attend = paged_attention_triton
-    runner._torch_attention = False  # the metadata the Triton backend gets on CUDA: no torch-path masks
+    runner._attention_backend = "triton"  # the metadata the Triton backend gets on CUDA: no torch-path masks
     runner.capture_graphs()
     out = _greedy(runner, prompts, arrivals, 8)
     assert runner.graphs.replayed > 0 and runner.graphs.eager == 0

@@ -161,7 +161,7 @@ class DecoderForCausalLM:
         self.dtype = self.embed.dtype
         theta, scaling = rope_config(config)
         self.rotary = RotaryEmbedding(self.rotary_dim(config), theta, scaling, cfg.max_positions, self.dtype, self.embed.device)
-        self.attention_backend = select_attention_backend(self.embed.device)
+        self.attention_backend = select_attention_backend(self.embed.device, self.dtype)
         self.fusions = select_fusion_kernels(self.embed.device)
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
         self.norm = self.rms_norm(weights["model.norm.weight"])

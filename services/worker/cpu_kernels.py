@@ -1,0 +1,55 @@
+"""C++ kernels for the CPU worker (``services/worker/csrc``), compiled on first use by the machine that
+runs them and cached by torch (``~/.cache/torch_extensions``, or ``TORCH_EXTENSIONS_DIR``).
+
+The ISA flags come from what this machine's /proc/cpuinfo lists (AVX2 + FMA when present), never
+``-march=native``, which may pick instructions a virtual machine advertises but does not execute.
+Without a compiler (or with ``TOKENYARD_CPU_KERNELS=0``) the worker keeps its torch paths, and the
+reason is reported in ``/instrumentation``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import structlog
+
+log = structlog.get_logger()
+
+SOURCES = [Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"]
+
+
+def _isa_flags() -> list[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= set(flags) else []
+
+
+@functools.cache
+def cpu_kernels() -> tuple[ModuleType | None, str]:
+    """``(module, "")`` once built, or ``(None, why not)``; built at most once per process."""
+    if os.environ.get("TOKENYARD_CPU_KERNELS", "1") == "0":
+        return None, "disabled by TOKENYARD_CPU_KERNELS=0"
+    if shutil.which("ninja") is None:  # the pip-installed ninja sits beside this interpreter
+        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    try:
+        from torch.utils import cpp_extension
+
+        module = cpp_extension.load(
+            name="tokenyard_cpu_kernels",
+            sources=[str(s) for s in SOURCES],
+            extra_cflags=["-O3", "-fopenmp-simd", *_isa_flags()],
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, a failed build: the torch paths still work
+        why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        log.warning("cpu_kernels_unavailable", why=why)
+        return None, why
+    return module, ""
