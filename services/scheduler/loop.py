@@ -242,6 +242,8 @@ class SchedulerLoop:
             return
         if peer.serving and beat.pid != peer.pid:  # restarted between two heartbeats
             self._peer_lost(beat.process, f"restarted (pid {peer.pid} -> {beat.pid})")
+        elif peer.serving and beat.state == "failed":  # e.g. a worker whose tensor-parallel rank died
+            self._peer_lost(beat.process, f"failed: {beat.detail}")
         changed = peer.state != beat.state
         if changed:
             self.log.info("peer_state", peer=beat.process, state=beat.state, detail=beat.detail, pid=beat.pid)
