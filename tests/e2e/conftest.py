@@ -1,4 +1,5 @@
-"""Starts the whole stack (the launcher and its four processes) once for the e2e tests."""
+"""Starts the whole stack (the launcher and its four processes) once for the e2e tests, and what
+the e2e tests share: starting and stopping stacks and services, health and metrics probes."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 
 import openai
@@ -41,8 +42,9 @@ def http_post(url: str, body: bytes, timeout: float = 30.0) -> tuple[int, bytes]
         return exc.code, exc.read()
 
 
-def metric_value(text: str, name: str) -> float:
-    """The first sample of ``name`` (``metric`` or ``metric{label="value",...}``, a subset of its labels) in ``text``."""
+def metric_value(text: str, name: str, default: float | None = None) -> float:
+    """The first sample of ``name`` (``metric`` or ``metric{label="value",...}``, a subset of its labels) in ``text``;
+    ``default`` if there is none (a labelled counter's series appears at its first increment), else KeyError."""
     base, _, selector = name.partition("{")
     wanted = dict(part.split("=", 1) for part in selector.rstrip("}").split(",") if part)
     wanted = {key: value.strip('"') for key, value in wanted.items()}
@@ -50,6 +52,8 @@ def metric_value(text: str, name: str) -> float:
         for sample in family.samples:
             if sample.name == base and wanted.items() <= sample.labels.items():
                 return sample.value
+    if default is not None:
+        return default
     raise KeyError(name)
 
 
@@ -140,15 +144,21 @@ class Replicas:
 
 
 @contextmanager
-def launched_stack(port: int, flags: list[str], log_path: str) -> Iterator[Stack]:
-    """The launcher on ``port`` with these flags, its output in ``log_path``; stopped on exit
-    (Ctrl-C, which stops every process it started, then SIGKILL if it takes over 30s)."""
+def running_service(service: str, port: int, flags: list[str], log_path: str) -> Iterator[Stack]:
+    """``python -m services.<service> --port PORT FLAGS``, its output in ``log_path``; stopped on exit
+    (Ctrl-C: the launcher stops every process it started, an api drains; SIGKILL after 30s)."""
     with open(log_path, "w") as log:
-        process = subprocess.Popen([sys.executable, "-m", "services.launcher", "--port", str(port), *flags], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        argv = [sys.executable, "-m", f"services.{service}", "--port", str(port), *flags]
+        process = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         yield Stack(port=port, process=process, log_path=log_path)
     finally:
         stop_process(process)
+
+
+def launched_stack(port: int, flags: list[str], log_path: str) -> AbstractContextManager[Stack]:
+    """The whole stack: the launcher on ``port`` with these flags."""
+    return running_service("launcher", port, flags, log_path)
 
 
 def wait_healthy(stack: Stack, timeout: float) -> float:
