@@ -1,14 +1,17 @@
-"""A serving worker that reports ``failed`` (rank 0 of a tensor-parallel worker whose other rank
-died) is lost at once: every request the scheduler holds ends with an error naming the reason."""
+"""Peers the scheduler loses: a serving worker that reports ``failed`` (rank 0 of a tensor-parallel
+worker whose other rank died) fails every request at once with the reason; an api replica that goes
+silent (killed) has its requests aborted, not left to run to max_tokens."""
 
 from __future__ import annotations
+
+import time
 
 import structlog
 import zmq
 
 from services.scheduler.loop import SchedulerLoop
 from shared.config import DEFAULT_MODEL_DIR, StackConfig
-from shared.frames import Error, Heartbeat, Submit
+from shared.frames import ApiAnnounce, Error, Heartbeat, Submit
 from shared.transport import Inbox
 
 log = structlog.get_logger()
@@ -46,3 +49,20 @@ def test_a_serving_worker_reporting_failed_fails_every_request_with_its_reason(t
     loop._handle(Heartbeat(process="worker", pid=100, state="failed", detail=WHY))  # said again: nothing more to fail
     assert _errors(api) == []
     ctx.destroy(0)
+
+
+def test_requests_of_an_api_replica_that_went_silent_are_aborted(tmp_path) -> None:
+    loop = SchedulerLoop(StackConfig(model=DEFAULT_MODEL_DIR, run_dir=str(tmp_path / "run"), engine_timeout_s=0.3), log)
+    for process in ("worker", "detokenizer"):
+        loop._handle(Heartbeat(process=process, pid=100, state="ready"))
+    owners = {name: f"ipc://{tmp_path}/{name}.sock" for name in ("api-a", "api-b")}
+    for name, address in owners.items():
+        loop._handle(ApiAnnounce(replica=name, address=address, engine="engine-0"))
+        loop._handle(Submit(rid=f"r-{name}", prompt_ids=list(range(40)), max_tokens=8, reply_to=address))
+    loop._plan_and_send()
+    used = loop.core.pool.num_used
+    time.sleep(0.4)  # api-a says nothing more; api-b keeps announcing
+    loop._handle(ApiAnnounce(replica="api-b", address=owners["api-b"], engine="engine-0"))
+    loop._send_status()
+    assert list(loop.core.requests) == ["r-api-b"] and list(loop.apis) == [owners["api-b"]]
+    assert 0 < loop.core.pool.num_used < used
