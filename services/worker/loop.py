@@ -45,9 +45,9 @@ DECODE_STEPS = Counter(f"{PREFIX}worker_decode_steps", "Decode-only steps, repla
 for _mode in ("graph", "eager"):  # both series exist from the start, at 0
     DECODE_STEPS.labels(_mode)
 DEVICE_MEMORY_USED = Gauge(f"{PREFIX}worker_device_memory_used_bytes", "Device memory held by this worker's tensors (CUDA)")
+DEVICE_MEMORY_RESERVED = Gauge(f"{PREFIX}worker_device_memory_reserved_bytes", "Device memory reserved by this worker's caching allocator (CUDA)")
 RANK_LOST_EXIT_S = 1.0  # how long rank 0 reports a lost rank (health, heartbeats) before it exits
 EXIT_RANK_LOST = 3  # the exit code of a rank whose peer died (the launcher restarts the group)
-DEVICE_MEMORY_RESERVED = Gauge(f"{PREFIX}worker_device_memory_reserved_bytes", "Device memory reserved by this worker's caching allocator (CUDA)")
 
 
 def step_kind(plan: StepPlan) -> str:

@@ -42,11 +42,12 @@ def _broadcast_bytes(data: bytes, leader: bool, device: torch.device) -> bytes:
     """The leader's ``data`` on every rank (followers pass b""), as a size then uint8 tensor: never pickle."""
     size = torch.tensor([len(data) if leader else 0], dtype=torch.int64, device=device)
     dist.broadcast(size, 0)
+    if leader:  # no .item() here: on a GPU it would wait for the device on every step
+        if data:
+            dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device), 0)
+        return data
     if not size.item():
         return b""
-    if leader:
-        dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device), 0)
-        return data
     buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.broadcast(buffer, 0)
     return buffer.cpu().numpy().tobytes()
