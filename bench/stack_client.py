@@ -71,14 +71,15 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float, what: st
         time.sleep(0.25)
 
 
-def stop_process(process: subprocess.Popen, grace_s: float = 30) -> None:
-    """Ctrl-C (the launcher and llama-server both stop their children on it), then SIGKILL after ``grace_s``."""
+def stop_process(process: subprocess.Popen, grace_s: float = 30) -> int:
+    """Ctrl-C (the launcher and llama-server both stop their children on it), then SIGKILL after
+    ``grace_s``; returns the exit code (negative: killed by that signal)."""
     process.send_signal(signal.SIGINT)
     try:
-        process.wait(grace_s)
+        return process.wait(grace_s)
     except subprocess.TimeoutExpired:
         process.kill()
-        process.wait()
+        return process.wait()
 
 
 def served_model(url: str) -> str:

@@ -97,6 +97,12 @@ class DetokenizerLoop:
         if tracked is None:
             IGNORED.inc()
             return None
+        if delta.finish == FinishReason.ERROR.value:
+            # The scheduler failed it and told its api why (an Error frame); a finishing delta from here
+            # could overtake that frame and replace the reason with a generic one.
+            del self.requests[delta.rid]
+            self.log.info("request_failed", rid=delta.rid)
+            return None
         tracked.cached_tokens = max(tracked.cached_tokens, delta.cached_tokens)
         before = tracked.state.completion_tokens
         update = tracked.state.push(delta.token_ids)

@@ -31,6 +31,7 @@ from shared.transport import InsecureBindError, check_binds
 PROCESSES = ("scheduler", "worker", "detokenizer", "api")
 ENGINE_PROCESSES = PROCESSES[:3]
 STOP_GRACE_S = 10.0
+GROUP_EXIT_GRACE_S = 5.0  # a dead rank's peers exit by themselves within ~1s; then they are killed
 READY_TIMEOUT_S = 600.0
 MAX_RESTARTS = 5  # within RESTART_WINDOW_S, before the launcher gives up
 RESTART_WINDOW_S = 60.0
@@ -166,10 +167,7 @@ class Launcher:
                     return 1
                 print(f"tokenyard: {name} (pid {child.pid}) exited with code {child.returncode}; restarting it", file=sys.stderr, flush=True)
                 group = [other for other in self.children if restart_group(other) == restart_group(name)]
-                for other in group:
-                    if self.children[other].poll() is None:
-                        self.children[other].kill()
-                        self.children[other].wait()
+                self._reap(group, GROUP_EXIT_GRACE_S)
                 for other in group:
                     self._spawn(other)
                 break  # self.children changed
@@ -180,6 +178,21 @@ class Launcher:
         """The api first (it drains while the engine still serves its running requests), then the engine processes."""
         self._stop([self.children[name] for name in ("api",) if name in self.children], self.config.drain_timeout_s + STOP_GRACE_S)
         self._stop([child for name, child in self.children.items() if name != "api"], STOP_GRACE_S)
+
+    def _reap(self, names: list[str], grace_s: float) -> None:
+        """The rest of a dead child's group: worker ranks notice a dead peer and exit by themselves
+        (rank 0 after telling the scheduler why), so they get ``grace_s`` before they are killed."""
+        deadline = time.monotonic() + grace_s
+        for name in names:
+            child = self.children[name]
+            if child.poll() is not None:
+                continue
+            try:
+                child.wait(max(0.0, deadline - time.monotonic()))
+                print(f"tokenyard: {name} (pid {child.pid}) exited by itself with code {child.returncode}", file=sys.stderr, flush=True)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
 
     @staticmethod
     def _stop(children: list[subprocess.Popen], grace_s: float) -> None:

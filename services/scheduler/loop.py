@@ -218,12 +218,23 @@ class SchedulerLoop:
     def _send_status(self) -> None:
         """EngineStatus to every api replica heard from within engine_timeout_s (or the configured api)."""
         now, status = time.monotonic(), self.status()
-        self.apis = {address: heard for address, heard in self.apis.items() if now - heard[1] < self.config.engine_timeout_s}
+        for address in [a for a, (_, heard) in self.apis.items() if now - heard >= self.config.engine_timeout_s]:
+            del self.apis[address]
+            self._abort_owned_by(address)
         if self.config.api_address not in self.apis:
             self.to_api.send("", status)
         for address, (engine, _) in self.apis.items():
             status.engine = engine
             self.to_api.send(address, status)
+
+    def _abort_owned_by(self, address: str) -> None:
+        """An api replica went silent (killed, or stopped without draining): nobody reads its requests'
+        replies any more, so they are aborted rather than left to run to max_tokens."""
+        rids = [rid for rid, request in self.core.requests.items() if request.submit.reply_to == address]
+        (self.log.warning if rids else self.log.info)("api_lost", address=address, aborted_requests=len(rids))
+        for rid in rids:
+            self._send(self.core.finish(rid, FinishReason.ABORT))
+        self._update_gauges()
 
     def _on_result(self, result: StepResult) -> None:
         if result.step not in self.in_flight:
@@ -242,6 +253,8 @@ class SchedulerLoop:
             return
         if peer.serving and beat.pid != peer.pid:  # restarted between two heartbeats
             self._peer_lost(beat.process, f"restarted (pid {peer.pid} -> {beat.pid})")
+        elif peer.serving and beat.state == "failed":  # e.g. a worker whose tensor-parallel rank died
+            self._peer_lost(beat.process, f"failed: {beat.detail}")
         changed = peer.state != beat.state
         if changed:
             self.log.info("peer_state", peer=beat.process, state=beat.state, detail=beat.detail, pid=beat.pid)

@@ -3,12 +3,18 @@
 A heartbeat thread reports loading progress and liveness to the scheduler on its own
 socket (ZMQ sockets are not shared across threads), so the scheduler hears from the
 worker while the main thread is inside a long forward pass.
+
+With tensor parallelism, rank 0 (this loop) fails fast when another rank dies: it reports
+``failed`` with the reason at once (the scheduler fails every request it holds), answers any
+step with that error, and exits after ``RANK_LOST_EXIT_S`` so that its launcher or orchestrator
+restarts the ranks together; a follower whose leader dies exits at once.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -40,6 +46,8 @@ for _mode in ("graph", "eager"):  # both series exist from the start, at 0
     DECODE_STEPS.labels(_mode)
 DEVICE_MEMORY_USED = Gauge(f"{PREFIX}worker_device_memory_used_bytes", "Device memory held by this worker's tensors (CUDA)")
 DEVICE_MEMORY_RESERVED = Gauge(f"{PREFIX}worker_device_memory_reserved_bytes", "Device memory reserved by this worker's caching allocator (CUDA)")
+RANK_LOST_EXIT_S = 1.0  # how long rank 0 reports a lost rank (health, heartbeats) before it exits
+EXIT_RANK_LOST = 3  # the exit code of a rank whose peer died (the launcher restarts the group)
 
 
 def step_kind(plan: StepPlan) -> str:
@@ -68,14 +76,37 @@ class WorkerLoop:
         self.device: torch.device | None = None
         self.device_info: dict = {"type": "cpu", "name": cpu_name(), "cores": os.cpu_count()}
         self.memory_plan: MemoryPlan | None = None
+        self.tp = None  # the tensor-parallel group, when this is rank 0 of several
+        self.rank_lost = ""  # why the group broke, once a rank is gone
+
+    def _heartbeat(self) -> Heartbeat:
+        return Heartbeat(process="worker", pid=os.getpid(), state=self.state, detail=self.detail, progress=self.progress, kv_blocks=self.num_blocks)
 
     def _heartbeats(self) -> None:
         outbox = Outbox(self.ctx, self.config.scheduler_address, "worker_heartbeat", self.curve)
         while not self.stopping:
-            beat = Heartbeat(process="worker", pid=os.getpid(), state=self.state, detail=self.detail, progress=self.progress, kv_blocks=self.num_blocks)
-            outbox.send(beat)
+            outbox.send(self._heartbeat())
             time.sleep(self.config.heartbeat_s)
         outbox.close()
+
+    def _on_rank_lost(self, why: str) -> None:
+        """From the liveness thread: the group is broken for good, so report it at once, then exit.
+
+        The main thread may be blocked in a collective that never returns (NCCL waits for the
+        dead rank until its timeout), so this thread ends the process itself.
+        """
+        if self.stopping:
+            return
+        self.rank_lost = why
+        self.state, self.detail = "failed", f"{why}; the worker exits to be restarted with its ranks"
+        self.log.error("tensor_parallel_rank_lost", why=why, exit_in_s=RANK_LOST_EXIT_S)
+        outbox = Outbox(self.ctx, self.config.scheduler_address, "worker_rank_lost", self.curve)
+        outbox.send(self._heartbeat())  # now, not at the next heartbeat: the scheduler fails the requests
+        PROCESS_UP.labels("worker").set(0)
+        time.sleep(RANK_LOST_EXIT_S)
+        outbox.close()
+        sys.stderr.flush()
+        os._exit(EXIT_RANK_LOST)
 
     def load(self) -> None:
         from services.worker.runner import ModelRunner
@@ -93,7 +124,8 @@ class WorkerLoop:
             from services.worker.tensor_parallel import init_group
 
             self.detail = f"waiting for {self.config.tensor_parallel_size - 1} more tensor-parallel ranks at {self.config.tensor_parallel_init}"
-            tp = init_group(0, self.config.tensor_parallel_size, self.config.tensor_parallel_init)
+            self.tp = tp = init_group(0, self.config.tensor_parallel_size, self.config.tensor_parallel_init)
+            tp.liveness.watch(self._on_rank_lost)
             self.detail = f"loading weights from {self.model.path} (rank 0 of {tp.size})"
         size_kv = self._kv_budget(torch.cuda.mem_get_info(device)[0]) if cuda and self.config.gpu_memory_utilization > 0 else None
         self.runner = ModelRunner(
@@ -181,17 +213,32 @@ class WorkerLoop:
                 if isinstance(frame, StepPlan):
                     self.to_scheduler.send(self._execute(frame))
                 elif isinstance(frame, Release):
-                    self.runner.release(frame.rids)
+                    if not self.rank_lost:  # a broken group takes no more collectives
+                        self.runner.release(frame.rids)
                     self.log.info("requests_released", rids=frame.rids)
                 else:
                     self.log.warning("unexpected_frame", frame=type(frame).__name__)
                     FRAMES_UNEXPECTED.labels(self.inbox.name).inc()
-        self.runner.close()
+        self._close()
+
+    def _close(self) -> None:
+        """Stops the follower ranks (they leave first, so none takes the stop for the leader's death)."""
+        if self.tp is None:
+            self.runner.close()
+            return
+        self.tp.liveness.stop()  # followers leaving from now on is the stop, not a failure
+        try:
+            self.runner.close()
+        except RuntimeError as exc:  # a follower was already gone
+            self.log.warning("tensor_parallel_stop_failed", error=str(exc))
+        self.tp.liveness.close(wait_s=5.0)
 
     def _execute(self, plan: StepPlan) -> StepResult:
         for s in plan.slices:
             if s.sampling is not None:  # a request's first slice since (re)admission
                 self.log.info("request_started", rid=s.rid, step=plan.step, start=s.start, tokens=s.num_tokens)
+        if self.rank_lost:
+            return StepResult(step=plan.step, sampled=[], error=self.rank_lost)
         kind = step_kind(plan)
         started = time.perf_counter()
         try:
@@ -200,6 +247,11 @@ class WorkerLoop:
                 DECODE_STEPS.labels("graph" if self.runner.last_step_graphed else "eager").inc()
         except Exception as exc:  # a bad plan must not take the worker down
             STEP_ERRORS.inc()
+            # A collective that failed because a rank died says so in the peer's terms, not gloo's.
+            lost = self.tp.liveness.dead_peer(timeout_s=0.5) if self.tp is not None and isinstance(exc, RuntimeError) else None
+            if lost is not None:
+                self.log.error("step_failed", step=plan.step, why=lost)
+                return StepResult(step=plan.step, sampled=[], error=lost)
             self.log.exception("step_failed", step=plan.step)
             self.runner.release([s.rid for s in plan.slices])
             return StepResult(step=plan.step, sampled=[], error=f"{type(exc).__name__}: {exc}")
@@ -229,6 +281,8 @@ class WorkerLoop:
             "warmup_lengths": warmup_lengths(self.config.max_num_batched_tokens, self.num_blocks * self.config.block_size),
             "addresses": {"inbox": self.inbox.address, "scheduler": self.to_scheduler.address},
         }
+        if self.tp is not None:
+            info["tensor_parallel"] = {"size": self.tp.size, "init_method": self.config.tensor_parallel_init, "peers": self.tp.liveness.describe()}
         if self.runner is not None:
             info["runner"] = self.runner.describe()
         return info
@@ -263,19 +317,34 @@ def read_ahead(model_dir: str) -> None:
 
 
 def run_follower(config: StackConfig, log: structlog.stdlib.BoundLogger) -> None:
-    """A tensor-parallel rank > 0: joins the group, loads its shard, runs what rank 0 broadcasts."""
+    """A tensor-parallel rank > 0: joins the group, loads its shard, runs what rank 0 broadcasts.
+
+    Its life is rank 0's: it ignores SIGINT and SIGTERM (a Ctrl-C reaches every process of the
+    terminal; stopping a follower first would look like its death to rank 0), stops when rank 0
+    sends stop, and exits at once, with ``EXIT_RANK_LOST``, when rank 0 is gone.
+    """
     from services.worker.runner import ModelRunner
     from services.worker.tensor_parallel import init_group
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     rank, size = config.tensor_parallel_rank, config.tensor_parallel_size
     tp = init_group(rank, size, config.tensor_parallel_init)
+
+    def leader_lost(why: str) -> None:
+        log.error("tensor_parallel_leader_lost", rank=rank, why=why)
+        sys.stderr.flush()
+        os._exit(EXIT_RANK_LOST)
+
+    tp.liveness.watch(leader_lost)
     model = load_model_info(config.model)
     num_blocks = kv_cache_blocks(model, config.kv_cache_tokens, config.kv_cache_bytes, config.block_size, config.dtype)
     runner = ModelRunner(config.model, num_blocks, config.block_size, config.dtype, config.max_num_seqs, config.weight_quant, tp=tp)
     log.info("worker_rank_ready", rank=rank, size=size)
     runner.follow()
+    tp.liveness.close()  # before the leader closes its end, which it waits for
     log.info("worker_rank_stopping", rank=rank)
 
 

@@ -1,20 +1,25 @@
-"""Starts the whole stack (the launcher and its four processes) once for the e2e tests."""
+"""Starts the whole stack (the launcher and its four processes) once for the e2e tests, and what
+the e2e tests share: starting and stopping stacks and services, health and metrics probes."""
 
 from __future__ import annotations
 
+import json
 import os
-import signal
+import shutil
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.stack_client import free_port_block
+from bench.stack_client import free_port_block, stop_process
 from shared.config import DEFAULT_MODEL_DIR
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,8 +42,9 @@ def http_post(url: str, body: bytes, timeout: float = 30.0) -> tuple[int, bytes]
         return exc.code, exc.read()
 
 
-def metric_value(text: str, name: str) -> float:
-    """The first sample of ``name`` (``metric`` or ``metric{label="value",...}``, a subset of its labels) in ``text``."""
+def metric_value(text: str, name: str, default: float | None = None) -> float:
+    """The first sample of ``name`` (``metric`` or ``metric{label="value",...}``, a subset of its labels) in ``text``;
+    ``default`` if there is none (a labelled counter's series appears at its first increment), else KeyError."""
     base, _, selector = name.partition("{")
     wanted = dict(part.split("=", 1) for part in selector.rstrip("}").split(",") if part)
     wanted = {key: value.strip('"') for key, value in wanted.items()}
@@ -46,6 +52,8 @@ def metric_value(text: str, name: str) -> float:
         for sample in family.samples:
             if sample.name == base and wanted.items() <= sample.labels.items():
                 return sample.value
+    if default is not None:
+        return default
     raise KeyError(name)
 
 
@@ -77,8 +85,6 @@ class Stack:
         return http_get(f"http://127.0.0.1:{self.port + offset}/metrics")[1].decode()
 
     def instrumentation(self, process: str) -> dict:
-        import json
-
         offset = {"api": 0, "scheduler": 1, "worker": 2, "detokenizer": 3}[process]
         return json.loads(http_get(f"http://127.0.0.1:{self.port + offset}/instrumentation")[1])
 
@@ -87,22 +93,126 @@ class Stack:
             return f.read()
 
 
+ENGINES = ("engine-0", "engine-1")
+
+
+class Replicas:
+    """A launcher's two engine replicas (``--replicas 2``) and the api at ``port`` routing among them;
+    engine i's scheduler, worker and detokenizer serve /metrics at ``port + 1 + 3i`` onwards. Another
+    api replica sharing the engines is asked by its port (``api_port``)."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.port, self.process, self.log_path = stack.port, stack.process, stack.log_path
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def engine_port(self, engine: int, process: str) -> int:
+        return self.port + 1 + 3 * engine + ("scheduler", "worker", "detokenizer").index(process)
+
+    def metrics(self, engine: int) -> str:
+        return http_get(f"http://127.0.0.1:{self.engine_port(engine, 'scheduler')}/metrics")[1].decode()
+
+    def instrumentation(self, engine: int, process: str) -> dict | None:
+        try:
+            return json.loads(http_get(f"http://127.0.0.1:{self.engine_port(engine, process)}/instrumentation", timeout=2)[1])
+        except (OSError, ValueError):
+            return None
+
+    def pid(self, engine: int, process: str) -> int | None:
+        info = self.instrumentation(engine, process)
+        return None if info is None else info["pid"]
+
+    def routed(self, api_port: int | None = None) -> dict[str, float]:
+        text = http_get(f"http://127.0.0.1:{api_port or self.port}/metrics")[1].decode()
+        return {name: metric_value(text, f'tokenyard:router_requests_total{{replica="{name}"}}') for name in ENGINES}
+
+    def in_rotation(self, api_port: int | None = None) -> dict[str, bool]:
+        try:
+            replicas = json.loads(http_get(f"http://127.0.0.1:{api_port or self.port}/instrumentation", timeout=2)[1])["replicas"]
+        except (OSError, ValueError):  # the api is not up yet
+            return {}
+        return {r["name"]: r["in_rotation"] for r in replicas}
+
+    def wait_all_in_rotation(self, timeout: float, api_port: int | None = None) -> None:
+        deadline = time.monotonic() + timeout
+        while sorted(name for name, ready in self.in_rotation(api_port).items() if ready) != list(ENGINES):
+            assert self.process.poll() is None and time.monotonic() < deadline, self.log()[-3000:]
+            time.sleep(0.2)
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+
+@contextmanager
+def running_service(service: str, port: int, flags: list[str], log_path: str) -> Iterator[Stack]:
+    """``python -m services.<service> --port PORT FLAGS``, its output in ``log_path``; stopped on exit
+    (Ctrl-C: the launcher stops every process it started, an api drains; SIGKILL after 30s)."""
+    with open(log_path, "w") as log:
+        argv = [sys.executable, "-m", f"services.{service}", "--port", str(port), *flags]
+        process = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield Stack(port=port, process=process, log_path=log_path)
+    finally:
+        stop_process(process)
+
+
+def launched_stack(port: int, flags: list[str], log_path: str) -> AbstractContextManager[Stack]:
+    """The whole stack: the launcher on ``port`` with these flags."""
+    return running_service("launcher", port, flags, log_path)
+
+
+def wait_healthy(stack: Stack, timeout: float) -> float:
+    """Waits until the api's /health answers 200; returns the seconds it took."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        assert stack.process.poll() is None, stack.log()[-3000:]
+        try:
+            if http_get(f"{stack.base_url}/health", timeout=2)[0] == 200:
+                return time.monotonic() - started
+        except OSError:
+            pass
+        time.sleep(0.25)
+    pytest.fail(f"the stack did not become healthy:\n{stack.log()[-3000:]}")
+
+
+def build_tiny_smollm(path: str, initializer_range: float = 0.02) -> None:
+    """A random 2-layer Llama with SmolLM2's vocabulary and tokenizer files: steps take milliseconds.
+
+    Tests that compare greedy tokens across runs build it with a large ``initializer_range``
+    (0.2), so the top logits are far apart and batching's rounding never flips them.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=49152,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=initializer_range,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    for name in os.listdir(DEFAULT_MODEL_DIR):
+        if name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(os.path.join(DEFAULT_MODEL_DIR, name), path)
+
+
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory) -> Stack:
     if not os.path.isfile(os.path.join(DEFAULT_MODEL_DIR, ".complete")):
         pytest.fail(f"the default model is missing at {DEFAULT_MODEL_DIR}: run `make setup`")
     port = free_port_block()
     log_path = str(tmp_path_factory.mktemp("stack") / "stack.log")
-    log = open(log_path, "w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "services.launcher", "--port", str(port), "--kv-cache-tokens", "8192"],
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    stack = Stack(port=port, process=process, log_path=log_path)
-    deadline = time.monotonic() + 300
-    try:
+    with launched_stack(port, ["--kv-cache-tokens", "8192"], log_path) as stack:
+        process = stack.process
+        deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 pytest.fail(f"the launcher exited with {process.returncode}:\n{stack.log()[-4000:]}")
@@ -121,11 +231,5 @@ def stack(tmp_path_factory) -> Stack:
             pytest.fail(f"the stack did not become ready:\n{stack.log()[-4000:]}")
         children = [stack.instrumentation(name)["pid"] for name in ("api", "scheduler", "worker", "detokenizer")]
         yield stack
-        # Ctrl-C on the launcher stops every process it started.
-        process.send_signal(signal.SIGINT)
-        assert process.wait(30) == 0
+        assert stop_process(process) == 0  # Ctrl-C on the launcher stops every process it started
         assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")], "a child outlived the launcher"
-    finally:
-        if process.poll() is None:
-            process.kill()
-        log.close()

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -13,40 +11,17 @@ import openai
 import pytest
 
 from bench.stack_client import free_port_block
-from tests.e2e.conftest import ROOT, Stack, http_get, metric_value, wait_until_quiescent
+from tests.e2e.conftest import Stack, launched_stack, metric_value, wait_healthy, wait_until_quiescent
 
 MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
 def fresh_stack(tmp_path_factory) -> Stack:
-    port = free_port_block()
     log_path = str(tmp_path_factory.mktemp("faults") / "stack.log")
-    with open(log_path, "w") as log:
-        process = subprocess.Popen([sys.executable, "-m", "services.launcher", "--port", str(port), "--kv-cache-tokens", "4096"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    stack = Stack(port=port, process=process, log_path=log_path)
-    try:
+    with launched_stack(free_port_block(), ["--kv-cache-tokens", "4096"], log_path) as stack:
         wait_healthy(stack, 300)
         yield stack
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-
-
-def wait_healthy(stack: Stack, timeout: float) -> float:
-    started = time.monotonic()
-    while time.monotonic() - started < timeout:
-        assert stack.process.poll() is None, stack.log()[-3000:]
-        try:
-            if http_get(f"{stack.base_url}/health", timeout=2)[0] == 200:
-                return time.monotonic() - started
-        except OSError:
-            pass
-        time.sleep(0.25)
-    pytest.fail(f"the stack did not become healthy again:\n{stack.log()[-3000:]}")
 
 
 def _pid_of(stack: Stack, process: str) -> int | None:

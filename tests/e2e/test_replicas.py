@@ -7,107 +7,29 @@ replica whose worker or scheduler is killed fails only its own requests, leaves 
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import openai
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.stack_client import free_port_block
-from shared.config import DEFAULT_MODEL_DIR
-from tests.e2e.conftest import ROOT, http_get, metric_value
+from tests.e2e.conftest import ENGINES, Replicas, build_tiny_smollm, launched_stack, metric_value
 
 MODEL = "tiny-smollm"
-ENGINES = ("engine-0", "engine-1")
-
-
-def build_tiny_smollm(path: str) -> None:
-    """A random 2-layer Llama with SmolLM2's vocabulary and tokenizer files."""
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=49152,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    for name in os.listdir(DEFAULT_MODEL_DIR):
-        if name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(os.path.join(DEFAULT_MODEL_DIR, name), path)
-
-
-class Replicas:
-    def __init__(self, port: int, process: subprocess.Popen, log_path: str) -> None:
-        self.port, self.process, self.log_path = port, process, log_path
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
-
-    def engine_port(self, engine: int, process: str) -> int:
-        return self.port + 1 + 3 * engine + ("scheduler", "worker", "detokenizer").index(process)
-
-    def metrics(self, engine: int) -> str:
-        return http_get(f"http://127.0.0.1:{self.engine_port(engine, 'scheduler')}/metrics")[1].decode()
-
-    def pid(self, engine: int, process: str) -> int | None:
-        try:
-            return json.loads(http_get(f"http://127.0.0.1:{self.engine_port(engine, process)}/instrumentation", timeout=2)[1])["pid"]
-        except (OSError, ValueError):
-            return None
-
-    def routed(self) -> dict[str, float]:
-        text = http_get(f"http://127.0.0.1:{self.port}/metrics")[1].decode()
-        return {name: metric_value(text, f'tokenyard:router_requests_total{{replica="{name}"}}') for name in ENGINES}
-
-    def in_rotation(self) -> dict[str, bool]:
-        try:
-            replicas = json.loads(http_get(f"http://127.0.0.1:{self.port}/instrumentation", timeout=2)[1])["replicas"]
-        except (OSError, ValueError):  # the api is not up yet
-            return {}
-        return {r["name"]: r["in_rotation"] for r in replicas}
-
-    def wait_all_in_rotation(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while sorted(name for name, ready in self.in_rotation().items() if ready) != list(ENGINES):
-            assert self.process.poll() is None and time.monotonic() < deadline, self.log()[-3000:]
-            time.sleep(0.2)
-
-    def log(self) -> str:
-        with open(self.log_path) as f:
-            return f.read()
 
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory) -> Replicas:
     tmp = tmp_path_factory.mktemp("replicas")
     build_tiny_smollm(str(tmp / MODEL))
-    port = free_port_block(7)
-    log_path = str(tmp / "stack.log")
-    argv = ["--model", str(tmp / MODEL), "--port", str(port), "--replicas", "2", "--router-policy", "prefix", "--kv-cache-tokens", "8192", "--num-threads", "1"]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen([sys.executable, "-m", "services.launcher", *argv], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    stack = Replicas(port, process, log_path)
-    try:
-        stack.wait_all_in_rotation(180)
-        yield stack
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    flags = ["--model", str(tmp / MODEL), "--replicas", "2", "--router-policy", "prefix", "--kv-cache-tokens", "8192", "--num-threads", "1"]
+    with launched_stack(free_port_block(7), flags, str(tmp / "stack.log")) as stack:
+        replicas = Replicas(stack)
+        replicas.wait_all_in_rotation(180)
+        yield replicas
 
 
 def complete(client: openai.OpenAI, prompt: str, max_tokens: int = 4) -> str:

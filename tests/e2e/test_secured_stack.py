@@ -18,8 +18,7 @@ import zmq
 
 from bench.stack_client import free_port_block
 from shared.transport import Curve, Outbox, create_keys
-from tests.e2e.conftest import ROOT, Stack, http_get, http_post, metric_value
-from tests.e2e.test_faults import wait_healthy
+from tests.e2e.conftest import ROOT, Stack, http_get, http_post, launched_stack, metric_value, wait_healthy
 
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "e2e-secret"
@@ -36,18 +35,12 @@ def secured(tmp_path_factory, keys_file: str) -> Stack:
     port = free_port_block(8)  # the api and metrics ports, then the four inboxes
     inboxes = {name: f"tcp://0.0.0.0:{port + 4 + i}" for i, name in enumerate(("api", "scheduler", "worker", "detokenizer"))}
     log_path = str(tmp_path_factory.mktemp("secured") / "stack.log")
-    argv = [sys.executable, "-m", "services.launcher", "--port", str(port), "--kv-cache-tokens", "4096", "--max-num-batched-tokens", "64"]
-    argv += [arg for name, address in inboxes.items() for arg in (f"--{name}-addr", address)]
-    argv += ["--curve-key-file", keys_file, "--api-key", API_KEY, "--drain-timeout-s", str(DRAIN_S)]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    stack = Stack(port=port, process=process, log_path=log_path)
-    try:
+    flags = ["--kv-cache-tokens", "4096", "--max-num-batched-tokens", "64"]
+    flags += [arg for name, address in inboxes.items() for arg in (f"--{name}-addr", address)]
+    flags += ["--curve-key-file", keys_file, "--api-key", API_KEY, "--drain-timeout-s", str(DRAIN_S)]
+    with launched_stack(port, flags, log_path) as stack:
         wait_healthy(stack, 600)  # a busy 2-core machine warms up slowly
         yield stack
-    finally:
-        if process.poll() is None:
-            process.kill()
 
 
 def test_exposed_inboxes_without_keys_stop_the_launcher_at_once() -> None:

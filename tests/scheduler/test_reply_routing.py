@@ -58,3 +58,15 @@ def test_detokenizer_sends_each_request_text_to_its_owner(tmp_path) -> None:
         (batch,) = _drain(inbox)
         assert isinstance(batch, TextBatch) and [(d.rid, d.text) for d in batch.deltas] == [(f"r-{name}", "Hello there")]
     ctx.destroy(0)
+
+
+def test_detokenizer_leaves_a_failed_request_to_the_schedulers_error(tmp_path) -> None:
+    ctx, apis = _apis(tmp_path)
+    loop = DetokenizerLoop(StackConfig(model=DEFAULT_MODEL_DIR, run_dir=str(tmp_path / "run")), log)
+    loop.tokenizer = load_tokenizer(DEFAULT_MODEL_DIR)
+    opened = DetokOpen(rid="r-failed", prompt_tokens=1, reply_to=apis["api-a"].address)
+    loop.handle(TokenBatch(opened=[opened], deltas=[TokenDelta(rid="r-failed", token_ids=loop.tokenizer.encode("Hello"))]))
+    assert [d.text for d in _drain(apis["api-a"])[0].deltas] == ["Hello"]
+    loop.handle(TokenBatch(deltas=[TokenDelta(rid="r-failed", finish="error")]))  # the api got the reason from the scheduler
+    assert list(apis["api-a"].recv(200)) == [] and not loop.requests
+    ctx.destroy(0)
