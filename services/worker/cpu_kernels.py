@@ -45,7 +45,9 @@ def cpu_kernels() -> tuple[ModuleType | None, str]:
         module = cpp_extension.load(
             name="tokenyard_cpu_kernels",
             sources=[str(s) for s in SOURCES],
-            extra_cflags=["-O3", "-fopenmp-simd", *_isa_flags()],
+            # -fopenmp: at::parallel_for's OpenMP loop is inlined from the headers; without it, one thread.
+            extra_cflags=["-O3", "-fopenmp", *_isa_flags()],
+            extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, a failed build: the torch paths still work

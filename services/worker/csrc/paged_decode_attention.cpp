@@ -11,21 +11,147 @@
 
 #include <algorithm>
 #include <cmath>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 #include <limits>
 #include <vector>
 
 namespace {
 
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
-  return sum;
+// One (request, kv head) work item: its `group` query heads attend over `len` positions, block by block.
+// Scratch: scores [group * block_size], acc [group * dim].
+struct Item {
+  const float* queries;  // [group, dim]
+  const float* cache;
+  const int32_t* table;
+  int64_t len, block_size, slot_stride, value_offset, group, dim;
+  float scale;
+};
+
+#if defined(__AVX2__) && defined(__FMA__)
+// exp(x) for 8 lanes: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, p a degree-6 polynomial
+// (relative error ~2e-7 over the range softmax uses, x <= 0); lanes below -87 flush to 0.
+inline __m256 exp8(__m256 x) {
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f), ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, ln2_hi, x);
+  r = _mm256_fnmadd_ps(n, ln2_lo, r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
 }
 
-inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+inline float hsum(__m256 v) {
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  half = _mm_add_ss(half, _mm_movehdup_ps(half));
+  return _mm_cvtss_f32(half);
+}
+
+// R = dim / 8 registers per row: the query stays in registers while it meets every key of a block,
+// the head's output accumulator while it takes every value.
+template <int R>
+void attend(const Item& it, float* scores, float* acc, float* running_max, float* running_sum) {
+  for (int64_t start = 0; start < it.len; start += it.block_size) {
+    const int64_t n = std::min(it.block_size, it.len - start);
+    const float* base = it.cache + it.table[start / it.block_size] * it.block_size * it.slot_stride;
+    for (int64_t g = 0; g < it.group; ++g) {
+      float* s = scores + g * it.block_size;
+      __m256 q[R];
+      for (int r = 0; r < R; ++r) q[r] = _mm256_loadu_ps(it.queries + g * it.dim + 8 * r);
+      float block_max = running_max[g];
+      for (int64_t i = 0; i < n; ++i) {
+        const float* key = base + i * it.slot_stride;
+        __m256 d0 = _mm256_mul_ps(q[0], _mm256_loadu_ps(key));
+        __m256 d1 = R > 1 ? _mm256_mul_ps(q[1], _mm256_loadu_ps(key + 8)) : _mm256_setzero_ps();
+        for (int r = 2; r + 1 < R; r += 2) {
+          d0 = _mm256_fmadd_ps(q[r], _mm256_loadu_ps(key + 8 * r), d0);
+          d1 = _mm256_fmadd_ps(q[r + 1], _mm256_loadu_ps(key + 8 * r + 8), d1);
+        }
+        if (R > 2 && R % 2) d0 = _mm256_fmadd_ps(q[R - 1], _mm256_loadu_ps(key + 8 * (R - 1)), d0);
+        s[i] = hsum(_mm256_add_ps(d0, d1)) * it.scale;
+        block_max = std::max(block_max, s[i]);
+      }
+      const __m256 m = _mm256_set1_ps(block_max);
+      __m256 block_sum = _mm256_setzero_ps();
+      int64_t i = 0;
+      for (; i + 8 <= n; i += 8) {
+        const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), m));
+        _mm256_storeu_ps(s + i, p);
+        block_sum = _mm256_add_ps(block_sum, p);
+      }
+      float sum = hsum(block_sum);
+      for (; i < n; ++i) sum += (s[i] = std::exp(s[i] - block_max));
+      const float correction = std::exp(running_max[g] - block_max);  // exp(-inf) = 0 on the first block
+      running_sum[g] = running_sum[g] * correction + sum;
+      running_max[g] = block_max;
+      __m256 a[R];
+      const __m256 c = _mm256_set1_ps(correction);
+      for (int r = 0; r < R; ++r) a[r] = _mm256_mul_ps(c, _mm256_loadu_ps(acc + g * it.dim + 8 * r));
+      for (int64_t j = 0; j < n; ++j) {
+        const float* value = base + j * it.slot_stride + it.value_offset;
+        const __m256 p = _mm256_set1_ps(s[j]);
+        for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(p, _mm256_loadu_ps(value + 8 * r), a[r]);
+      }
+      for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + g * it.dim + 8 * r, a[r]);
+    }
+  }
+}
+#endif
+
+// Any head_dim, plain loops (what a compiler without AVX2/FMA, or an unusual head_dim, gets).
+void attend_generic(const Item& it, float* scores, float* acc, float* running_max, float* running_sum) {
+  for (int64_t start = 0; start < it.len; start += it.block_size) {
+    const int64_t n = std::min(it.block_size, it.len - start);
+    const float* base = it.cache + it.table[start / it.block_size] * it.block_size * it.slot_stride;
+    for (int64_t g = 0; g < it.group; ++g) {
+      float* s = scores + g * it.block_size;
+      const float* query = it.queries + g * it.dim;
+      float block_max = running_max[g];
+      for (int64_t i = 0; i < n; ++i) {
+        const float* key = base + i * it.slot_stride;
+        float dot = 0.f;
+        for (int64_t d = 0; d < it.dim; ++d) dot += query[d] * key[d];
+        s[i] = dot * it.scale;
+        block_max = std::max(block_max, s[i]);
+      }
+      const float correction = std::exp(running_max[g] - block_max);
+      float sum = running_sum[g] * correction;
+      float* a = acc + g * it.dim;
+      for (int64_t d = 0; d < it.dim; ++d) a[d] *= correction;
+      for (int64_t i = 0; i < n; ++i) {
+        const float p = std::exp(s[i] - block_max);
+        sum += p;
+        const float* value = base + i * it.slot_stride + it.value_offset;
+        for (int64_t d = 0; d < it.dim; ++d) a[d] += p * value[d];
+      }
+      running_max[g] = block_max;
+      running_sum[g] = sum;
+    }
+  }
+}
+
+void attend_any(const Item& it, float* scores, float* acc, float* running_max, float* running_sum) {
+#if defined(__AVX2__) && defined(__FMA__)
+  switch (it.dim) {
+    case 64: return attend<8>(it, scores, acc, running_max, running_sum);
+    case 128: return attend<16>(it, scores, acc, running_max, running_sum);
+    case 96: return attend<12>(it, scores, acc, running_max, running_sum);
+    case 32: return attend<4>(it, scores, acc, running_max, running_sum);
+    default: break;
+  }
+#endif
+  attend_generic(it, scores, acc, running_max, running_sum);
 }
 
 }  // namespace
@@ -66,35 +192,12 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(group * block_size), acc(group * dim), running_max(group), running_sum(group);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / kv_heads, h = item % kv_heads, len = len_ptr[b];
-      const float* queries = q_ptr + (b * heads + h * group) * dim;
+      const int64_t b = item / kv_heads, h = item % kv_heads;
+      const Item it{q_ptr + (b * heads + h * group) * dim, cache_ptr + h * dim, table_ptr + b * width, len_ptr[b], block_size, slot_stride, value_offset, group, dim, fscale};
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
       std::fill(running_sum.begin(), running_sum.end(), 0.f);
-      for (int64_t start = 0; start < len; start += block_size) {
-        const int64_t n = std::min(block_size, len - start);
-        const float* base = cache_ptr + table_ptr[b * width + start / block_size] * block_size * slot_stride + h * dim;
-        for (int64_t g = 0; g < group; ++g) {
-          float* s = scores.data() + g * block_size;
-          float block_max = running_max[g];
-          for (int64_t i = 0; i < n; ++i) {
-            s[i] = dot(queries + g * dim, base + i * slot_stride, dim) * fscale;
-            block_max = std::max(block_max, s[i]);
-          }
-          const float correction = std::exp(running_max[g] - block_max);  // exp(-inf) = 0 on the first block
-          float sum = running_sum[g] * correction;
-          float* a = acc.data() + g * dim;
-          if (correction != 1.f)
-            for (int64_t d = 0; d < dim; ++d) a[d] *= correction;
-          for (int64_t i = 0; i < n; ++i) {
-            const float p = std::exp(s[i] - block_max);
-            sum += p;
-            axpy(a, p, base + i * slot_stride + value_offset, dim);
-          }
-          running_max[g] = block_max;
-          running_sum[g] = sum;
-        }
-      }
+      attend_any(it, scores.data(), acc.data(), running_max.data(), running_sum.data());
       float* o = out_ptr + (b * heads + h * group) * dim;
       for (int64_t g = 0; g < group; ++g)
         for (int64_t d = 0; d < dim; ++d) o[g * dim + d] = acc[g * dim + d] / running_sum[g];
