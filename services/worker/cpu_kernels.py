@@ -20,7 +20,7 @@ import structlog
 
 log = structlog.get_logger()
 
-SOURCES = [Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("bindings.cpp", "paged_decode_attention.cpp", "int8_linear.cpp")]
 
 
 def _isa_flags() -> list[str]:
@@ -55,3 +55,8 @@ def cpu_kernels() -> tuple[ModuleType | None, str]:
         log.warning("cpu_kernels_unavailable", why=why)
         return None, why
     return module, ""
+
+
+if __name__ == "__main__":  # `make setup` builds them ahead of the first worker start
+    built, reason = cpu_kernels()
+    print("tokenyard CPU kernels:", "built" if built is not None else f"unavailable ({reason}); the worker will use its torch paths")

@@ -21,19 +21,36 @@ def test_codec_error_is_at_most_half_a_step_per_element() -> None:
     assert torch.all((q.float() * scales[:, None] - w).abs() <= scales[:, None] / 2 + 1e-7)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 33])
-def test_int8_products_equal_the_dequantized_weight(rows: int) -> None:
-    w, bias, x, residual = torch.randn(24, 16), torch.randn(24), torch.randn(rows, 16), torch.randn(rows, 24)
+def _block_quantized(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the int8 kernel sees it: int8 per block of 32 features, dequantized."""
+    blocks = x.view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    return (torch.round(blocks * (127 / amax)) * (amax / 127)).view(x.shape)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 33])
+@pytest.mark.parametrize("out_features", [24, 30])  # 30: a tail of output channels past the 4-channel tiles
+def test_int8_products_equal_block_quantized_activations_times_the_dequantized_weight(rows: int, out_features: int) -> None:
+    w, bias, x, residual = torch.randn(out_features, 64), torch.randn(out_features), torch.randn(rows, 64), torch.randn(rows, out_features)
     q, scales = int8_per_channel(w)
     dequantized = q.float() * scales[:, None]
     linear = Linear(w.clone(), threads=2, bias=bias)
     linear.quantize_int8()
-    torch.testing.assert_close(linear(x, residual=residual.clone()), x @ dequantized.T + bias + residual, rtol=1e-5, atol=1e-5)
+    ours = linear(x, residual=residual.clone())
+    # Integer block products are exact; only fp32 summation order differs from this reference.
+    torch.testing.assert_close(ours, _block_quantized(x) @ dequantized.T + bias + residual, rtol=1e-5, atol=1e-5)
+    assert (ours - (x @ dequantized.T + bias + residual)).abs().max() > 1e-6  # activations really are quantized
     head = RowSplitLinear(w.clone(), threads=2)
     head.quantize_int8()
-    torch.testing.assert_close(head(x), x @ dequantized.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(head(x), _block_quantized(x) @ dequantized.T, rtol=1e-5, atol=1e-5)
 
 
+def test_int8_keeps_activations_whole_where_features_are_not_whole_blocks() -> None:
+    w, x = torch.randn(8, 40), torch.randn(3, 40)
+    q, scales = int8_per_channel(w)
+    linear = Linear(w.clone(), threads=2)
+    linear.quantize_int8()
+    torch.testing.assert_close(linear(x), x @ (q.float() * scales[:, None]).T, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 33])

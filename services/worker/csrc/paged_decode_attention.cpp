@@ -205,7 +205,3 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   });
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (fp32, CPU)");
-}

@@ -1,0 +1,14 @@
+// The CPU worker's C++ kernels as one Python extension module (services/worker/cpu_kernels.py).
+
+#include <torch/extension.h>
+
+#include <optional>
+
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& block_tables,
+                                     const torch::Tensor& context_lens, int64_t block_size, double scale);
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales, const std::optional<torch::Tensor>& bias);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (fp32, CPU)");
+  m.def("int8_linear", &int8_linear, "x @ (int8 weight * per-channel scale).T (+ bias), fp32 arithmetic (CPU)");
+}
