@@ -147,7 +147,7 @@ def main() -> None:
     stack_config = StackConfig.from_argv(["--model", args.model, *args.stack_flag])  # the in-process run mirrors the stack's settings
     if stack_config.num_threads:
         torch.set_num_threads(stack_config.num_threads)
-    runner = ModelRunner(args.model, num_blocks=1024, block_size=stack_config.block_size, dtype=stack_config.dtype)
+    runner = ModelRunner(args.model, num_blocks=1024, block_size=stack_config.block_size, dtype=stack_config.dtype, weight_quant=stack_config.weight_quant)
     runner.warmup()
     tokenizer = load_tokenizer(args.model)
     results["worker_1"] = _in_process_run(1, args.output_tokens, runner, tokenizer)
