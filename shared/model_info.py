@@ -119,6 +119,25 @@ def load_model_info(path: str) -> ModelInfo:
     )
 
 
+KV_CACHE_DTYPES = ("auto", "model", "float16")
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, device_type: str, dtype: str) -> str:
+    """The KV cache's storage dtype for a model computing in ``dtype`` (resolved) on ``device_type``.
+
+    ``auto``: float16 for a float32 model on the CPU (keys and values rounded to fp16: half the bytes
+    that decode attention streams per step; the C++ kernel widens them in registers), else the
+    model's dtype (``model``). ``float16`` elsewhere only where the model computes in it: the GPU's
+    Triton kernel reads the cache in the model's dtype."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported (supported: {', '.join(KV_CACHE_DTYPES)})")
+    if kv_cache_dtype == "model" or (kv_cache_dtype == "auto" and not (device_type == "cpu" and dtype == "float32")):
+        return dtype
+    if device_type != "cpu" and dtype != "float16":
+        raise ValueError(f"kv_cache_dtype 'float16' with a {dtype} model needs the CPU (on {device_type} the cache holds the model's dtype)")
+    return "float16"
+
+
 def kv_cache_blocks(info: ModelInfo, kv_cache_tokens: int, kv_cache_bytes: int, block_size: int, dtype: str) -> int:
     """Number of KV blocks: from a byte budget when one is given, else from a token count."""
     if kv_cache_bytes:

@@ -163,13 +163,14 @@ def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def paged_attention(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """Store this step's ``kv`` [T, 2, kv_heads, D] in ``cache``, then attend: ``q`` [T, heads, D] → [T, heads * D]."""
-    cache.index_copy_(0, meta.write_slots, kv)
+    """Store this step's ``kv`` [T, 2, kv_heads, D] in ``cache`` (in the cache's dtype), then attend:
+    ``q`` [T, heads, D] → [T, heads * D], in q's dtype."""
+    cache.index_copy_(0, meta.write_slots, kv.to(cache.dtype))
     heads, dim = q.shape[1:]
     kv_heads = kv.shape[2]
     outs = []
     if b := meta.num_decodes:
-        context = cache.index_select(0, meta.decode_slots).view(b, meta.decode_len, 2, kv_heads, dim)
+        context = cache.index_select(0, meta.decode_slots).to(q.dtype).view(b, meta.decode_len, 2, kv_heads, dim)
         k, v = context[:, :, 0].transpose(1, 2), context[:, :, 1].transpose(1, 2)
         # GQA for one query token: the heads that share kv head j (heads j*g .. j*g+g-1) become
         # g queries of that kv head, so keys are never repeated.
@@ -185,7 +186,7 @@ def _prefill_attention(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, m
     outs = []
     for chunk in meta.prefills:
         n = chunk.rows.stop - chunk.rows.start
-        context = kv[chunk.rows] if chunk.context_slots is None else cache.index_select(0, chunk.context_slots)
+        context = kv[chunk.rows] if chunk.context_slots is None else cache.index_select(0, chunk.context_slots).to(q.dtype)
         k, v = context[:, 0].transpose(0, 1), context[:, 1].transpose(0, 1)
         qp = q[chunk.rows].transpose(0, 1)
         out = F.scaled_dot_product_attention(qp, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, enable_gqa=True)
@@ -195,8 +196,8 @@ def _prefill_attention(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, m
 
 def paged_attention_cpp(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """``paged_attention``'s contract with the decodes in the C++ kernel, which reads the context in
-    place through the block tables instead of gathering it; prefill chunks as in the torch path."""
-    cache.index_copy_(0, meta.write_slots, kv)
+    place through the block tables instead of gathering it (fp32 or fp16 storage); prefill chunks as in the torch path."""
+    cache.index_copy_(0, meta.write_slots, kv.to(cache.dtype))
     outs = []
     if b := meta.num_decodes:
         kernels, _ = cpu_kernels()

@@ -23,12 +23,12 @@ import torch
 import zmq
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.worker.device import cpu_name, describe_device, device_memory, resolve_device
+from services.worker.device import cpu_name, describe_device, device_memory, resolve_device, resolve_dtype
 from services.worker.device_memory import GRAPH_POOL_RESERVE, ActivationProfile, MemoryPlan, gdn_bytes_per_slot, plan_memory
 from shared.config import StackConfig
 from shared.frames import Heartbeat, Release, SamplingParams, Slice, StepPlan, StepResult
 from shared.metrics import FRAMES_UNEXPECTED, PREFIX, PROCESS_UP, start_metrics_server
-from shared.model_info import kv_cache_blocks, load_model_info
+from shared.model_info import kv_cache_blocks, load_model_info, resolve_kv_cache_dtype
 from shared.transport import Curve, Inbox, Outbox
 
 FORWARD_TIME = Histogram(
@@ -128,8 +128,11 @@ class WorkerLoop:
             tp.liveness.watch(self._on_rank_lost)
             self.detail = f"loading weights from {self.model.path} (rank 0 of {tp.size})"
         size_kv = self._kv_budget(torch.cuda.mem_get_info(device)[0]) if cuda and self.config.gpu_memory_utilization > 0 else None
+        kv_dtype = resolve_kv_cache_dtype(self.config.kv_cache_dtype, device.type, resolve_dtype(self.config.dtype, device))
+        self.num_blocks = kv_cache_blocks(self.model, self.config.kv_cache_tokens, self.config.kv_cache_bytes, self.config.block_size, kv_dtype)
         self.runner = ModelRunner(
             self.config.model, self.num_blocks, self.config.block_size, self.config.dtype, self.config.max_num_seqs, self.config.weight_quant,
+            kv_cache_dtype=kv_dtype,
             tp=tp, device=str(device), cuda_graph_max_batch=self.config.cuda_graph_max_batch if cuda else 0,
             max_model_len=self.config.max_model_len, size_kv_cache=size_kv, profile_tokens=self.config.max_num_batched_tokens if size_kv else 0,
         )  # fmt: skip
@@ -340,8 +343,9 @@ def run_follower(config: StackConfig, log: structlog.stdlib.BoundLogger) -> None
 
     tp.liveness.watch(leader_lost)
     model = load_model_info(config.model)
-    num_blocks = kv_cache_blocks(model, config.kv_cache_tokens, config.kv_cache_bytes, config.block_size, config.dtype)
-    runner = ModelRunner(config.model, num_blocks, config.block_size, config.dtype, config.max_num_seqs, config.weight_quant, tp=tp)
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, "cpu", resolve_dtype(config.dtype, torch.device("cpu")))
+    num_blocks = kv_cache_blocks(model, config.kv_cache_tokens, config.kv_cache_bytes, config.block_size, kv_dtype)
+    runner = ModelRunner(config.model, num_blocks, config.block_size, config.dtype, config.max_num_seqs, config.weight_quant, tp=tp, kv_cache_dtype=kv_dtype)
     log.info("worker_rank_ready", rank=rank, size=size)
     runner.follow()
     tp.liveness.close()  # before the leader closes its end, which it waits for

@@ -36,7 +36,7 @@ from services.worker.sampling import LogitBias, TokenHistory, process_logits, sa
 from services.worker.tensor_parallel import TensorParallelGroup, parallelize, shard_config, shard_weights
 from services.worker.weights import load_weights
 from shared.frames import Release, Sampled, SamplingParams, Slice, StepPlan, StepResult
-from shared.model_info import HYBRID_PREFIX_CACHE_OFF
+from shared.model_info import HYBRID_PREFIX_CACHE_OFF, resolve_kv_cache_dtype
 
 ALL_PROMPT = 1 << 62  # a prompt_len no prefill reaches: every prefilled token is prompt
 
@@ -77,6 +77,7 @@ class ModelRunner:
         max_num_seqs: int = 64,
         weight_quant: str = "none",
         tp: TensorParallelGroup | None = None,
+        kv_cache_dtype: str = "model",
         device: str = "cpu",
         cuda_graph_max_batch: int = 0,
         capture: Capture | None = None,
@@ -99,6 +100,7 @@ class ModelRunner:
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported (supported: auto, {', '.join(DTYPES)})")
         weight_quant = resolve_weight_quant(weight_quant, self.device, DTYPES[dtype])
+        kv_dtype = DTYPES[resolve_kv_cache_dtype(kv_cache_dtype, self.device.type, dtype)]
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"the KV cache needs num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}")
         with open(os.path.join(model_dir, "config.json")) as f:
@@ -143,7 +145,7 @@ class ModelRunner:
             # With graphs, one block past the scheduler's is the dummy block that padding rows write.
             cache_blocks = num_blocks + 1 if graphed else num_blocks
             self.kv_cache = KVCache(
-                self.model.num_kv_layers, cache_blocks, block_size, self.model.num_kv_heads, self.model.head_dim, DTYPES[dtype], self.device
+                self.model.num_kv_layers, cache_blocks, block_size, self.model.num_kv_heads, self.model.head_dim, kv_dtype, self.device
             )
         if graphed:
             context = max_model_len or config.get("max_position_embeddings", 2048)
@@ -400,11 +402,10 @@ class ModelRunner:
     def describe(self) -> dict[str, Any]:
         """Read-only facts for the instrumentation endpoint, read off the live objects."""
         tensors = self.model.tensors()
-        cache = self.kv_cache.tensor
         return {
             "family": self.family,
             "device": str(self.device),
-            "dtype": str(cache.dtype).removeprefix("torch."),
+            "dtype": str(self.model.dtype).removeprefix("torch."),
             "attention_backend": getattr(self.model, "attention_backend", "torch"),
             **({"cpu_kernels": cpu_kernels()[1] or "built"} if self.device.type == "cpu" else {}),
             "fusion_kernels": getattr(getattr(self.model, "fusions", None), "names", None),
@@ -417,6 +418,7 @@ class ModelRunner:
             "num_blocks": self.num_blocks,
             "block_size": self.block_size,
             "kv_cache_bytes": self.kv_cache.nbytes,
+            "kv_cache_dtype": str(self.kv_cache.tensor.dtype).removeprefix("torch."),
             "kv_bytes_per_token": self.kv_cache.nbytes // (self.kv_cache.num_blocks * self.block_size),
             "param_count": sum(t.numel() for t in tensors),
             "param_bytes": sum(t.numel() * t.element_size() for t in tensors),

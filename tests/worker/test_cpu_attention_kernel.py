@@ -32,6 +32,21 @@ def test_cpp_backend_matches_the_torch_path(case: str) -> None:
     torch.testing.assert_close(cache_cpp, cache, rtol=0, atol=0)  # this step's keys stored alike
 
 
+@pytest.mark.parametrize("case", ["decode-only-gqa4", "mixed-gqa3-cached-prefix", "smollm2-shaped-decodes"])
+def test_an_fp16_cache_is_read_as_the_torch_path_reads_it(case: str) -> None:
+    """fp16 storage: both backends round this step's keys alike and attend over the same fp16 values
+    in fp32; and the result stays within fp16's rounding of the fp32 cache's."""
+    q, kv, cache, meta = attention_step(case, torch.float32, backend="torch")
+    _, _, _, cpp_meta = attention_step(case, torch.float32, backend="cpp")
+    half, half_cpp = cache.half(), cache.half()
+    expected = paged_attention(q, kv, half, meta)
+    ours = paged_attention_cpp(q, kv, half_cpp, cpp_meta)
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(half_cpp, half, rtol=0, atol=0)
+    exact = paged_attention(q, kv, cache, meta)
+    assert 0 < (ours - exact).abs().max() < 5e-3
+
+
 def test_a_block_outside_the_cache_is_refused_not_read() -> None:
     kernels, _ = cpu_kernels()
     cache = torch.zeros(4 * 16, 2, 1, 8)

@@ -10,6 +10,7 @@ import torch
 from services.worker.linear import Linear, RowSplitLinear, int8_per_channel, resolve_weight_quant
 from services.worker.runner import ModelRunner
 from shared.frames import Slice, StepPlan
+from shared.model_info import resolve_kv_cache_dtype
 
 from .harness import GREEDY, Checkpoint, prompt_of
 
@@ -114,6 +115,27 @@ def test_model_logit_error_of_each_weight_format_is_bounded(
     assert facts["weight_quant"] == resolved and facts["quantized_linears"] == 4 * tiny.reference.config.num_hidden_layers + 1
     relative = float((converted - exact).norm() / exact.norm())
     assert 0 < relative < bound, relative  # zero would mean nothing was converted
+
+
+def test_kv_cache_dtype_auto_is_fp16_for_fp32_on_the_cpu_only(tiny_llamas: dict[str, Checkpoint]) -> None:
+    assert resolve_kv_cache_dtype("auto", "cpu", "float32") == "float16"
+    assert resolve_kv_cache_dtype("auto", "cuda", "bfloat16") == "bfloat16"
+    assert resolve_kv_cache_dtype("model", "cpu", "float32") == "float32"
+    with pytest.raises(ValueError, match="needs the CPU"):
+        resolve_kv_cache_dtype("float16", "cuda", "bfloat16")
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8'"):
+        resolve_kv_cache_dtype("fp8", "cpu", "float32")
+    tiny = tiny_llamas["untied"]
+    prompt = prompt_of(7, 20)
+    plan = StepPlan(0, [Slice("q", 0, len(prompt), prompt, list(range(8)), sampling=GREEDY)])
+    exact, rounded = ModelRunner(tiny.path, num_blocks=8, block_size=4), ModelRunner(tiny.path, num_blocks=8, block_size=4, kv_cache_dtype="auto")
+    assert rounded.describe()["kv_cache_dtype"] == "float16" and rounded.describe()["dtype"] == "float32"
+    token = exact.execute(plan).sampled[0].token_id
+    assert rounded.execute(plan).sampled[0].token_id == token
+    decode = StepPlan(1, [Slice("q", len(prompt), 1)])
+    theirs, ours = exact.logits(decode)["q"], rounded.logits(decode)["q"]
+    relative = float((ours - theirs).norm() / theirs.norm())
+    assert 0 < relative < 2e-3, relative  # the decode reads the fp16-rounded prompt keys and values
 
 
 def test_unknown_weight_quant_is_refused(tiny_llamas: dict[str, Checkpoint]) -> None:

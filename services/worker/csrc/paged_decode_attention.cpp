@@ -11,25 +11,27 @@
 
 #include <algorithm>
 #include <cmath>
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #endif
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 // One (request, kv head) work item: its `group` query heads attend over `len` positions, block by block.
 // Scratch: scores [group * block_size], acc [group * dim].
+template <typename T>  // the cache's element type: float, or c10::Half (fp16 storage, fp32 arithmetic)
 struct Item {
   const float* queries;  // [group, dim]
-  const float* cache;
+  const T* cache;
   const int32_t* table;
   int64_t len, block_size, slot_stride, value_offset, group, dim;
   float scale;
 };
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // exp(x) for 8 lanes: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, p a degree-6 polynomial
 // (relative error ~2e-7 over the range softmax uses, x <= 0); lanes below -87 flush to 0.
 inline __m256 exp8(__m256 x) {
@@ -51,6 +53,9 @@ inline __m256 exp8(__m256 x) {
   return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
 }
 
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
 inline float hsum(__m256 v) {
   __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   half = _mm_add_ps(half, _mm_movehl_ps(half, half));
@@ -60,25 +65,25 @@ inline float hsum(__m256 v) {
 
 // R = dim / 8 registers per row: the query stays in registers while it meets every key of a block,
 // the head's output accumulator while it takes every value.
-template <int R>
-void attend(const Item& it, float* scores, float* acc, float* running_max, float* running_sum) {
+template <int R, typename T>
+void attend(const Item<T>& it, float* scores, float* acc, float* running_max, float* running_sum) {
   for (int64_t start = 0; start < it.len; start += it.block_size) {
     const int64_t n = std::min(it.block_size, it.len - start);
-    const float* base = it.cache + it.table[start / it.block_size] * it.block_size * it.slot_stride;
+    const T* base = it.cache + it.table[start / it.block_size] * it.block_size * it.slot_stride;
     for (int64_t g = 0; g < it.group; ++g) {
       float* s = scores + g * it.block_size;
       __m256 q[R];
       for (int r = 0; r < R; ++r) q[r] = _mm256_loadu_ps(it.queries + g * it.dim + 8 * r);
       float block_max = running_max[g];
       for (int64_t i = 0; i < n; ++i) {
-        const float* key = base + i * it.slot_stride;
-        __m256 d0 = _mm256_mul_ps(q[0], _mm256_loadu_ps(key));
-        __m256 d1 = R > 1 ? _mm256_mul_ps(q[1], _mm256_loadu_ps(key + 8)) : _mm256_setzero_ps();
+        const T* key = base + i * it.slot_stride;
+        __m256 d0 = _mm256_mul_ps(q[0], load8(key));
+        __m256 d1 = R > 1 ? _mm256_mul_ps(q[1], load8(key + 8)) : _mm256_setzero_ps();
         for (int r = 2; r + 1 < R; r += 2) {
-          d0 = _mm256_fmadd_ps(q[r], _mm256_loadu_ps(key + 8 * r), d0);
-          d1 = _mm256_fmadd_ps(q[r + 1], _mm256_loadu_ps(key + 8 * r + 8), d1);
+          d0 = _mm256_fmadd_ps(q[r], load8(key + 8 * r), d0);
+          d1 = _mm256_fmadd_ps(q[r + 1], load8(key + 8 * r + 8), d1);
         }
-        if (R > 2 && R % 2) d0 = _mm256_fmadd_ps(q[R - 1], _mm256_loadu_ps(key + 8 * (R - 1)), d0);
+        if (R > 2 && R % 2) d0 = _mm256_fmadd_ps(q[R - 1], load8(key + 8 * (R - 1)), d0);
         s[i] = hsum(_mm256_add_ps(d0, d1)) * it.scale;
         block_max = std::max(block_max, s[i]);
       }
@@ -99,9 +104,9 @@ void attend(const Item& it, float* scores, float* acc, float* running_max, float
       const __m256 c = _mm256_set1_ps(correction);
       for (int r = 0; r < R; ++r) a[r] = _mm256_mul_ps(c, _mm256_loadu_ps(acc + g * it.dim + 8 * r));
       for (int64_t j = 0; j < n; ++j) {
-        const float* value = base + j * it.slot_stride + it.value_offset;
+        const T* value = base + j * it.slot_stride + it.value_offset;
         const __m256 p = _mm256_set1_ps(s[j]);
-        for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(p, _mm256_loadu_ps(value + 8 * r), a[r]);
+        for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(p, load8(value + 8 * r), a[r]);
       }
       for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + g * it.dim + 8 * r, a[r]);
     }
@@ -110,18 +115,19 @@ void attend(const Item& it, float* scores, float* acc, float* running_max, float
 #endif
 
 // Any head_dim, plain loops (what a compiler without AVX2/FMA, or an unusual head_dim, gets).
-void attend_generic(const Item& it, float* scores, float* acc, float* running_max, float* running_sum) {
+template <typename T>
+void attend_generic(const Item<T>& it, float* scores, float* acc, float* running_max, float* running_sum) {
   for (int64_t start = 0; start < it.len; start += it.block_size) {
     const int64_t n = std::min(it.block_size, it.len - start);
-    const float* base = it.cache + it.table[start / it.block_size] * it.block_size * it.slot_stride;
+    const T* base = it.cache + it.table[start / it.block_size] * it.block_size * it.slot_stride;
     for (int64_t g = 0; g < it.group; ++g) {
       float* s = scores + g * it.block_size;
       const float* query = it.queries + g * it.dim;
       float block_max = running_max[g];
       for (int64_t i = 0; i < n; ++i) {
-        const float* key = base + i * it.slot_stride;
+        const T* key = base + i * it.slot_stride;
         float dot = 0.f;
-        for (int64_t d = 0; d < it.dim; ++d) dot += query[d] * key[d];
+        for (int64_t d = 0; d < it.dim; ++d) dot += query[d] * static_cast<float>(key[d]);
         s[i] = dot * it.scale;
         block_max = std::max(block_max, s[i]);
       }
@@ -132,8 +138,8 @@ void attend_generic(const Item& it, float* scores, float* acc, float* running_ma
       for (int64_t i = 0; i < n; ++i) {
         const float p = std::exp(s[i] - block_max);
         sum += p;
-        const float* value = base + i * it.slot_stride + it.value_offset;
-        for (int64_t d = 0; d < it.dim; ++d) a[d] += p * value[d];
+        const T* value = base + i * it.slot_stride + it.value_offset;
+        for (int64_t d = 0; d < it.dim; ++d) a[d] += p * static_cast<float>(value[d]);
       }
       running_max[g] = block_max;
       running_sum[g] = sum;
@@ -141,13 +147,14 @@ void attend_generic(const Item& it, float* scores, float* acc, float* running_ma
   }
 }
 
-void attend_any(const Item& it, float* scores, float* acc, float* running_max, float* running_sum) {
-#if defined(__AVX2__) && defined(__FMA__)
+template <typename T>
+void attend_any(const Item<T>& it, float* scores, float* acc, float* running_max, float* running_sum) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   switch (it.dim) {
-    case 64: return attend<8>(it, scores, acc, running_max, running_sum);
-    case 128: return attend<16>(it, scores, acc, running_max, running_sum);
-    case 96: return attend<12>(it, scores, acc, running_max, running_sum);
-    case 32: return attend<4>(it, scores, acc, running_max, running_sum);
+    case 64: return attend<8, T>(it, scores, acc, running_max, running_sum);
+    case 128: return attend<16, T>(it, scores, acc, running_max, running_sum);
+    case 96: return attend<12, T>(it, scores, acc, running_max, running_sum);
+    case 32: return attend<4, T>(it, scores, acc, running_max, running_sum);
     default: break;
   }
 #endif
@@ -159,8 +166,8 @@ void attend_any(const Item& it, float* scores, float* acc, float* running_max, f
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& block_tables,
                                      const torch::Tensor& context_lens, int64_t block_size, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q must be [batch, heads, head_dim] float32");
-  TORCH_CHECK(cache.dim() == 4 && cache.size(1) == 2 && cache.scalar_type() == torch::kFloat32 && cache.is_contiguous(),
-              "cache must be contiguous [slots, 2, kv_heads, head_dim] float32");
+  TORCH_CHECK(cache.dim() == 4 && cache.size(1) == 2 && cache.is_contiguous(), "cache must be contiguous [slots, 2, kv_heads, head_dim]");
+  TORCH_CHECK(cache.scalar_type() == torch::kFloat32 || cache.scalar_type() == torch::kHalf, "cache must be float32 or float16");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == torch::kInt32, "block_tables must be [batch, width] int32");
   TORCH_CHECK(context_lens.dim() == 1 && context_lens.scalar_type() == torch::kInt32, "context_lens must be [batch] int32");
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = cache.size(2), slots = cache.size(0);
@@ -173,7 +180,6 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   const auto lens = context_lens.contiguous();
   auto out = torch::empty_like(qc);
   const float* q_ptr = qc.data_ptr<float>();
-  const float* cache_ptr = cache.data_ptr<float>();
   const int32_t* table_ptr = tables.data_ptr<int32_t>();
   const int32_t* len_ptr = lens.data_ptr<int32_t>();
   float* out_ptr = out.data_ptr<float>();
@@ -189,19 +195,26 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     }
   }
 
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * block_size), acc(group * dim), running_max(group), running_sum(group);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / kv_heads, h = item % kv_heads;
-      const Item it{q_ptr + (b * heads + h * group) * dim, cache_ptr + h * dim, table_ptr + b * width, len_ptr[b], block_size, slot_stride, value_offset, group, dim, fscale};
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
-      std::fill(running_sum.begin(), running_sum.end(), 0.f);
-      attend_any(it, scores.data(), acc.data(), running_max.data(), running_sum.data());
-      float* o = out_ptr + (b * heads + h * group) * dim;
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < dim; ++d) o[g * dim + d] = acc[g * dim + d] / running_sum[g];
-    }
-  });
+  auto run = [&](const auto* cache_ptr) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(cache_ptr)>>;
+    at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(group * block_size), acc(group * dim), running_max(group), running_sum(group);
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t b = item / kv_heads, h = item % kv_heads;
+        const Item<T> it{q_ptr + (b * heads + h * group) * dim, cache_ptr + h * dim, table_ptr + b * width, len_ptr[b], block_size, slot_stride, value_offset, group, dim, fscale};
+        std::fill(acc.begin(), acc.end(), 0.f);
+        std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
+        std::fill(running_sum.begin(), running_sum.end(), 0.f);
+        attend_any(it, scores.data(), acc.data(), running_max.data(), running_sum.data());
+        float* o = out_ptr + (b * heads + h * group) * dim;
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t d = 0; d < dim; ++d) o[g * dim + d] = acc[g * dim + d] / running_sum[g];
+      }
+    });
+  };
+  if (cache.scalar_type() == torch::kHalf)
+    run(cache.data_ptr<c10::Half>());
+  else
+    run(cache.data_ptr<float>());
   return out;
 }
