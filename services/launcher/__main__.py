@@ -167,7 +167,7 @@ class Launcher:
                     return 1
                 print(f"tokenyard: {name} (pid {child.pid}) exited with code {child.returncode}; restarting it", file=sys.stderr, flush=True)
                 group = [other for other in self.children if restart_group(other) == restart_group(name)]
-                self._reap(group, GROUP_EXIT_GRACE_S)
+                self._reap([other for other in group if other != name], GROUP_EXIT_GRACE_S)
                 for other in group:
                     self._spawn(other)
                 break  # self.children changed
@@ -185,14 +185,14 @@ class Launcher:
         deadline = time.monotonic() + grace_s
         for name in names:
             child = self.children[name]
-            if child.poll() is not None:
-                continue
-            try:
-                child.wait(max(0.0, deadline - time.monotonic()))
-                print(f"tokenyard: {name} (pid {child.pid}) exited by itself with code {child.returncode}", file=sys.stderr, flush=True)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+            if child.poll() is None:  # it may have gone already, before this loop's poll saw the first death
+                try:
+                    child.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                    child.wait()
+                    continue
+            print(f"tokenyard: {name} (pid {child.pid}) exited by itself with code {child.returncode}", file=sys.stderr, flush=True)
 
     @staticmethod
     def _stop(children: list[subprocess.Popen], grace_s: float) -> None:

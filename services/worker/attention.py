@@ -186,7 +186,10 @@ def _prefill_attention(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, m
     outs = []
     for chunk in meta.prefills:
         n = chunk.rows.stop - chunk.rows.start
-        context = kv[chunk.rows] if chunk.context_slots is None else cache.index_select(0, chunk.context_slots).to(q.dtype)
+        if chunk.context_slots is None:  # this chunk's own keys and values, as the cache holds them (rounded if it is fp16)
+            context = kv[chunk.rows] if cache.dtype == q.dtype else kv[chunk.rows].to(cache.dtype).to(q.dtype)
+        else:
+            context = cache.index_select(0, chunk.context_slots).to(q.dtype)
         k, v = context[:, 0].transpose(0, 1), context[:, 1].transpose(0, 1)
         qp = q[chunk.rows].transpose(0, 1)
         out = F.scaled_dot_product_attention(qp, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, enable_gqa=True)
