@@ -62,7 +62,7 @@ class StackConfig:
     weight_quant: str = _opt(
         "auto",
         "weight storage of the dense projections and lm_head: auto (fp16 for a float32 model on an x86 CPU, else none), "
-        "none (the dtype's own), fp16 (fbgemm fp16 packs, fp32 arithmetic) or int8 (per-channel weights; on the CPU activations int8 per block of 32 features: opt-in, +0.2 % perplexity)",
+        "none (the dtype's own), fp16 (fbgemm fp16 packs, fp32 arithmetic) or int8 (per-channel weights; on the CPU activations int8 per block of 32 features: opt-in, +0.4 % perplexity)",
     )
     kv_cache_dtype: str = _opt("auto", "KV cache storage: auto (float16 for a float32 model on the CPU, else the model's dtype), model or float16")
     device: str = _opt("auto", "worker device: auto (CUDA when available), cpu or cuda")
