@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # The worker's C++ kernels, compiled once here (about a minute) instead of at the first worker start.
-$(VENV)/.cpu-kernels: $(VENV)/.installed $(wildcard services/worker/csrc/*.cpp)
+$(VENV)/.cpu-kernels: $(VENV)/.installed $(wildcard services/worker/csrc/*.cpp services/worker/csrc/*.h)
 	$(PY) -m services.worker.cpu_kernels
 	touch $@
 

@@ -11,6 +11,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "avx2_sum.h"
+
 #include <algorithm>
 #include <cmath>
 #include <optional>
@@ -56,13 +58,6 @@ void tile_generic(const int8_t* xq, const float* xscale, const int8_t* w, int64_
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-inline float hsum(__m256 v) {
-  __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  half = _mm_add_ss(half, _mm_movehdup_ps(half));
-  return _mm_cvtss_f32(half);
-}
-
 // R rows x C channels (starting at w) into sums[m * TILE + c].
 template <int R, int C>
 void tile(const int8_t* xq, const float* xscale, const int8_t* w, int64_t k, float* sums) {

@@ -9,6 +9,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "avx2_sum.h"
+
 #include <algorithm>
 #include <cmath>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -55,13 +57,6 @@ inline __m256 exp8(__m256 x) {
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-
-inline float hsum(__m256 v) {
-  __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  half = _mm_add_ss(half, _mm_movehdup_ps(half));
-  return _mm_cvtss_f32(half);
-}
 
 // R = dim / 8 registers per row: the query stays in registers while it meets every key of a block,
 // the head's output accumulator while it takes every value.
