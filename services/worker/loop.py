@@ -62,7 +62,9 @@ class WorkerLoop:
         self.config = config
         self.log = log
         self.model = load_model_info(config.model)
-        self.num_blocks = kv_cache_blocks(self.model, config.kv_cache_tokens, config.kv_cache_bytes, config.block_size, config.dtype)
+        # Known once load() has resolved the device and the KV dtype; heartbeats carry 0 until then,
+        # which the scheduler does not adopt (a byte budget in fp32 terms would be adopted, then replaced).
+        self.num_blocks = 0
         self.ctx = zmq.Context()
         self.curve = Curve.from_file(config.curve_key_file)
         self.inbox = Inbox(self.ctx, config.worker_address, "worker_inbox", self.curve)
