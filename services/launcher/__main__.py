@@ -132,14 +132,16 @@ class Launcher:
         url = f"http://{self.config.host}:{self.config.port}/health"
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline and not self.stopping:
-            if self._dead_child():
-                return False
+            # Health first: once the api has answered 200 the stack is up, and a child that dies from
+            # then on (even before this loop looks again) is supervise()'s to restart, not a failed start.
             try:
                 with urllib.request.urlopen(url, timeout=2) as response:
                     if response.status == 200:
                         return True
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
+            if self._dead_child():
+                return False
             time.sleep(0.25)
         return False
 
