@@ -1,7 +1,9 @@
-"""Weight formats (fp16 packs, weight-only int8) against fp32 on the same checkpoint: what each costs in accuracy, what it buys in speed.
+"""Weight formats (fp16 packs, int8, int4 blocks) against fp32 on the same checkpoint: what each costs in accuracy, what it buys in speed.
 
 Accuracy: perplexity of a fixed text (teacher-forced, every position's logits) and the relative
-error of those logits against fp32; top-1 agreement. Speed: in-process decode step time at a few
+error of those logits against fp32; top-1 agreement. Twice: as one prefill chunk (many rows per
+product) and token by token (one row per product), since a format may multiply few-row steps in
+another kernel than many-row ones (int4's blocks vs its fp16 packs). Speed: in-process decode step time at a few
 batch sizes, every format measured alternately in the same run.
 
     .venv/bin/python -m bench.quantization --model models/SmolLM2-135M-Instruct
@@ -41,6 +43,18 @@ def teacher_forced_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
         return runner.model.compute_logits(hidden).float()
 
 
+def token_by_token_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    """The same logits, each position a step of its own (one row per product, as in a decode)."""
+    blocks = list(range(-(-len(ids) // runner.block_size)))
+    rows = []
+    with torch.inference_mode():
+        for position, token in enumerate(ids):
+            meta = AttentionMetadata.build([position], [1], [blocks], 0, runner.block_size, runner.model.dtype)
+            hidden = runner.model.forward(torch.tensor([token]), meta.positions, meta, runner.kv_cache)
+            rows.append(runner.model.compute_logits(hidden).float())
+    return torch.cat(rows)
+
+
 def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
     nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
     return math.exp(float(nll))
@@ -72,22 +86,27 @@ def main() -> None:
     args = parser.parse_args()
 
     ids = load_tokenizer(args.model).encode(TEXT)
-    formats = ("none", "fp16", "int8")
+    formats = ("none", "fp16", "int8", "int4")
     runners = {quant: ModelRunner(args.model, num_blocks=1024, block_size=16, weight_quant=quant) for quant in formats}
-    logits = {quant: teacher_forced_logits(runner, ids) for quant, runner in runners.items()}
-    exact = logits["none"]
-    results: dict = {
-        "model": args.model,
-        "text_tokens": len(ids),
-        "perplexity": {quant: perplexity(value, ids) for quant, value in logits.items()},
-        "logit_relative_error": {quant: float((value - exact).norm() / exact.norm()) for quant, value in logits.items()},
-        "top1_agreement": {quant: float((value.argmax(-1) == exact.argmax(-1)).float().mean()) for quant, value in logits.items()},
-        "weight_bytes": {quant: runner.describe()["param_bytes"] for quant, runner in runners.items()},
-        "decode_step_ms": {},
-    }
-    for quant in formats:
-        print(f"{quant:5s}: perplexity {results['perplexity'][quant]:.3f}, logit rel. error {results['logit_relative_error'][quant]:.2e}, "
-              f"top-1 agreement {results['top1_agreement'][quant]:.3f}, weights {results['weight_bytes'][quant] / 1e6:.0f} MB")
+    results: dict = {"model": args.model, "text_tokens": len(ids), "decode_step_ms": {}}
+    for mode, run in (("prefill", teacher_forced_logits), ("token_by_token", token_by_token_logits)):
+        logits = {quant: run(runner, ids) for quant, runner in runners.items()}
+        exact = logits["none"]
+        results[mode] = {
+            quant: {
+                "perplexity": perplexity(value, ids),
+                "logit_relative_error": float((value - exact).norm() / exact.norm()),
+                "top1_agreement": float((value.argmax(-1) == exact.argmax(-1)).float().mean()),
+            }
+            for quant, value in logits.items()
+        }
+        for quant, facts in results[mode].items():
+            print(f"{mode:14s} {quant:5s}: perplexity {facts['perplexity']:.3f}, logit rel. error {facts['logit_relative_error']:.2e}, "
+                  f"top-1 agreement {facts['top1_agreement']:.3f}")
+    for quant, runner in runners.items():
+        facts = runner.describe()
+        results.setdefault("weight_bytes", {})[quant] = facts["param_bytes"] + facts["block_quant_bytes"]
+        print(f"{quant:5s}: weights held {results['weight_bytes'][quant] / 1e6:.0f} MB")
     for batch in args.batches:
         times = {quant: [] for quant in runners}
         for _ in range(3):  # alternate, so a burst of load elsewhere hits all of them

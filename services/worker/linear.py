@@ -16,6 +16,13 @@ Weight storage formats (``--weight-quant``), chosen per deployment:
   agreement on the default model, so it is opt-in. Elsewhere activations stay in their dtype (aten's
   ``_weight_int8pack_mm``). fbgemm's dynamic int8 GEMM was rejected: its one activation scale per
   tensor (or even per token) costs +4 % perplexity or more.
+- ``int4``: the dense projections in q4_1 blocks (``block_quant.py``: 4-bit codes, an fp16 scale and
+  minimum per 32 input features) and lm_head in q8_0 blocks, multiplied by ``csrc/block_quant_linear.cpp``
+  with activations rounded to int16 per block (error ~2e-5 of the block's largest value, below fp16's),
+  for steps of at most ``BLOCK_QUANT_MAX_ROWS`` rows, where streaming the weights bounds the step; larger
+  steps, bound by arithmetic, take fp16 packs of the same (dequantized) weights. A quarter of fp16's
+  bytes per single-stream step. A checkpoint converted from a q4_1 GGUF (the default model) round-trips
+  exactly, so for it ``int4`` costs nothing and ``auto`` picks it; elsewhere it costs 4-bit weights.
 - ``none``: the checkpoint's dtype as loaded.
 """
 
@@ -26,10 +33,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from services.worker import block_quant
 from services.worker.cpu_kernels import cpu_kernels
 
 SPLIT_MAX_ROWS = 8  # measured: the split wins up to 8 rows, plain GEMM beyond
 INT8_ACTIVATION_BLOCK = 32  # features per activation scale in csrc/int8_linear.cpp
+BLOCK_QUANT_MAX_ROWS = 4  # measured in decode steps: the block kernel wins while the weights' bytes bound the step
 
 
 def _slices(size: int, threads: int) -> int:
@@ -59,20 +68,27 @@ def fp16_packing_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
-WEIGHT_QUANTS = ("auto", "none", "fp16", "int8")
+WEIGHT_QUANTS = ("auto", "none", "fp16", "int8", "int4")
 
 
 def resolve_weight_quant(weight_quant: str, device: torch.device, dtype: torch.dtype) -> str:
-    """``auto``: fp16 packs for an fp32 model on a CPU with fbgemm, else the dtype's own weights.
-    Refuses a format the device or dtype cannot run, naming why."""
+    """``auto``: fp16 packs for an fp32 model on a CPU with fbgemm (``convert_weights`` upgrades it to
+    int4 where that is lossless), else the dtype's own weights. Refuses a format the device or dtype
+    cannot run, naming why."""
     if weight_quant not in WEIGHT_QUANTS:
         raise ValueError(f"weight_quant {weight_quant!r} is not supported (supported: {', '.join(WEIGHT_QUANTS)})")
     fp16_runs = device.type == "cpu" and dtype == torch.float32 and fp16_packing_available()
     if weight_quant == "auto":
-        return "fp16" if fp16_runs else "none"
-    if weight_quant == "fp16" and not fp16_runs:
-        raise ValueError("weight_quant 'fp16' needs a float32 model on a CPU whose torch has fbgemm (x86)")
+        return "auto" if fp16_runs else "none"
+    if weight_quant in ("fp16", "int4") and not fp16_runs:
+        raise ValueError(f"weight_quant {weight_quant!r} needs a float32 model on a CPU whose torch has fbgemm (x86)")
+    if weight_quant == "int4" and cpu_kernels()[0] is None:
+        raise ValueError(f"weight_quant 'int4' needs the CPU kernels, which are unavailable: {cpu_kernels()[1]}")
     return weight_quant
+
+
+def _block_quant_runs(x: torch.Tensor) -> bool:
+    return x.shape[0] <= BLOCK_QUANT_MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"
 
 
 def _packed_placeholder(out_features: int, in_features: int) -> torch.Tensor:
@@ -95,6 +111,7 @@ class Linear:
         self.bias = bias
         self.scales: torch.Tensor | None = None
         self.packed: Any = None
+        self.blocks: torch.Tensor | None = None  # int4: q4_1 blocks beside the fp16 pack
         self.split = weight.dtype == torch.float32
         if not self.split:
             self.weight, self.slices = weight.contiguous(), 1
@@ -110,16 +127,32 @@ class Linear:
         self.weight, self.scales = int8_per_channel(self.weight.t() if self.split else self.weight)
         self.split, self._sliced = False, None
 
+    def float_weight(self) -> torch.Tensor:
+        """The weight as [out, in] float32 (before any conversion)."""
+        return (self.weight.t() if self.split else self.weight).float().contiguous()
+
     def pack_fp16(self) -> None:
         """From now on the weight is fp16 in an fbgemm pack (the float weight is dropped)."""
         if self.packed is not None or self.scales is not None:
             return
-        weight = (self.weight.t() if self.split else self.weight).float().contiguous()
+        weight = self.float_weight()
         self.packed = torch.ops.quantized.linear_prepack_fp16(weight, None if self.bias is None else self.bias.float())
         self.weight, self.split, self._sliced = _packed_placeholder(*weight.shape), False, None
 
+    def quantize_int4(self, blocks: torch.Tensor) -> None:
+        """From now on ``blocks`` (``block_quant.quantize(float_weight(), "q4_1")``) serve steps of few
+        rows and an fp16 pack of what they stand for serves the rest (the float weight is dropped)."""
+        out_features = self.float_weight().shape[0]
+        self.packed = torch.ops.quantized.linear_prepack_fp16(
+            block_quant.dequantize(blocks, "q4_1"), None if self.bias is None else self.bias.float()
+        )
+        self.blocks, self.in_features = blocks, blocks.shape[1] // block_quant.BLOCK_BYTES["q4_1"] * block_quant.BLOCK
+        self.weight, self.split, self._sliced = _packed_placeholder(out_features, self.in_features), False, None
+
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
+        if self.blocks is not None and _block_quant_runs(x):
+            return cpu_kernels()[0].block_quant_linear(x, self.blocks, "q4_1", self.in_features, self.bias, residual)
         if self.packed is not None:
             out = torch.ops.quantized.linear_dynamic_fp16(x, self.packed)  # the bias is in the pack
             return out if residual is None else out.add_(residual)
@@ -148,6 +181,7 @@ class RowSplitLinear:
         self.weight = weight
         self.scales: torch.Tensor | None = None
         self.packed: Any = None
+        self.blocks: torch.Tensor | None = None  # int4: q8_0 blocks beside the fp16 pack
         self.slices = _slices(out_features, threads) if weight.dtype == torch.float32 else 1
         self._sliced_t = weight.view(self.slices, out_features // self.slices, in_features).transpose(1, 2)
 
@@ -162,8 +196,20 @@ class RowSplitLinear:
             self.packed = torch.ops.quantized.linear_prepack_fp16(self.weight.float().contiguous(), None)
             self.weight = _packed_placeholder(*self.weight.shape)
 
+    def float_weight(self) -> torch.Tensor:
+        return self.weight.float().contiguous()
+
+    def quantize_int4(self, blocks: torch.Tensor) -> None:
+        """``blocks`` (``block_quant.quantize(float_weight(), "q8_0")``) for steps of few rows, an fp16
+        pack of what they stand for beyond; a tied embedding keeps its float original for lookups."""
+        self.packed = torch.ops.quantized.linear_prepack_fp16(block_quant.dequantize(blocks, "q8_0"), None)
+        self.blocks, self.in_features = blocks, self.weight.shape[1]
+        self.weight = _packed_placeholder(*self.weight.shape)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
+        if self.blocks is not None and _block_quant_runs(x):
+            return cpu_kernels()[0].block_quant_linear(x, self.blocks, "q8_0", self.in_features, None, None)
         if self.packed is not None:
             return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
         if self.scales is not None:
@@ -174,22 +220,18 @@ class RowSplitLinear:
         return out.transpose(0, 1).reshape(rows, -1)
 
 
-def convert_weights(model: object, weight_quant: str) -> int:
+def linears_of(model: object) -> list[Linear | RowSplitLinear]:
     """Every ``Linear`` and ``RowSplitLinear`` reachable from ``model``'s attributes (lists and tuples
-    included) switches to the ``weight_quant`` format (``fp16`` or ``int8``); returns how many. Expert
-    weights (grouped GEMMs) stay as they are."""
-    convert = {"fp16": "pack_fp16", "int8": "quantize_int8"}[weight_quant]
+    included), each once. Expert weights (grouped GEMMs) are not among them."""
     seen: set[int] = set()
-    count = 0
+    found: list[Linear | RowSplitLinear] = []
 
     def visit(obj: object) -> None:
-        nonlocal count
         if id(obj) in seen or isinstance(obj, torch.Tensor | str | int | float | bool | type(None)):
             return
         seen.add(id(obj))
         if isinstance(obj, Linear | RowSplitLinear):
-            getattr(obj, convert)()
-            count += 1
+            found.append(obj)
         elif isinstance(obj, list | tuple):
             for item in obj:
                 visit(item)
@@ -198,4 +240,34 @@ def convert_weights(model: object, weight_quant: str) -> int:
                 visit(value)
 
     visit(model)
-    return count
+    return found
+
+
+def _int4_blocks(linear: Linear | RowSplitLinear) -> tuple[torch.Tensor, str] | None:
+    """The weight in its int4-format blocks (q4_1 for projections, q8_0 for lm_head), or None when its
+    in_features do not split into blocks."""
+    weight = linear.float_weight()
+    if weight.shape[1] % block_quant.BLOCK:
+        return None
+    fmt = "q8_0" if isinstance(linear, RowSplitLinear) else "q4_1"
+    return block_quant.quantize(weight, fmt), fmt
+
+
+def convert_weights(model: object, weight_quant: str) -> tuple[str, int]:
+    """Every linear of ``model`` switches to ``weight_quant``'s format; returns the format it took and
+    how many. ``auto`` (as resolved on a CPU): int4 when every weight round-trips through its blocks
+    exactly and the kernels are built, else fp16. A weight whose in_features do not split into
+    blocks of 32 keeps an fp16 pack under int4."""
+    linears = linears_of(model)
+    if weight_quant in ("auto", "int4"):
+        blocks = [_int4_blocks(linear) for linear in linears]
+        lossless = all(b is not None and block_quant.is_exact(linear.float_weight(), *b) for linear, b in zip(linears, blocks))
+        if weight_quant == "int4" or (lossless and cpu_kernels()[0] is not None):
+            for linear, b in zip(linears, blocks):
+                linear.quantize_int4(b[0]) if b is not None else linear.pack_fp16()
+            return "int4", len(linears)
+        weight_quant = "fp16"
+    convert = {"fp16": "pack_fp16", "int8": "quantize_int8"}[weight_quant]
+    for linear in linears:
+        getattr(linear, convert)()
+    return weight_quant, len(linears)

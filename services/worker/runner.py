@@ -30,7 +30,7 @@ from services.worker.device import resolve_dtype
 from services.worker.device_memory import ActivationProfile, CudaMemoryProbe, MemoryProbe
 from services.worker.gdn_state import GDNStateCache, SlotMetadata
 from services.worker.kernels.sampling import SamplingTensors, sample_on_device
-from services.worker.linear import convert_weights, resolve_weight_quant
+from services.worker.linear import convert_weights, linears_of, resolve_weight_quant
 from services.worker.models import model_family
 from services.worker.sampling import LogitBias, TokenHistory, process_logits, sample, token_logprobs
 from services.worker.tensor_parallel import TensorParallelGroup, parallelize, shard_config, shard_weights
@@ -123,7 +123,7 @@ class ModelRunner:
             if tp is not None:
                 config, weights = shard_config(config, tp.size), shard_weights(weights, tp.rank, tp.size)
             self.model = family(config, weights)
-            self.weight_quant, self.quantized_linears = weight_quant, convert_weights(self.model, weight_quant) if weight_quant != "none" else 0
+            self.weight_quant, self.quantized_linears = convert_weights(self.model, weight_quant) if weight_quant != "none" else ("none", 0)
             if tp is not None:  # after quantization, which finds the layers' linears unwrapped
                 parallelize(self.model, tp)
             self._attention_backend = getattr(self.model, "attention_backend", "torch")
@@ -426,6 +426,8 @@ class ModelRunner:
             "max_num_seqs": self.max_num_seqs,
             "weight_quant": self.weight_quant,
             "quantized_linears": self.quantized_linears,
+            # int4 keeps its blocks beside the fp16 packs that param_bytes counts
+            "block_quant_bytes": sum(linear.blocks.nbytes for linear in linears_of(self.model) if linear.blocks is not None),
             "requests": len(self._requests),
             **self.model.describe(),
             **self._describe_slots(),

@@ -82,14 +82,15 @@ def test_fp16_packs_compute_in_fp32_with_fp16_rounded_weights(rows: int) -> None
     assert not torch.allclose(x @ rounded.T, x @ w.T, rtol=1e-6, atol=0)  # the rounding is real, so the check above could fail
 
 
-def test_auto_weight_format_is_fp16_packs_for_fp32_on_the_cpu_only() -> None:
+def test_auto_weight_format_is_decided_at_conversion_for_fp32_on_the_cpu_only() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_weight_quant("auto", cpu, torch.float32) == "fp16"
+    assert resolve_weight_quant("auto", cpu, torch.float32) == "auto"  # int4 where lossless, else fp16 (test_block_quant.py)
     assert resolve_weight_quant("auto", cpu, torch.bfloat16) == "none"
     assert resolve_weight_quant("auto", cuda, torch.bfloat16) == "none"
     assert resolve_weight_quant("int8", cpu, torch.float32) == "int8"
-    with pytest.raises(ValueError, match="needs a float32 model on a CPU"):
-        resolve_weight_quant("fp16", cpu, torch.bfloat16)
+    for fmt in ("fp16", "int4"):
+        with pytest.raises(ValueError, match="needs a float32 model on a CPU"):
+            resolve_weight_quant(fmt, cpu, torch.bfloat16)
 
 
 @pytest.mark.parametrize(

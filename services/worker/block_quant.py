@@ -1,0 +1,78 @@
+"""Block-quantized weights in llama.cpp's q4_1 and q8_0 layouts: the codec and its exactness check.
+
+A weight [out, in] is cut along ``in`` into blocks of 32 features, each with fp16 scales (llama.cpp's
+formats, laid out row by row with the codes first and the scales after them, which is what
+``csrc/block_quant_linear.cpp`` reads):
+
+- ``q4_1``: 4-bit codes (block b's byte j: feature 32b + j in the low nibble, 32b + j + 16 in the high
+  one), then one scale ``d`` and one minimum ``m`` per block; ``w = d * q + m``. 20 bytes per 32 weights.
+- ``q8_0``: signed byte codes, then one scale ``d`` per block; ``w = d * q``. 34 bytes per 32 weights.
+
+A model converted from a GGUF in these formats (the default model: q4_1 projections, a q8_0
+embedding) round-trips exactly, so serving it in them loses nothing; ``is_exact`` tells.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 32
+BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
+
+
+def _blocks(weight: torch.Tensor) -> torch.Tensor:
+    out_features, in_features = weight.shape
+    if in_features % BLOCK:
+        raise ValueError(f"block quantization needs in_features divisible by {BLOCK}, got {in_features}")
+    return weight.float().reshape(out_features, in_features // BLOCK, BLOCK)
+
+
+def _half_bytes(values: torch.Tensor) -> torch.Tensor:
+    """fp16 values [..., 1] as their two little-endian bytes [..., 2]."""
+    return values.half().contiguous().view(torch.uint8)
+
+
+def _safe_divisor(scale: torch.Tensor) -> torch.Tensor:
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
+
+
+def quantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``weight`` [out, in] → uint8 [out, in / 32 * BLOCK_BYTES[fmt]] (scales rounded to fp16 first,
+    so the codes are chosen against the scales that will be stored)."""
+    blocks = _blocks(weight)
+    rows = weight.shape[0]
+    if fmt == "q4_1":
+        low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+        d, m = ((high - low) / 15).half().float(), low.half().float()
+        codes = torch.round((blocks - m) / _safe_divisor(d)).clamp_(0, 15).to(torch.uint8)
+        nibbles = codes[..., :16] | (codes[..., 16:] << 4)
+        parts = [nibbles, _half_bytes(d), _half_bytes(m)]
+    elif fmt == "q8_0":
+        d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
+        codes = torch.round(blocks / _safe_divisor(d)).clamp_(-127, 127).to(torch.int8).view(torch.uint8)
+        parts = [codes, _half_bytes(d)]
+    else:
+        raise ValueError(f"unknown block format {fmt!r} (supported: {', '.join(BLOCK_BYTES)})")
+    return torch.cat([part.reshape(rows, -1) for part in parts], dim=1).contiguous()
+
+
+def dequantize(packed: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The float32 weight [out, in] that ``packed`` stands for (the kernels' reference)."""
+    rows, blocks = packed.shape[0], packed.shape[1] // BLOCK_BYTES[fmt]
+    code_bytes = blocks * (16 if fmt == "q4_1" else 32)
+    scales = packed[:, code_bytes:].contiguous().view(torch.float16).float().reshape(rows, -1, blocks)
+    d = scales[:, 0, :, None]
+    if fmt == "q4_1":
+        nibbles = packed[:, :code_bytes].reshape(rows, blocks, 16)
+        codes = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).float()
+        return (codes * d + scales[:, 1, :, None]).reshape(rows, -1)
+    codes = packed[:, :code_bytes].contiguous().view(torch.int8).float().reshape(rows, blocks, BLOCK)
+    return (codes * d).reshape(rows, -1)
+
+
+def is_exact(weight: torch.Tensor, packed: torch.Tensor, fmt: str) -> bool:
+    """``packed`` reproduces ``weight`` to within fp32 rounding of ``d * q + m`` (a checkpoint that was
+    converted from this format: quantizing it again loses nothing)."""
+    restored = dequantize(packed, fmt)
+    tolerance = 1e-6 * weight.float().abs().amax().clamp_min(1e-30)
+    return bool((restored - weight.float()).abs().amax() <= tolerance)

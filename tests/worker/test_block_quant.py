@@ -1,0 +1,136 @@
+"""int4 weights: the q4_1/q8_0 block codec, the C++ block kernel against the dequantized weight, the
+row threshold between the kernel and the fp16 packs, and ``auto`` choosing int4 exactly where it is
+lossless (a checkpoint on the q4_1 grid, as one converted from a q4_1 GGUF)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from services.worker import block_quant
+from services.worker.cpu_kernels import cpu_kernels
+from services.worker.linear import BLOCK_QUANT_MAX_ROWS, Linear, RowSplitLinear
+from services.worker.runner import ModelRunner
+from shared.frames import Slice, StepPlan
+
+from .harness import GREEDY, Checkpoint, prompt_of
+
+kernels = pytest.mark.skipif(cpu_kernels()[0] is None, reason=f"CPU kernels unavailable: {cpu_kernels()[1]}")
+
+
+@pytest.mark.parametrize("fmt, levels", [("q4_1", 15), ("q8_0", 254)])
+def test_codec_error_is_at_most_half_a_step_and_a_second_pass_is_exact(fmt: str, levels: int) -> None:
+    w = torch.randn(6, 96) * torch.logspace(-3, 1, 6)[:, None]  # rows of very different magnitude
+    packed = block_quant.quantize(w, fmt)
+    assert packed.dtype == torch.uint8 and packed.shape == (6, 3 * block_quant.BLOCK_BYTES[fmt])
+    restored = block_quant.dequantize(packed, fmt)
+    blocks = w.view(6, 3, 32)
+    step = (blocks.amax(-1) - blocks.amin(-1) if fmt == "q4_1" else 2 * blocks.abs().amax(-1)) / levels
+    assert torch.all((restored - w).view(6, 3, 32).abs() <= step[..., None] * 0.501 + 1e-7)
+    assert not block_quant.is_exact(w, packed, fmt)
+    assert block_quant.is_exact(restored, block_quant.quantize(restored, fmt), fmt)  # what a converted GGUF holds
+    with pytest.raises(ValueError, match="divisible by 32"):
+        block_quant.quantize(torch.randn(4, 40), fmt)
+
+
+def _int16_rounded(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the kernel multiplies it: int16 codes per block of 32 features, dequantized."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    return (torch.round(blocks * (32767 / amax)) * (amax / 32767)).view(x.shape)  # the kernel's own roundings
+
+
+def _kernel_reference(x: torch.Tensor, packed: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The kernel's arithmetic in torch: the codes times int16-rounded ``x``, q4_1's minimums times the
+    block sums of ``x`` itself (the minimums alone are what the blocks hold with every code zeroed)."""
+    dense = block_quant.dequantize(packed, fmt)
+    if fmt == "q8_0":
+        return _int16_rounded(x) @ dense.T
+    minimums_only = packed.clone()
+    minimums_only[:, : packed.shape[1] // 20 * 16] = 0
+    minimums = block_quant.dequantize(minimums_only, fmt)
+    return _int16_rounded(x) @ (dense - minimums).T + x @ minimums.T
+
+
+@kernels
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("out_features", [24, 30])  # 30: a tail of output channels past the 4-channel tiles
+def test_kernel_equals_int16_activations_times_the_dequantized_weight(fmt: str, rows: int, out_features: int) -> None:
+    generator = torch.Generator().manual_seed(rows * 100 + out_features)
+    w, bias, residual = (torch.randn(*shape, generator=generator) for shape in ((out_features, 288), (out_features,), (rows, out_features)))
+    x = torch.randn(rows, 288, generator=generator) * (1 + 30 * (torch.rand(288, generator=generator) < 0.02))  # a few outlier features
+    packed = block_quant.quantize(w, fmt)
+    dense = block_quant.dequantize(packed, fmt)
+    kernel = cpu_kernels()[0].block_quant_linear
+    ours = kernel(x, packed, fmt, 288, bias, residual)
+    # Integer block products are exact; only fp32 summation order differs from this reference (the
+    # outlier features make partial sums of ~1e3 that cancel, hence the absolute tolerance).
+    torch.testing.assert_close(ours, _kernel_reference(x, packed, fmt) + bias + residual, rtol=2e-5, atol=5e-4)
+    strided = kernel(x.t().contiguous().t(), packed, fmt, 288, None, None)
+    torch.testing.assert_close(strided, _kernel_reference(x, packed, fmt), rtol=2e-5, atol=5e-4)
+    assert float((strided - x @ dense.T).norm() / (x @ dense.T).norm()) < 3e-4  # what the int16 rounding costs beside 30x outliers
+    with pytest.raises(RuntimeError, match="bytes"):
+        kernel(x, packed[:, :-1].contiguous(), fmt, 288, None, None)
+    with pytest.raises(RuntimeError, match="unknown block format"):
+        kernel(x, packed, "q2_k", 288, None, None)
+
+
+@kernels
+def test_int4_linears_take_the_blocks_for_few_rows_and_fp16_packs_of_the_same_weight_beyond() -> None:
+    w, bias = torch.randn(40, 64), torch.randn(40)
+    linear, head = Linear(w.clone(), threads=2, bias=bias), RowSplitLinear(w.clone(), threads=2)
+    linear.quantize_int4(block_quant.quantize(w, "q4_1"))
+    head.quantize_int4(block_quant.quantize(w, "q8_0"))
+    for layer, fmt, b in ((linear, "q4_1", bias), (head, "q8_0", torch.zeros(40))):
+        dense = block_quant.dequantize(block_quant.quantize(w, fmt), fmt)
+        assert layer.weight.device.type == "meta"  # the float weight is gone
+        few, many = torch.randn(BLOCK_QUANT_MAX_ROWS, 64), torch.randn(BLOCK_QUANT_MAX_ROWS + 1, 64)
+        torch.testing.assert_close(layer(few), _kernel_reference(few, block_quant.quantize(w, fmt), fmt) + b, rtol=2e-5, atol=5e-4)
+        torch.testing.assert_close(layer(many), many @ dense.half().float().T + b, rtol=1e-5, atol=1e-5)
+
+
+def _snap_to_blocks(source: str, target: Path) -> None:
+    """A copy of the checkpoint at ``source`` whose projections lie on the q4_1 grid and whose
+    embedding (lm_head, when tied) on the q8_0 grid, like a model converted from a q4_1 GGUF."""
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    for file in target.glob("*.safetensors"):
+        tensors = safetensors.torch.load_file(file)
+        for name, tensor in tensors.items():
+            if name.endswith("_proj.weight"):
+                tensors[name] = block_quant.dequantize(block_quant.quantize(tensor, "q4_1"), "q4_1")
+            elif name in ("lm_head.weight", "model.embed_tokens.weight") and (config.get("tie_word_embeddings") or name == "lm_head.weight"):
+                tensors[name] = block_quant.dequantize(block_quant.quantize(tensor, "q8_0"), "q8_0")
+        safetensors.torch.save_file(tensors, file, metadata={"format": "pt"})
+
+
+@kernels
+@pytest.mark.parametrize("checkpoint", ["untied", "tied-sharded"])
+def test_auto_serves_a_checkpoint_on_the_block_grid_in_int4_losslessly(tiny_llamas: dict[str, Checkpoint], checkpoint: str, tmp_path: Path) -> None:
+    tiny = tiny_llamas[checkpoint]
+    _snap_to_blocks(tiny.path, tmp_path / "snapped")
+    prompt = prompt_of(5, 20)
+    exact = ModelRunner(str(tmp_path / "snapped"), num_blocks=16, block_size=4)
+    served = ModelRunner(str(tmp_path / "snapped"), num_blocks=16, block_size=4, weight_quant="auto")
+    facts = served.describe()
+    assert facts["weight_quant"] == "int4" and facts["quantized_linears"] == 4 * tiny.reference.config.num_hidden_layers + 1
+    assert facts["block_quant_bytes"] > 0
+    prefill = StepPlan(0, [Slice("p", 0, len(prompt), prompt, list(range(8)), sampling=GREEDY)])  # 20 rows: the fp16 packs
+    decode = StepPlan(1, [Slice("d", len(prompt), 1)])  # one row: the block kernel
+    relative = []
+    theirs, ours = exact.logits(prefill)["p"], served.logits(prefill)["p"]
+    relative.append(float((ours - theirs).norm() / theirs.norm()))
+    start = StepPlan(0, [Slice("d", 0, len(prompt), prompt, list(range(8, 16)), sampling=GREEDY)])
+    assert exact.execute(start).sampled[0].token_id == served.execute(start).sampled[0].token_id
+    theirs, ours = exact.logits(decode)["d"], served.logits(decode)["d"]
+    relative.append(float((ours - theirs).norm() / theirs.norm()))
+    assert all(0 < r < 2e-3 for r in relative), relative
+    # The same checkpoint off the grid: auto keeps fp16 packs; int4 asked for explicitly costs 4-bit weights.
+    assert ModelRunner(tiny.path, num_blocks=8, block_size=4, weight_quant="auto").describe()["weight_quant"] == "fp16"
+    assert ModelRunner(tiny.path, num_blocks=8, block_size=4, weight_quant="int4").describe()["weight_quant"] == "int4"
