@@ -20,7 +20,10 @@ import structlog
 
 log = structlog.get_logger()
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("bindings.cpp", "paged_decode_attention.cpp", "int8_linear.cpp", "block_quant_linear.cpp")]
+SOURCES = [
+    Path(__file__).parent / "csrc" / name
+    for name in ("bindings.cpp", "paged_decode_attention.cpp", "int8_linear.cpp", "block_quant_linear.cpp", "decoder_fusions.cpp")
+]
 # csrc/*.h are included by these; ninja's dependency files rebuild the module when one changes.
 
 

@@ -1,11 +1,12 @@
-"""The decoder's elementwise fusions: fused residual-add + RMSNorm and SiLU-and-mul, their torch
-references, and the choice of backend.
+"""The decoder's elementwise fusions: fused residual-add + RMSNorm, SiLU-and-mul and in-place rotary,
+their torch references, and the choice of backend.
 
-On CUDA the decoder runs the Triton kernels of ``services.worker.kernels.fusions`` (each residual add
-folded into the RMSNorm that follows it, the SwiGLU activation one kernel). On the CPU nothing is
-fused: the decoder's own forward (the residual riding on the output projections, ``RMSNorm``'s few
-in-place ops) is the tuned production path, so the selection there is "none" and the torch forms
-below serve only as the kernels' reference.
+With them the decoder folds each residual add into the RMSNorm that follows it and runs the SwiGLU
+activation (and, on the CPU, the q/k rotation) as one kernel each. On CUDA they are the Triton kernels
+of ``services.worker.kernels.fusions`` (rotary stays torch); on the CPU, for fp32 models, the C++
+kernels of ``csrc/decoder_fusions.cpp``, which save the per-op dispatch of ~25 small torch ops a layer.
+Elsewhere (a bf16/fp16 CPU model, no compiler, ``TOKENYARD_CPU_KERNELS=0``) the decoder keeps its
+unfused forward, and ``names`` says why.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from services.worker.cpu_kernels import cpu_kernels
 
 
 def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,19 +39,36 @@ class FusionKernels(NamedTuple):
 
     add_rms_norm: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]] | None
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None
+    rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None  # ``apply_rotary_``'s contract
     names: dict[str, str]  # for /instrumentation
 
 
-UNFUSED = FusionKernels(None, None, {"add_rms_norm": "none (torch, unfused)", "silu_and_mul": "none (torch, unfused)"})
+def _unfused(reason: str) -> FusionKernels:
+    return FusionKernels(None, None, None, dict.fromkeys(("add_rms_norm", "silu_and_mul", "rotary"), reason))
 
 
-def select_fusion_kernels(device: torch.device) -> FusionKernels:
-    """The Triton kernels where the model runs on CUDA and triton imports; unfused elsewhere. Chosen once, at load."""
+UNFUSED = _unfused("none (torch, unfused)")
+
+
+def select_fusion_kernels(device: torch.device, dtype: torch.dtype) -> FusionKernels:
+    """The Triton kernels where the model runs on CUDA and triton imports; the C++ kernels for an fp32
+    model on the CPU once they built; unfused elsewhere. Chosen once, at load."""
+    if device.type == "cpu":
+        return _cpu_fusions(dtype)
     if device.type != "cuda":
         return UNFUSED
     try:
         from services.worker.kernels import fusions  # imports triton: only on the GPU path
     except ImportError as exc:
-        reason = f"none (triton unavailable: {exc})"
-        return UNFUSED._replace(names={"add_rms_norm": reason, "silu_and_mul": reason})
-    return FusionKernels(fusions.add_rms_norm, fusions.silu_and_mul, {"add_rms_norm": "triton", "silu_and_mul": "triton"})
+        return _unfused(f"none (triton unavailable: {exc})")
+    return FusionKernels(fusions.add_rms_norm, fusions.silu_and_mul, None, {"add_rms_norm": "triton", "silu_and_mul": "triton", "rotary": "none (torch)"})
+
+
+def _cpu_fusions(dtype: torch.dtype) -> FusionKernels:
+    if dtype != torch.float32:
+        return _unfused(f"none (the C++ kernels are fp32, the model is {str(dtype).removeprefix('torch.')})")
+    kernels, why = cpu_kernels()
+    if kernels is None:
+        return _unfused(f"none (C++ kernels unavailable: {why})")
+    # add_rms_norm writes h over x: the decoder passes each mixer's or MLP's fresh output, dead after the call.
+    return FusionKernels(kernels.add_rms_norm, kernels.silu_and_mul, kernels.rotary_, dict.fromkeys(("add_rms_norm", "silu_and_mul", "rotary"), "cpp"))

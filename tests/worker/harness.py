@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from unittest import mock
 
 import torch
 from transformers import (
@@ -23,6 +24,9 @@ from transformers import (
 )
 
 from services.worker.attention import AttentionMetadata
+from services.worker.fusions import FusionKernels
+from services.worker.models import decoder
+from services.worker.rmsnorm import RMSNorm
 from services.worker.runner import ModelRunner
 from shared.frames import SamplingParams, Slice, StepPlan
 
@@ -277,6 +281,30 @@ def check_logits_after_chunked_prefill_and_in_decode(tiny: Checkpoint, max_rel_e
     with torch.no_grad():
         theirs = tiny.reference(torch.tensor([prompt + [token]])).logits[0, -1]
     assert rel_err(ours, theirs) <= max_rel_err
+
+
+def mixed_step_logits(path: str, fusions: FusionKernels) -> tuple[dict[str, torch.Tensor], ModelRunner]:
+    """Logits of a mixed step (a decode beside a prefill chunk that continues a cached prefix), after a
+    prefill step, on a runner whose decoder fuses with ``fusions`` in place of its own choice."""
+    with mock.patch.object(decoder, "select_fusion_kernels", lambda device, dtype: fusions):
+        runner = ModelRunner(path, 16, 4, max_num_seqs=4)
+    distinct_norms(runner.model)
+    a, b = prompt_of(1, 9), prompt_of(2, 6)
+    first = [Slice("a", 0, 9, a, [0, 1, 2], sampling=GREEDY, slot=0), Slice("b", 0, 4, b[:4], [5], sample=False, sampling=GREEDY, slot=1)]
+    runner.execute(StepPlan(0, first))
+    return runner.logits(StepPlan(1, [Slice("a", 9, 1, slot=0), Slice("b", 4, 2, b[4:], [6], slot=1)])), runner
+
+
+def distinct_norms(model: decoder.DecoderForCausalLM) -> None:
+    """A fresh checkpoint's RMSNorm weights are all ones: give each norm its own (seeded), so a fused
+    forward that applied one norm's weight in another's place would show."""
+    generator = torch.Generator().manual_seed(7)
+
+    def norm(old: RMSNorm) -> RMSNorm:
+        return RMSNorm(old.weight * (1 + 0.5 * torch.rand(old.weight.shape, generator=generator)), model.cfg.eps)
+
+    model.layers = [layer._replace(input_norm=norm(layer.input_norm), post_norm=norm(layer.post_norm)) for layer in model.layers]
+    model.norm = norm(model.norm)
 
 
 def check_greedy_alone(tiny: Checkpoint) -> None:

@@ -10,22 +10,16 @@ fp16 rounding of the output (2⁻¹⁰ relative, 1e-3 here), the rounded residua
 
 from __future__ import annotations
 
-import contextlib
 from multiprocessing.pool import Pool
-from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from services.worker.fusions import FusionKernels, add_rms_norm_torch, silu_and_mul_torch
-from services.worker.models import decoder
+from services.worker.fusions import UNFUSED, FusionKernels, add_rms_norm_torch, silu_and_mul_torch
 from services.worker.models.decoder import FusedDenseMLP
-from services.worker.rmsnorm import RMSNorm
-from services.worker.runner import ModelRunner
-from shared.frames import SamplingParams, Slice, StepPlan
 
-from .harness import Checkpoint, prompt_of, rel_err
+from .harness import Checkpoint, mixed_step_logits, rel_err
 
 pytest.importorskip("triton")
 
@@ -87,38 +81,11 @@ def test_silu_and_mul_matches_its_reference_and_torchs_silu(interpreter: Pool, d
 
 # The decoder's fused forward. -----------------------------------------------------------------------------
 
-TORCH_FUSIONS = FusionKernels(add_rms_norm_torch, silu_and_mul_torch, {"add_rms_norm": "torch reference", "silu_and_mul": "torch reference"})
-
-
-def _logits(path: str, fusions: str) -> tuple[dict[str, torch.Tensor], ModelRunner]:
-    """Logits of a mixed step (a decode beside a prefill chunk that continues a cached prefix) on a runner
-    whose decoder fuses with ``fusions``: "none" (the CPU's own choice), "torch" (the references) or
-    "triton" (the kernels)."""
-    chosen = {"torch": TORCH_FUSIONS, "triton": FusionKernels(kernels.add_rms_norm, kernels.silu_and_mul, {"add_rms_norm": "triton"})}.get(fusions)
-    with contextlib.nullcontext() if chosen is None else mock.patch.object(decoder, "select_fusion_kernels", lambda device: chosen):
-        runner = ModelRunner(path, 16, 4, max_num_seqs=4)
-    _distinct_norms(runner.model)
-    greedy = SamplingParams(temperature=0)
-    a, b = prompt_of(1, 9), prompt_of(2, 6)
-    first = [Slice("a", 0, 9, a, [0, 1, 2], sampling=greedy, slot=0), Slice("b", 0, 4, b[:4], [5], sample=False, sampling=greedy, slot=1)]
-    runner.execute(StepPlan(0, first))
-    return runner.logits(StepPlan(1, [Slice("a", 9, 1, slot=0), Slice("b", 4, 2, b[4:], [6], slot=1)])), runner
-
-
-def _distinct_norms(model: decoder.DecoderForCausalLM) -> None:
-    """A fresh checkpoint's RMSNorm weights are all ones: give each norm its own (seeded), so a fused
-    forward that applied one norm's weight in another's place would show."""
-    generator = torch.Generator().manual_seed(7)
-
-    def norm(old: RMSNorm) -> RMSNorm:
-        return RMSNorm(old.weight * (1 + 0.5 * torch.rand(old.weight.shape, generator=generator)), model.cfg.eps)
-
-    model.layers = [layer._replace(input_norm=norm(layer.input_norm), post_norm=norm(layer.post_norm)) for layer in model.layers]
-    model.norm = norm(model.norm)
+TORCH_FUSIONS = FusionKernels(add_rms_norm_torch, silu_and_mul_torch, None, {"add_rms_norm": "torch reference", "silu_and_mul": "torch reference"})
 
 
 def _triton_logits(path: str) -> tuple[dict[str, torch.Tensor], dict, bool]:
-    logits, runner = _logits(path, "triton")
+    logits, runner = mixed_step_logits(path, FusionKernels(kernels.add_rms_norm, kernels.silu_and_mul, None, {"add_rms_norm": "triton"}))
     return logits, runner.describe()["fusion_kernels"], "forward" in vars(runner.model)
 
 
@@ -128,18 +95,18 @@ def checkpoints(tiny_llamas: dict[str, Checkpoint], tiny_qwen3_moes: dict[str, C
     return [tiny_llamas["untied"], tiny_qwen3_moes["renorm-dense-middle"], tiny_qwen3_nexts["gqa-dense-layer"]]
 
 
-def test_the_cpu_keeps_its_unfused_forward(checkpoints: list[Checkpoint]) -> None:
+def test_unfused_the_decoder_keeps_its_own_forward(checkpoints: list[Checkpoint]) -> None:
     for checkpoint in checkpoints:
-        _, runner = _logits(checkpoint.path, "none")
+        _, runner = mixed_step_logits(checkpoint.path, UNFUSED)
         assert "forward" not in vars(runner.model)  # no instance override: the class's own forward runs
-        assert runner.describe()["fusion_kernels"] == {"add_rms_norm": "none (torch, unfused)", "silu_and_mul": "none (torch, unfused)"}
+        assert set(runner.describe()["fusion_kernels"].values()) == {"none (torch, unfused)"}
         assert not any(isinstance(layer.mlp, FusedDenseMLP) for layer in runner.model.layers)
 
 
 def test_the_fused_forward_equals_the_unfused_one(checkpoints: list[Checkpoint]) -> None:
     for checkpoint in checkpoints:
-        unfused, _ = _logits(checkpoint.path, "none")
-        fused, runner = _logits(checkpoint.path, "torch")
+        unfused, _ = mixed_step_logits(checkpoint.path, UNFUSED)
+        fused, runner = mixed_step_logits(checkpoint.path, TORCH_FUSIONS)
         assert "forward" in vars(runner.model) and any(isinstance(layer.mlp, FusedDenseMLP) for layer in runner.model.layers)
         for rid in unfused:
             assert rel_err(fused[rid], unfused[rid]) < 1e-5, (checkpoint.path, rid)
@@ -147,7 +114,7 @@ def test_the_fused_forward_equals_the_unfused_one(checkpoints: list[Checkpoint])
 
 def test_the_fused_forward_with_the_triton_kernels_equals_the_unfused_one(interpreter: Pool, tiny_qwen3_nexts: dict[str, Checkpoint]) -> None:
     path = tiny_qwen3_nexts["gqa-dense-layer"].path
-    unfused, _ = _logits(path, "none")
+    unfused, _ = mixed_step_logits(path, UNFUSED)
     fused, names, bound = interpreter.apply(_triton_logits, (path,))
     assert bound and names["add_rms_norm"] == "triton"
     for rid in unfused:

@@ -31,7 +31,7 @@ def test_bf16_logits_match_transformers_through_prefill_and_decode(checkpoint: t
     reference = reference.to("cuda", torch.bfloat16)
     runner = ModelRunner(path, num_blocks=64, block_size=16, dtype="bfloat16", device="cuda")
     assert runner.describe()["attention_backend"] == "triton" and runner.sampler == "device"
-    assert runner.describe()["fusion_kernels"] == {"add_rms_norm": "triton", "silu_and_mul": "triton"}  # the fused forward
+    assert runner.describe()["fusion_kernels"] == {"add_rms_norm": "triton", "silu_and_mul": "triton", "rotary": "none (torch)"}  # the fused forward
     prompt = prompt_of(5, 37)
     greedy = SamplingParams(temperature=0)
     logits = runner.logits(StepPlan(0, [Slice("r", 0, len(prompt), prompt, [3, 1, 4], sampling=greedy)]))["r"]

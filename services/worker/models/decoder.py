@@ -23,6 +23,7 @@ from services.worker.rmsnorm import RMSNorm
 from services.worker.rotary import RotaryEmbedding, apply_rotary_, rope_config
 
 Weights = dict[str, torch.Tensor]
+RotateFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # apply_rotary_ or its fusion: (q/k heads, cos, sin), in place
 
 
 @dataclass(frozen=True)
@@ -69,9 +70,11 @@ class DecoderConfig:
 class Attention:
     """Input-normed hidden states → ``residual + o_proj(attention)`` over the paged KV cache."""
 
-    def __init__(self, w: Weights, prefix: str, cfg: DecoderConfig, qk_norm: bool, attend: AttentionFn = paged_attention) -> None:
+    def __init__(
+        self, w: Weights, prefix: str, cfg: DecoderConfig, qk_norm: bool, attend: AttentionFn = paged_attention, rotate: RotateFn = apply_rotary_
+    ) -> None:
         p = prefix + "self_attn."
-        self.attend = attend
+        self.attend, self.rotate = attend, rotate
         self.heads, self.kv_heads, self.dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv_bias = torch.cat([w[f"{p}{x}_proj.bias"] for x in "qkv"]) if cfg.attention_bias else None
         self.qkv = Linear(torch.cat([w[f"{p}{x}_proj.weight"] for x in "qkv"]), cfg.threads, qkv_bias)  # hidden -> (heads + 2 kv_heads) * dim
@@ -95,7 +98,7 @@ class Attention:
         qk = qkv[:, : heads + kv_heads]
         if self.qk_norm is not None:
             self.qk_norm.norm_(qk)
-        apply_rotary_(qk, cos, sin)
+        self.rotate(qk, cos, sin)
         out = self.attend(qkv[:, :heads], qkv[:, heads:].view(total, 2, kv_heads, dim), cache, meta)
         return self.o_proj(out, residual=residual)
 
@@ -128,7 +131,7 @@ class DenseMLP:
 
 
 class FusedDenseMLP(DenseMLP):
-    """``DenseMLP`` with ``silu(gate) · up`` as one kernel (the GPU path; ``select_fusion_kernels``)."""
+    """``DenseMLP`` with ``silu(gate) · up`` as one kernel (where ``select_fusion_kernels`` found one)."""
 
     def __init__(self, w: Weights, prefix: str, threads: int, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__(w, prefix, threads)
@@ -162,10 +165,11 @@ class DecoderForCausalLM:
         theta, scaling = rope_config(config)
         self.rotary = RotaryEmbedding(self.rotary_dim(config), theta, scaling, cfg.max_positions, self.dtype, self.embed.device)
         self.attention_backend = select_attention_backend(self.embed.device, self.dtype)
-        self.fusions = select_fusion_kernels(self.embed.device)
+        self.fusions = select_fusion_kernels(self.embed.device, self.dtype)
+        self.rotate: RotateFn = self.fusions.rotary or apply_rotary_
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
         self.norm = self.rms_norm(weights["model.norm.weight"])
-        if self.fusions.add_rms_norm is not None:  # chosen once: the CPU keeps ``forward`` as it is
+        if self.fusions.add_rms_norm is not None:  # chosen once: unfused, ``forward`` stays as it is
             self.forward = self._forward_fused
         if cfg.tie_word_embeddings:
             self.lm_head = RowSplitLinear(self.embed, cfg.threads)
@@ -185,7 +189,7 @@ class DecoderForCausalLM:
         p = f"model.layers.{index}."
         return DecoderLayer(
             input_norm=self.rms_norm(w[p + "input_layernorm.weight"]),
-            attn=Attention(w, p, self.cfg, self.QK_NORM, ATTENTION_BACKENDS[self.attention_backend]),
+            attn=Attention(w, p, self.cfg, self.QK_NORM, ATTENTION_BACKENDS[self.attention_backend], self.rotate),
             post_norm=self.rms_norm(w[p + "post_attention_layernorm.weight"]),
             mlp=self.mlp(w, p, index),
         )
@@ -231,7 +235,7 @@ class DecoderForCausalLM:
     def _forward_fused(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache, slots: SlotMetadata | None = None
     ) -> torch.Tensor:
-        """``forward`` with each residual add folded into the RMSNorm after it (``add_rms_norm``): the GPU path."""
+        """``forward`` with each residual add folded into the RMSNorm after it (``add_rms_norm``), wherever the fusions are on."""
         add_norm, eps = self.fusions.add_rms_norm, self.cfg.eps
         cos, sin = self.rotary.lookup(positions, attn.max_position)
         x, residual = add_norm(F.embedding(input_ids, self.embed), None, self.layers[0].input_norm.weight, eps)

@@ -22,7 +22,7 @@ from services.worker.attention import ATTENTION_BACKENDS, AttentionFn, Attention
 from services.worker.gdn import GDNKernels, select_gdn_kernels
 from services.worker.gdn_state import GDNShape, SlotMetadata
 from services.worker.linear import Linear
-from services.worker.models.decoder import MLP, DecoderConfig, DecoderLayer, DenseMLP, Weights
+from services.worker.models.decoder import MLP, DecoderConfig, DecoderLayer, DenseMLP, RotateFn, Weights
 from services.worker.models.qwen3_moe import Qwen3MoeForCausalLM
 from services.worker.moe import SparseMoE
 from services.worker.rmsnorm import RMSNorm
@@ -37,9 +37,11 @@ class GatedAttention:
     and k, v are one contiguous slice, as the shared decoder's attention has them.
     """
 
-    def __init__(self, w: Weights, prefix: str, cfg: DecoderConfig, rotary_dim: int, attend: AttentionFn = paged_attention) -> None:
+    def __init__(
+        self, w: Weights, prefix: str, cfg: DecoderConfig, rotary_dim: int, attend: AttentionFn = paged_attention, rotate: RotateFn = apply_rotary_
+    ) -> None:
         p = prefix + "self_attn."
-        self.attend = attend
+        self.attend, self.rotate = attend, rotate
         heads, kv_heads, dim = self.heads, self.kv_heads, self.dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.rotary_dim = rotary_dim
 
@@ -67,7 +69,7 @@ class GatedAttention:
         qkvg = self.proj(x).view(total, 2 * heads + 2 * kv_heads, dim)
         qk = qkvg[:, : heads + kv_heads]
         self.qk_norm.norm_(qk)
-        apply_rotary_(qk[..., : self.rotary_dim], cos, sin)
+        self.rotate(qk[..., : self.rotary_dim], cos, sin)  # partial rotary: the leading dims of each head
         out = self.attend(qkvg[:, :heads], qkvg[:, heads : heads + 2 * kv_heads].view(total, 2, kv_heads, dim), cache, meta)
         out.mul_(torch.sigmoid(qkvg[:, heads + 2 * kv_heads :].reshape(total, heads * dim)))
         return self.o_proj(out, residual=residual)
@@ -218,7 +220,7 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
         p = f"model.layers.{index}."
         if self.layer_types[index] == FULL_ATTENTION:
             attend = ATTENTION_BACKENDS[self.attention_backend]
-            mixer: GatedAttention | GatedDeltaNet = GatedAttention(w, p, self.cfg, self.rotary_dim(self._config), attend)
+            mixer: GatedAttention | GatedDeltaNet = GatedAttention(w, p, self.cfg, self.rotary_dim(self._config), attend, self.rotate)
         else:
             mixer = GatedDeltaNet(w, p, self._config, self.cfg, self.gdn_kernels)
         return DecoderLayer(
