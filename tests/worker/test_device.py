@@ -119,13 +119,16 @@ def test_the_runner_profiles_the_largest_step_before_it_sizes_the_cache(tiny_qwe
 
     probe = FakeProbe(weights=3 * GIB, scratch=GIB, activations=GIB // 4)
     steps: list[tuple[int, list[str]]] = []
-    forward = Qwen3NextForCausalLM.forward
 
-    def spy(self, input_ids, *args, **kwargs):
-        steps.append((input_ids.numel(), list(probe.calls)))
-        return forward(self, input_ids, *args, **kwargs)
+    def spy(forward):
+        def step(self, input_ids, *args, **kwargs):
+            steps.append((input_ids.numel(), list(probe.calls)))
+            return forward(self, input_ids, *args, **kwargs)
 
-    monkeypatch.setattr(Qwen3NextForCausalLM, "forward", spy)
+        return step
+
+    for name in ("forward", "_forward_fused"):  # whichever the model binds (fused where select_fusion_kernels found kernels)
+        monkeypatch.setattr(Qwen3NextForCausalLM, name, spy(getattr(Qwen3NextForCausalLM, name)))
     asked = []
 
     def size(model, profile, state_slots: int) -> int:
