@@ -5,9 +5,8 @@ p % block_size`` of every layer's cache. ``AttentionMetadata`` turns a step's sl
 slot indices and masks once; every layer reuses them.
 
 Three backends implement ``paged_attention``'s contract, chosen once at load: the torch path below
-(the reference, and the CPU fallback), ``cpp`` on the CPU (decodes read the cache in place through
-the block tables in a C++ kernel, ``csrc/paged_decode_attention.cpp``; prefill chunks take the torch
-path) and the Triton kernel (``kernels/paged_attention.py``) on CUDA.
+(the reference, and the CPU fallback), ``cpp`` on the CPU (every row of a step, decode or prefill, reads
+the cache in place through its block table in one C++ kernel call, ``csrc/paged_decode_attention.cpp``) and the Triton kernel (``kernels/paged_attention.py``) on CUDA.
 """
 
 from __future__ import annotations
@@ -66,7 +65,9 @@ class AttentionMetadata:
     context_starts: torch.Tensor | None = None  # [S] position of each slice's first row
     max_query_len: int = 1
     block_size: int = 0
-    decode_lens: torch.Tensor | None = None  # [num_decodes] int32 context lengths (the cpp backend)
+    # What the cpp backend reads: every row (decode or prefill) is one query over its own context.
+    row_block_tables: torch.Tensor | None = None  # [T, W] int32: the block table of each row's request
+    row_context_lens: torch.Tensor | None = None  # [T] int32: position + 1 of each row
 
     @classmethod
     def build(
@@ -82,8 +83,8 @@ class AttentionMetadata:
     ) -> AttentionMetadata:
         """Slices given in flat-batch order: ``num_decodes`` decodes (``lens`` 1), then prefill chunks.
         Built on the CPU, then moved to ``device`` (where the model runs), with what ``backend`` reads:
-        the torch one context slots and masks, cpp those of prefill chunks only, triton none."""
-        decode_context, prefill_context = backend == "torch", backend in ("torch", "cpp")
+        the torch one context slots and masks, cpp each row's block table and context length, triton none."""
+        decode_context = prefill_context = backend == "torch"
         width = max(map(len, tables))
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
         in_block = torch.arange(block_size)
@@ -121,7 +122,7 @@ class AttentionMetadata:
         meta = cls(
             positions, write_slots, b, decode_len, decode_slots, decode_mask, tuple(prefills), max_position,
             table.to(torch.int32), query_starts.to(torch.int32), start_t.to(torch.int32), max(lens), block_size,
-            (start_t[:b] + 1).to(torch.int32) if b and backend == "cpp" else None,
+            table[seq].to(torch.int32) if backend == "cpp" else None, (positions + 1).to(torch.int32) if backend == "cpp" else None,
         )  # fmt: skip
         return meta if torch.device(device).type == "cpu" else meta.to(device)
 
@@ -143,7 +144,8 @@ class AttentionMetadata:
         query_starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
         return cls(
             positions, write_slots, batch, span, decode_slots, decode_mask, (), span - 1,
-            block_tables, query_starts, positions.to(torch.int32), 1, block_size, (positions + 1).to(torch.int32) if backend == "cpp" else None,
+            block_tables, query_starts, positions.to(torch.int32), 1, block_size,
+            block_tables if backend == "cpp" else None, (positions + 1).to(torch.int32) if backend == "cpp" else None,
         )  # fmt: skip
 
     def to(self, device: torch.device | str) -> AttentionMetadata:
@@ -154,7 +156,7 @@ class AttentionMetadata:
         return AttentionMetadata(
             move(self.positions), move(self.write_slots), self.num_decodes, self.decode_len, move(self.decode_slots), move(self.decode_mask),
             prefills, self.max_position, move(self.block_tables), move(self.query_starts), move(self.context_starts), self.max_query_len, self.block_size,
-            move(self.decode_lens),
+            move(self.row_block_tables), move(self.row_context_lens),
         )  # fmt: skip
 
 
@@ -198,16 +200,14 @@ def _prefill_attention(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, m
 
 
 def paged_attention_cpp(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """``paged_attention``'s contract with the decodes in the C++ kernel, which reads the context in
-    place through the block tables instead of gathering it (fp32 or fp16 storage); prefill chunks as in the torch path."""
+    """``paged_attention``'s contract in one call of the C++ kernel for the whole step: every row, a
+    decode or a prefill chunk's, is a query over the cache up to its own position (causal by
+    construction), read in place through its request's block table (fp32 or fp16 storage). A fresh
+    chunk thus attends over its keys as the cache holds them, as a later prefix-cache hit will."""
     cache.index_copy_(0, meta.write_slots, kv.to(cache.dtype))
-    outs = []
-    if b := meta.num_decodes:
-        kernels, _ = cpu_kernels()
-        out = kernels.paged_decode_attention(q[:b], cache, meta.block_tables, meta.decode_lens, meta.block_size, q.shape[-1] ** -0.5)
-        outs.append(out.view(b, -1))
-    outs += _prefill_attention(q, kv, cache, meta)
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+    kernels, _ = cpu_kernels()
+    out = kernels.paged_decode_attention(q, cache, meta.row_block_tables, meta.row_context_lens, meta.block_size, q.shape[-1] ** -0.5)
+    return out.view(q.shape[0], -1)
 
 
 def paged_attention_triton(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
