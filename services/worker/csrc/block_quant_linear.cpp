@@ -80,9 +80,10 @@ struct Q4_1 {
   }
 #ifdef TOKENYARD_BLOCK_QUANT_AVX2
   static void load(const uint8_t* row, int64_t b, __m256i& low, __m256i& high) {  // features 0..15, 16..31 as int16
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16)), nibble = _mm_set1_epi8(0x0f);
-    low = _mm256_cvtepu8_epi16(_mm_and_si128(packed, nibble));
-    high = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble));
+    // Widen the 16 bytes first: each 16-bit lane then holds one byte, its nibbles are one and, one shift.
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16)));
+    low = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0f));
+    high = _mm256_srli_epi16(bytes, 4);
   }
 #endif
 };
@@ -161,31 +162,69 @@ void tile(const Activations& a, int64_t m0, const uint8_t* w, int64_t row_bytes,
       sums[m * C + c] = total;
     }
 }
+
+// One row (a single-stream decode): C channels, each weight block widened, multiplied and dropped in
+// turn, so C accumulators (not C weight blocks) stay in registers and C can be twice as wide.
+template <typename F, int C>
+void tile_one_row(const Activations& a, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t k, float* sums) {
+  constexpr int64_t GROUP = 8;  // blocks whose scales are widened and multiplied together
+  __m256 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+  const int16_t* xq = a.qx.data() + m0 * k;
+  const float* dx = a.dx.data() + m0 * a.blocks;
+  alignas(32) float scale[C][GROUP];  // dw * dx of each channel and block of the group
+  for (int64_t g = 0; g < a.blocks; g += GROUP) {
+    const int64_t n = std::min(GROUP, a.blocks - g);
+    for (int c = 0; c < C; ++c) {
+      const uint16_t* dw = F::scales(w + c * row_bytes, k) + g;
+      if (n == GROUP) {
+        _mm256_store_ps(scale[c], _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dw))), _mm256_loadu_ps(dx + g)));
+      } else {
+        for (int64_t j = 0; j < n; ++j) scale[c][j] = _cvtsh_ss(dw[j]) * dx[g + j];
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t b = g + j;
+      const __m256i x_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * BLOCK));
+      const __m256i x_high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * BLOCK + 16));
+      for (int c = 0; c < C; ++c) {
+        __m256i low, high;
+        F::load(w + c * row_bytes, b, low, high);
+        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(low, x_low), _mm256_madd_epi16(high, x_high));
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&scale[c][j]), acc[c]);
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    float total = hsum(acc[c]);
+    if (F::HAS_MIN) total += min_term(F::mins(w + c * row_bytes, k), a.sx.data() + m0 * a.blocks, a.blocks);
+    sums[c] = total;
+  }
+}
 #endif
 
-constexpr int64_t TILE_CHANNELS = 4;  // channels per unit of work (the widest tile)
+constexpr int64_t TILE_CHANNELS = 8;  // channels per unit of work (the widest tile)
 constexpr int64_t TILE_ROWS = 4;
 
-// rows x cols (cols <= TILE_CHANNELS) into sums[m * cols + c].
+// rows x cols (cols <= TILE_CHANNELS) into sums[m * cols + c]; more rows share each widened weight block.
 template <typename F>
 void run_tile(const Activations& a, int64_t m0, int64_t rows, const uint8_t* w, int64_t row_bytes, int64_t cols, int64_t k, float* sums) {
 #ifdef TOKENYARD_BLOCK_QUANT_AVX2
   if (cols == TILE_CHANNELS) {
-    switch (rows) {  // registers: R * C accumulators + 2 C weight vectors + C scales + 2 rows <= 16
-      case 1: return tile<F, 1, 4>(a, m0, w, row_bytes, k, sums);
-      case 2: return tile<F, 2, 4>(a, m0, w, row_bytes, k, sums);
-      default: {
-        float half[TILE_ROWS * 2];
-        for (int64_t part = 0; part < 2; ++part) {
-          const uint8_t* wp = w + part * 2 * row_bytes;
-          if (rows == 3) tile<F, 3, 2>(a, m0, wp, row_bytes, k, half);
-          else tile<F, 4, 2>(a, m0, wp, row_bytes, k, half);
-          for (int64_t m = 0; m < rows; ++m)
-            for (int c = 0; c < 2; ++c) sums[m * cols + part * 2 + c] = half[m * 2 + c];
-        }
-        return;
+    if (rows == 1) return tile_one_row<F, 8>(a, m0, w, row_bytes, k, sums);
+    // registers: R * C accumulators + 2 C weight vectors + C scales + 2 rows <= 16
+    float part_sums[TILE_ROWS * 4];
+    for (int64_t part = 0; part < 2; ++part) {
+      const uint8_t* wp = w + part * 4 * row_bytes;
+      switch (rows) {
+        case 2: tile<F, 2, 4>(a, m0, wp, row_bytes, k, part_sums); break;
+        case 3: tile<F, 3, 2>(a, m0, wp, row_bytes, k, part_sums), tile<F, 3, 2>(a, m0, wp + 2 * row_bytes, row_bytes, k, part_sums + 6); break;
+        default: tile<F, 4, 2>(a, m0, wp, row_bytes, k, part_sums), tile<F, 4, 2>(a, m0, wp + 2 * row_bytes, row_bytes, k, part_sums + 8); break;
       }
+      for (int64_t m = 0; m < rows; ++m)
+        for (int c = 0; c < 4; ++c) sums[m * cols + part * 4 + c] = rows <= 2 ? part_sums[m * 4 + c] : part_sums[(c / 2) * rows * 2 + m * 2 + c % 2];
     }
+    return;
   }
 #endif
   for (int64_t m = 0; m < rows; ++m)
