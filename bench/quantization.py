@@ -37,7 +37,7 @@ TEXT = (
 def teacher_forced_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     """Logits at every position of ``ids`` as one prefill chunk: [len(ids), vocab]."""
     blocks = list(range(-(-len(ids) // runner.block_size)))
-    meta = AttentionMetadata.build([0], [len(ids)], [blocks], 0, runner.block_size, runner.model.dtype)
+    meta = AttentionMetadata.build([0], [len(ids)], [blocks], 0, runner.block_size, runner.model.dtype, backend=runner.model.attention_backend)
     with torch.inference_mode():
         hidden = runner.model.forward(torch.tensor(ids), meta.positions, meta, runner.kv_cache)
         return runner.model.compute_logits(hidden).float()
@@ -49,7 +49,7 @@ def token_by_token_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     rows = []
     with torch.inference_mode():
         for position, token in enumerate(ids):
-            meta = AttentionMetadata.build([position], [1], [blocks], 0, runner.block_size, runner.model.dtype)
+            meta = AttentionMetadata.build([position], [1], [blocks], 0, runner.block_size, runner.model.dtype, backend=runner.model.attention_backend)
             hidden = runner.model.forward(torch.tensor([token]), meta.positions, meta, runner.kv_cache)
             rows.append(runner.model.compute_logits(hidden).float())
     return torch.cat(rows)
