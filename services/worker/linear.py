@@ -87,10 +87,6 @@ def resolve_weight_quant(weight_quant: str, device: torch.device, dtype: torch.d
     return weight_quant
 
 
-def _block_quant_runs(x: torch.Tensor) -> bool:
-    return x.shape[0] <= BLOCK_QUANT_MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"
-
-
 def _packed_placeholder(out_features: int, in_features: int) -> torch.Tensor:
     """Stands in for a weight that lives only in an fbgemm pack: it has the pack's shape, dtype and
     byte count for accounting, and no storage, so any other use fails loudly."""
@@ -147,12 +143,13 @@ class Linear:
             block_quant.dequantize(blocks, "q4_1"), None if self.bias is None else self.bias.float()
         )
         self.blocks, self.in_features = blocks, blocks.shape[1] // block_quant.BLOCK_BYTES["q4_1"] * block_quant.BLOCK
+        self._block_kernel = cpu_kernels()[0].block_quant_linear
         self.weight, self.split, self._sliced = _packed_placeholder(out_features, self.in_features), False, None
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
-        if self.blocks is not None and _block_quant_runs(x):
-            return cpu_kernels()[0].block_quant_linear(x, self.blocks, "q4_1", self.in_features, self.bias, residual)
+        if self.blocks is not None and rows <= BLOCK_QUANT_MAX_ROWS:  # int4 runs only fp32 models on the CPU
+            return self._block_kernel(x, self.blocks, "q4_1", self.in_features, self.bias, residual)
         if self.packed is not None:
             out = torch.ops.quantized.linear_dynamic_fp16(x, self.packed)  # the bias is in the pack
             return out if residual is None else out.add_(residual)
@@ -204,12 +201,13 @@ class RowSplitLinear:
         pack of what they stand for beyond; a tied embedding keeps its float original for lookups."""
         self.packed = torch.ops.quantized.linear_prepack_fp16(block_quant.dequantize(blocks, "q8_0"), None)
         self.blocks, self.in_features = blocks, self.weight.shape[1]
+        self._block_kernel = cpu_kernels()[0].block_quant_linear
         self.weight = _packed_placeholder(*self.weight.shape)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if self.blocks is not None and _block_quant_runs(x):
-            return cpu_kernels()[0].block_quant_linear(x, self.blocks, "q8_0", self.in_features, None, None)
+        if self.blocks is not None and rows <= BLOCK_QUANT_MAX_ROWS:
+            return self._block_kernel(x, self.blocks, "q8_0", self.in_features, None, None)
         if self.packed is not None:
             return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
         if self.scales is not None:
