@@ -138,7 +138,7 @@ class Linear:
     def quantize_int4(self, blocks: torch.Tensor) -> None:
         """From now on ``blocks`` (``block_quant.quantize(float_weight(), "q4_1")``) serve steps of few
         rows and an fp16 pack of what they stand for serves the rest (the float weight is dropped)."""
-        out_features = self.float_weight().shape[0]
+        out_features = blocks.shape[0]
         self.packed = torch.ops.quantized.linear_prepack_fp16(
             block_quant.dequantize(blocks, "q4_1"), None if self.bias is None else self.bias.float()
         )
