@@ -134,3 +134,42 @@ def test_auto_serves_a_checkpoint_on_the_block_grid_in_int4_losslessly(tiny_llam
     # The same checkpoint off the grid: auto keeps fp16 packs; int4 asked for explicitly costs 4-bit weights.
     assert ModelRunner(tiny.path, num_blocks=8, block_size=4, weight_quant="auto").describe()["weight_quant"] == "fp16"
     assert ModelRunner(tiny.path, num_blocks=8, block_size=4, weight_quant="int4").describe()["weight_quant"] == "int4"
+
+
+@kernels
+def test_a_few_row_step_runs_all_layers_in_one_call_with_the_per_layer_paths_own_results(tiny_llamas: dict[str, Checkpoint], tmp_path: Path) -> None:
+    """``dense_decoder_layers`` is the fused forward's own kernel sequence: logits of decode steps
+    (and of a short prefill) through it equal the per-layer Python path's, bit for bit."""
+    _snap_to_blocks(tiny_llamas["untied"].path, tmp_path / "snapped")
+    runners = [ModelRunner(str(tmp_path / "snapped"), num_blocks=16, block_size=4, weight_quant="int4") for _ in range(2)]
+    one_call, per_layer = runners
+    per_layer.model._dense_decoder = None  # the per-layer path, as for a family the kernel does not cover
+    calls = []
+    kernels = cpu_kernels()[0]
+
+    class Spy:
+        def __getattr__(self, name: str) -> object:
+            return getattr(kernels, name)
+
+        def dense_decoder_layers(self, *args: object, **kwargs: object) -> torch.Tensor:
+            calls.append(1)
+            return kernels.dense_decoder_layers(*args, **kwargs)
+
+    import services.worker.models.decoder as decoder
+
+    original = decoder.cpu_kernels
+    decoder.cpu_kernels = lambda: (Spy(), "")
+    try:
+        prompts = [prompt_of(3, 3), prompt_of(4, 9)]
+        for i, prompt in enumerate(prompts):  # 3 rows: one call; 9 rows: the per-layer path (fp16 packs)
+            plan = StepPlan(0, [Slice(f"r{i}", 0, len(prompt), prompt, list(range(8 * i, 8 * i + 8)), sampling=GREEDY)])
+            assert one_call.execute(plan).sampled[0].token_id == per_layer.execute(plan).sampled[0].token_id
+        for step in range(4):  # both requests decode together: 2 rows
+            plan = StepPlan(1 + step, [Slice(f"r{i}", len(prompt) + step, 1) for i, prompt in enumerate(prompts)])
+            theirs, ours = per_layer.logits(plan), one_call.logits(plan)
+            for rid in theirs:
+                torch.testing.assert_close(ours[rid], theirs[rid], rtol=0, atol=0)
+    finally:
+        decoder.cpu_kernels = original
+    assert len(calls) == 1 + 4  # the 3-row prefill and every decode step; the 9-row prefill took the per-layer path
+    assert per_layer.model._dense_decoder is None

@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.attention import ATTENTION_BACKENDS, AttentionFn, AttentionMetadata, KVCache, paged_attention, select_attention_backend
+from services.worker.cpu_kernels import cpu_kernels
 from services.worker.fusions import select_fusion_kernels
 from services.worker.gdn_state import GDNShape, SlotMetadata
-from services.worker.linear import Linear, RowSplitLinear
+from services.worker.linear import BLOCK_QUANT_MAX_ROWS, Linear, RowSplitLinear
 from services.worker.rmsnorm import RMSNorm
 from services.worker.rotary import RotaryEmbedding, apply_rotary_, rope_config
 
@@ -232,12 +233,41 @@ class DecoderForCausalLM:
         """Layer ``index``'s token mixer on normed ``x``, without the residual (``_forward_fused``'s step)."""
         return self.layers[index].attn(x, None, cos, sin, attn, kv_cache.layers[index])
 
+    def _dense_decoder_weights(self) -> tuple[list, ...] | None:
+        """The per-layer tensors ``dense_decoder_layers`` (``csrc/dense_decoder.cpp``) reads, where this
+        model's fused forward is exactly that kernel's sequence: a dense family without q/k norms on
+        the CPU kernels (attention, fusions) with int4 weights, not sharded. None elsewhere."""
+        if self.attention_backend != "cpp" or self.fusions.names.get("add_rms_norm") != "cpp" or self.QK_NORM:
+            return None
+        if type(self)._mix is not DecoderForCausalLM._mix or self.rotary.head_dim != self.cfg.head_dim:
+            return None
+        for layer in self.layers:
+            if type(layer.attn) is not Attention or type(layer.mlp) is not FusedDenseMLP:  # e.g. a tensor-parallel wrapper
+                return None
+            if any(linear.blocks is None for linear in (layer.attn.qkv, layer.attn.o_proj, layer.mlp.gate_up, layer.mlp.down)):
+                return None
+        norms = [weight for layer in self.layers for weight in (layer.input_norm.weight, layer.post_norm.weight)] + [self.norm.weight]
+        attn, mlp = [layer.attn for layer in self.layers], [layer.mlp for layer in self.layers]
+        return (  # in the kernel's argument order: norms, qkv, qkv bias, o_proj, o bias, gate_up, down
+            norms, [a.qkv.blocks for a in attn], [a.qkv.bias for a in attn], [a.o_proj.blocks for a in attn], [a.o_proj.bias for a in attn],
+            [m.gate_up.blocks for m in mlp], [m.down.blocks for m in mlp],
+        )  # fmt: skip
+
     def _forward_fused(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache, slots: SlotMetadata | None = None
     ) -> torch.Tensor:
-        """``forward`` with each residual add folded into the RMSNorm after it (``add_rms_norm``), wherever the fusions are on."""
+        """``forward`` with each residual add folded into the RMSNorm after it (``add_rms_norm``), wherever the fusions are on.
+        Steps of few rows on int4 weights run all layers in one C++ call (the same kernels, in the same order)."""
         add_norm, eps = self.fusions.add_rms_norm, self.cfg.eps
         cos, sin = self.rotary.lookup(positions, attn.max_position)
+        if input_ids.shape[0] <= BLOCK_QUANT_MAX_ROWS and slots is None:
+            if not hasattr(self, "_dense_decoder"):  # decided at the first step: the weights are converted after construction
+                self._dense_decoder = self._dense_decoder_weights()
+            if self._dense_decoder is not None:
+                return cpu_kernels()[0].dense_decoder_layers(
+                    F.embedding(input_ids, self.embed), *self._dense_decoder, kv_cache.layers, cos, sin, attn.write_slots,
+                    attn.row_block_tables, attn.row_context_lens, self.num_heads, self.num_kv_heads, self.head_dim, attn.block_size, eps,
+                )  # fmt: skip
         x, residual = add_norm(F.embedding(input_ids, self.embed), None, self.layers[0].input_norm.weight, eps)
         next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
         for i, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):

@@ -1,0 +1,54 @@
+// The dense decoder's layers for a step of a few rows, as one call: the same kernels, in the same order
+// and with the same arguments as DecoderForCausalLM._forward_fused over int4 weights (Python's
+// per-layer glue, a dozen calls per layer, costs as much as a layer's attention at batch 1).
+//
+// Per layer, on normed x and the running residual:
+//   qkv = x @ Wqkv (+ b); rotate q, k in place; store k, v in the cache; attend every row over the
+//   cache up to its own position; x, residual = add_rms_norm(attn @ Wo (+ b), residual);
+//   x, residual = add_rms_norm(down(silu(gate) * up), residual) with the next layer's (or the final) norm.
+
+#include <torch/extension.h>
+
+#include <cmath>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& block_tables,
+                                     const torch::Tensor& context_lens, int64_t block_size, double scale);
+torch::Tensor block_quant_linear(const torch::Tensor& x, const torch::Tensor& weight, const std::string& format, int64_t in_features,
+                                 const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& residual);
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x, const std::optional<torch::Tensor>& residual, const torch::Tensor& weight,
+                                                      double eps);
+torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
+void rotary_(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+
+torch::Tensor dense_decoder_layers(const torch::Tensor& embedded, const std::vector<torch::Tensor>& norms, const std::vector<torch::Tensor>& qkv,
+                                   const std::vector<std::optional<torch::Tensor>>& qkv_bias, const std::vector<torch::Tensor>& o_proj,
+                                   const std::vector<std::optional<torch::Tensor>>& o_bias, const std::vector<torch::Tensor>& gate_up,
+                                   const std::vector<torch::Tensor>& down, const std::vector<torch::Tensor>& caches, const torch::Tensor& cos,
+                                   const torch::Tensor& sin, const torch::Tensor& write_slots, const torch::Tensor& block_tables,
+                                   const torch::Tensor& context_lens, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, double eps) {
+  const int64_t layers = static_cast<int64_t>(qkv.size());
+  TORCH_CHECK(norms.size() == static_cast<size_t>(2 * layers + 1), "norms: input and post-attention norm of every layer, then the final norm");
+  TORCH_CHECK(qkv_bias.size() == qkv.size() && o_proj.size() == qkv.size() && o_bias.size() == qkv.size() && gate_up.size() == qkv.size() &&
+                  down.size() == qkv.size() && caches.size() == qkv.size(),
+              "one qkv, o_proj, gate_up, down and cache per layer");
+  TORCH_CHECK(embedded.dim() == 2, "embedded must be [rows, hidden]");
+  const int64_t rows = embedded.size(0), hidden = embedded.size(1), attn_width = heads * head_dim;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  auto [x, residual] = add_rms_norm(embedded, std::nullopt, norms[0], eps);
+  for (int64_t i = 0; i < layers; ++i) {
+    const auto qkv_rows = block_quant_linear(x, qkv[i], "q4_1", hidden, qkv_bias[i], std::nullopt).view({rows, heads + 2 * kv_heads, head_dim});
+    rotary_(qkv_rows.narrow(1, 0, heads + kv_heads), cos, sin);
+    const auto kv = qkv_rows.narrow(1, heads, 2 * kv_heads).view({rows, 2, kv_heads, head_dim});
+    caches[i].index_copy_(0, write_slots, kv.to(caches[i].scalar_type()));
+    const auto attended = paged_decode_attention(qkv_rows.narrow(1, 0, heads), caches[i], block_tables, context_lens, block_size, scale).view({rows, attn_width});
+    std::tie(x, residual) = add_rms_norm(block_quant_linear(attended, o_proj[i], "q4_1", attn_width, o_bias[i], std::nullopt), residual, norms[2 * i + 1], eps);
+    const auto activated = silu_and_mul(block_quant_linear(x, gate_up[i], "q4_1", hidden, std::nullopt, std::nullopt));
+    const auto mlp_out = block_quant_linear(activated, down[i], "q4_1", activated.size(1), std::nullopt, std::nullopt);
+    std::tie(x, residual) = add_rms_norm(mlp_out, residual, norms[2 * i + 2], eps);
+  }
+  return x;
+}
