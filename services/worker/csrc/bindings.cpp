@@ -1,27 +1,6 @@
 // The CPU worker's C++ kernels as one Python extension module (services/worker/cpu_kernels.py).
 
-#include <torch/extension.h>
-
-#include <optional>
-#include <string>
-#include <tuple>
-#include <vector>
-
-torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& block_tables,
-                                     const torch::Tensor& context_lens, int64_t block_size, double scale);
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales, const std::optional<torch::Tensor>& bias);
-torch::Tensor block_quant_linear(const torch::Tensor& x, const torch::Tensor& weight, const std::string& format, int64_t in_features,
-                                 const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& residual);
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x, const std::optional<torch::Tensor>& residual, const torch::Tensor& weight,
-                                                      double eps);
-torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
-void rotary_(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
-torch::Tensor dense_decoder_layers(const torch::Tensor& embedded, const std::vector<torch::Tensor>& norms, const std::vector<torch::Tensor>& qkv,
-                                   const std::vector<std::optional<torch::Tensor>>& qkv_bias, const std::vector<torch::Tensor>& o_proj,
-                                   const std::vector<std::optional<torch::Tensor>>& o_bias, const std::vector<torch::Tensor>& gate_up,
-                                   const std::vector<torch::Tensor>& down, const std::vector<torch::Tensor>& caches, const torch::Tensor& cos,
-                                   const torch::Tensor& sin, const torch::Tensor& write_slots, const torch::Tensor& block_tables,
-                                   const torch::Tensor& context_lens, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, double eps);
+#include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (fp32, CPU)");

@@ -7,22 +7,9 @@
 //   cache up to its own position; x, residual = add_rms_norm(attn @ Wo (+ b), residual);
 //   x, residual = add_rms_norm(down(silu(gate) * up), residual) with the next layer's (or the final) norm.
 
-#include <torch/extension.h>
+#include "kernels.h"
 
 #include <cmath>
-#include <optional>
-#include <string>
-#include <tuple>
-#include <vector>
-
-torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& block_tables,
-                                     const torch::Tensor& context_lens, int64_t block_size, double scale);
-torch::Tensor block_quant_linear(const torch::Tensor& x, const torch::Tensor& weight, const std::string& format, int64_t in_features,
-                                 const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& residual);
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x, const std::optional<torch::Tensor>& residual, const torch::Tensor& weight,
-                                                      double eps);
-torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
-void rotary_(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 
 torch::Tensor dense_decoder_layers(const torch::Tensor& embedded, const std::vector<torch::Tensor>& norms, const std::vector<torch::Tensor>& qkv,
                                    const std::vector<std::optional<torch::Tensor>>& qkv_bias, const std::vector<torch::Tensor>& o_proj,
