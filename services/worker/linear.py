@@ -241,14 +241,15 @@ def linears_of(model: object) -> list[Linear | RowSplitLinear]:
     return found
 
 
-def _int4_blocks(linear: Linear | RowSplitLinear) -> tuple[torch.Tensor, str] | None:
-    """The weight in its int4-format blocks (q4_1 for projections, q8_0 for lm_head), or None when its
-    in_features do not split into blocks."""
+def _int4_blocks(linear: Linear | RowSplitLinear, check_exact: bool) -> tuple[torch.Tensor, bool] | None:
+    """The weight in its int4-format blocks (q4_1 for projections, q8_0 for lm_head) and, if asked,
+    whether they reproduce it exactly; None when its in_features do not split into blocks."""
     weight = linear.float_weight()
     if weight.shape[1] % block_quant.BLOCK:
         return None
     fmt = "q8_0" if isinstance(linear, RowSplitLinear) else "q4_1"
-    return block_quant.quantize(weight, fmt), fmt
+    blocks = block_quant.quantize(weight, fmt)
+    return blocks, check_exact and block_quant.is_exact(weight, blocks, fmt)
 
 
 def convert_weights(model: object, weight_quant: str) -> tuple[str, int]:
@@ -258,9 +259,8 @@ def convert_weights(model: object, weight_quant: str) -> tuple[str, int]:
     blocks of 32 keeps an fp16 pack under int4."""
     linears = linears_of(model)
     if weight_quant in ("auto", "int4"):
-        blocks = [_int4_blocks(linear) for linear in linears]
-        lossless = all(b is not None and block_quant.is_exact(linear.float_weight(), *b) for linear, b in zip(linears, blocks))
-        if weight_quant == "int4" or (lossless and cpu_kernels()[0] is not None):
+        blocks = [_int4_blocks(linear, check_exact=weight_quant == "auto") for linear in linears]
+        if weight_quant == "int4" or (all(b is not None and b[1] for b in blocks) and cpu_kernels()[0] is not None):
             for linear, b in zip(linears, blocks):
                 linear.quantize_int4(b[0]) if b is not None else linear.pack_fp16()
             return "int4", len(linears)

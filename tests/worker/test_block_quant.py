@@ -143,6 +143,7 @@ def test_a_few_row_step_runs_all_layers_in_one_call_with_the_per_layer_paths_own
     _snap_to_blocks(tiny_llamas["untied"].path, tmp_path / "snapped")
     runners = [ModelRunner(str(tmp_path / "snapped"), num_blocks=16, block_size=4, weight_quant="int4") for _ in range(2)]
     one_call, per_layer = runners
+    assert one_call.model._dense_decoder is not None  # bound at load: the weights are int4, the family dense
     per_layer.model._dense_decoder = None  # the per-layer path, as for a family the kernel does not cover
     calls = []
     kernels = cpu_kernels()[0]
@@ -172,4 +173,3 @@ def test_a_few_row_step_runs_all_layers_in_one_call_with_the_per_layer_paths_own
     finally:
         decoder.cpu_kernels = original
     assert len(calls) == 1 + 4  # the 3-row prefill and every decode step; the 9-row prefill took the per-layer path
-    assert per_layer.model._dense_decoder is None

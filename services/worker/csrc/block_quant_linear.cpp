@@ -129,9 +129,9 @@ float min_term(const uint16_t* mins, const float* sx, int64_t blocks) {
   return total;
 }
 
-// R rows x C channels (weight rows w[0..C), row stride row_bytes) into sums[m * C + c].
+// R rows x C channels (weight rows w[0..C), row stride row_bytes) into sums[m * ld + c].
 template <typename F, int R, int C>
-void tile(const Activations& a, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t k, float* sums) {
+void tile(const Activations& a, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t k, float* sums, int64_t ld) {
   const int64_t blocks = a.blocks;
   __m256 acc[R][C];
   for (int m = 0; m < R; ++m)
@@ -159,7 +159,7 @@ void tile(const Activations& a, int64_t m0, const uint8_t* w, int64_t row_bytes,
     for (int c = 0; c < C; ++c) {
       float total = hsum(acc[m][c]);
       if (F::HAS_MIN) total += min_term(F::mins(w + c * row_bytes, k), a.sx.data() + (m0 + m) * blocks, blocks);
-      sums[m * C + c] = total;
+      sums[m * ld + c] = total;
     }
 }
 
@@ -206,23 +206,21 @@ void tile_one_row(const Activations& a, int64_t m0, const uint8_t* w, int64_t ro
 constexpr int64_t TILE_CHANNELS = 8;  // channels per unit of work (the widest tile)
 constexpr int64_t TILE_ROWS = 4;
 
-// rows x cols (cols <= TILE_CHANNELS) into sums[m * cols + c]; more rows share each widened weight block.
+// rows x cols (cols <= TILE_CHANNELS) into sums[m * cols + c]. One row: the 8-channel tile; more rows
+// share each widened weight block in 2-channel tiles (R * 2 accumulators + 4 weight vectors + 2 scales
+// + 2 activation vectors + a scale <= 16 registers).
 template <typename F>
 void run_tile(const Activations& a, int64_t m0, int64_t rows, const uint8_t* w, int64_t row_bytes, int64_t cols, int64_t k, float* sums) {
 #ifdef TOKENYARD_BLOCK_QUANT_AVX2
   if (cols == TILE_CHANNELS) {
-    if (rows == 1) return tile_one_row<F, 8>(a, m0, w, row_bytes, k, sums);
-    // registers: R * C accumulators + 2 C weight vectors + C scales + 2 rows <= 16
-    float part_sums[TILE_ROWS * 4];
-    for (int64_t part = 0; part < 2; ++part) {
-      const uint8_t* wp = w + part * 4 * row_bytes;
+    if (rows == 1) return tile_one_row<F, TILE_CHANNELS>(a, m0, w, row_bytes, k, sums);
+    for (int64_t c = 0; c < TILE_CHANNELS; c += 2) {
+      const uint8_t* pair = w + c * row_bytes;
       switch (rows) {
-        case 2: tile<F, 2, 4>(a, m0, wp, row_bytes, k, part_sums); break;
-        case 3: tile<F, 3, 2>(a, m0, wp, row_bytes, k, part_sums), tile<F, 3, 2>(a, m0, wp + 2 * row_bytes, row_bytes, k, part_sums + 6); break;
-        default: tile<F, 4, 2>(a, m0, wp, row_bytes, k, part_sums), tile<F, 4, 2>(a, m0, wp + 2 * row_bytes, row_bytes, k, part_sums + 8); break;
+        case 2: tile<F, 2, 2>(a, m0, pair, row_bytes, k, sums + c, cols); break;
+        case 3: tile<F, 3, 2>(a, m0, pair, row_bytes, k, sums + c, cols); break;
+        default: tile<F, 4, 2>(a, m0, pair, row_bytes, k, sums + c, cols); break;
       }
-      for (int64_t m = 0; m < rows; ++m)
-        for (int c = 0; c < 4; ++c) sums[m * cols + part * 4 + c] = rows <= 2 ? part_sums[m * 4 + c] : part_sums[(c / 2) * rows * 2 + m * 2 + c % 2];
     }
     return;
   }

@@ -170,6 +170,7 @@ class DecoderForCausalLM:
         self.rotate: RotateFn = self.fusions.rotary or apply_rotary_
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
         self.norm = self.rms_norm(weights["model.norm.weight"])
+        self._dense_decoder: tuple[list, ...] | None = None  # bind_dense_decoder's choice
         if self.fusions.add_rms_norm is not None:  # chosen once: unfused, ``forward`` stays as it is
             self.forward = self._forward_fused
         if cfg.tie_word_embeddings:
@@ -233,11 +234,18 @@ class DecoderForCausalLM:
         """Layer ``index``'s token mixer on normed ``x``, without the residual (``_forward_fused``'s step)."""
         return self.layers[index].attn(x, None, cos, sin, attn, kv_cache.layers[index])
 
+    def bind_dense_decoder(self) -> None:
+        """Once the weights are in their final format (the runner calls it after conversion and
+        sharding): where this model's fused forward is exactly ``dense_decoder_layers``'s kernel
+        sequence (``csrc/dense_decoder.cpp``), keep the per-layer tensors it reads, so steps of few
+        rows run all layers in one call."""
+        self._dense_decoder = self._dense_decoder_weights()
+
     def _dense_decoder_weights(self) -> tuple[list, ...] | None:
-        """The per-layer tensors ``dense_decoder_layers`` (``csrc/dense_decoder.cpp``) reads, where this
-        model's fused forward is exactly that kernel's sequence: a dense family without q/k norms on
-        the CPU kernels (attention, fusions) with int4 weights, not sharded. None elsewhere."""
-        if self.attention_backend != "cpp" or self.fusions.names.get("add_rms_norm") != "cpp" or self.QK_NORM:
+        """The per-layer tensors ``dense_decoder_layers`` reads, for a dense family without q/k norms
+        on the CPU kernels (attention, fusions) with int4 weights, not sharded. None elsewhere."""
+        # On the CPU the only fusions are the C++ ones, and the cpp attention backend means the CPU.
+        if self.attention_backend != "cpp" or self.fusions.add_rms_norm is None or self.fusions.rotary is None or self.QK_NORM:
             return None
         if type(self)._mix is not DecoderForCausalLM._mix or self.rotary.head_dim != self.cfg.head_dim:
             return None
@@ -260,14 +268,11 @@ class DecoderForCausalLM:
         Steps of few rows on int4 weights run all layers in one C++ call (the same kernels, in the same order)."""
         add_norm, eps = self.fusions.add_rms_norm, self.cfg.eps
         cos, sin = self.rotary.lookup(positions, attn.max_position)
-        if input_ids.shape[0] <= BLOCK_QUANT_MAX_ROWS and slots is None:
-            if not hasattr(self, "_dense_decoder"):  # decided at the first step: the weights are converted after construction
-                self._dense_decoder = self._dense_decoder_weights()
-            if self._dense_decoder is not None:
-                return cpu_kernels()[0].dense_decoder_layers(
-                    F.embedding(input_ids, self.embed), *self._dense_decoder, kv_cache.layers, cos, sin, attn.write_slots,
-                    attn.row_block_tables, attn.row_context_lens, self.num_heads, self.num_kv_heads, self.head_dim, attn.block_size, eps,
-                )  # fmt: skip
+        if self._dense_decoder is not None and input_ids.shape[0] <= BLOCK_QUANT_MAX_ROWS and slots is None:
+            return cpu_kernels()[0].dense_decoder_layers(
+                F.embedding(input_ids, self.embed), *self._dense_decoder, kv_cache.layers, cos, sin, attn.write_slots,
+                attn.row_block_tables, attn.row_context_lens, self.num_heads, self.num_kv_heads, self.head_dim, attn.block_size, eps,
+            )  # fmt: skip
         x, residual = add_norm(F.embedding(input_ids, self.embed), None, self.layers[0].input_norm.weight, eps)
         next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
         for i, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
