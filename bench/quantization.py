@@ -1,4 +1,4 @@
-"""Weight formats (fp16 packs, int8, int4 blocks) against fp32 on the same checkpoint: what each costs in accuracy, what it buys in speed.
+"""Weight formats (fp16 packs, int8, int4 blocks, int4 with int8 activations) against fp32 on the same checkpoint: what each costs in accuracy, what it buys in speed.
 
 Accuracy: perplexity of a fixed text (teacher-forced, every position's logits) and the relative
 error of those logits against fp32; top-1 agreement. Twice: as one prefill chunk (many rows per
@@ -86,7 +86,7 @@ def main() -> None:
     args = parser.parse_args()
 
     ids = load_tokenizer(args.model).encode(TEXT)
-    formats = ("none", "fp16", "int8", "int4")
+    formats = ("none", "fp16", "int8", "int4", "int4-a8")
     runners = {quant: ModelRunner(args.model, num_blocks=1024, block_size=16, weight_quant=quant) for quant in formats}
     results: dict = {"model": args.model, "text_tokens": len(ids), "decode_step_ms": {}}
     for mode, run in (("prefill", teacher_forced_logits), ("token_by_token", token_by_token_logits)):

@@ -10,6 +10,10 @@ formats, laid out row by row with the codes first and the scales after them, whi
 
 A model converted from a GGUF in these formats (the default model: q4_1 projections, a q8_0
 embedding) round-trips exactly, so serving it in them loses nothing; ``is_exact`` tells.
+
+``to_panels`` regroups q4_1 rows into panels of 8 output channels for many-row products
+(``csrc/block_quant_gemm.cpp``): per panel and block, 128 bytes of codes (4 features of all 8
+channels per 32 bytes), then the 8 scales and the 8 minimums.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 
 BLOCK = 32
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
+PANEL = 8  # output channels per panel
 
 
 def _blocks(weight: torch.Tensor) -> torch.Tensor:
@@ -76,3 +81,21 @@ def is_exact(weight: torch.Tensor, packed: torch.Tensor, fmt: str) -> bool:
     restored = dequantize(packed, fmt)
     tolerance = 1e-6 * weight.float().abs().amax().clamp_min(1e-30)
     return bool((restored - weight.float()).abs().amax() <= tolerance)
+
+
+def to_panels(packed: torch.Tensor) -> torch.Tensor:
+    """q4_1 rows [out, in / 32 * 20] → uint8 [ceil(out / 8), in / 32, 160]: per panel and block, byte
+    32j + 4c + i holds the row layout's byte 4j + i of channel c (features 4j + i and 16 + 4j + i), then
+    the channels' fp16 scales, then their minimums. Channels past ``out`` are zero (they add nothing)."""
+    rows, width = packed.shape
+    blocks = width // BLOCK_BYTES["q4_1"]
+    if rows % PANEL:
+        packed = torch.cat([packed, packed.new_zeros(PANEL - rows % PANEL, width)])
+    panels = packed.shape[0] // PANEL
+    codes = packed[:, : blocks * 16].reshape(panels, PANEL, blocks, 4, 4).permute(0, 2, 3, 1, 4).reshape(panels, blocks, 128)
+
+    def halves(part: torch.Tensor) -> torch.Tensor:  # [out, blocks * 2] fp16 bytes → [panels, blocks, 8 * 2]
+        return part.reshape(panels, PANEL, blocks, 2).permute(0, 2, 1, 3).reshape(panels, blocks, 2 * PANEL)
+
+    scales, mins = halves(packed[:, blocks * 16 : blocks * 18]), halves(packed[:, blocks * 18 :])
+    return torch.cat([codes, scales, mins], dim=2).contiguous()

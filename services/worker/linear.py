@@ -23,6 +23,11 @@ Weight storage formats (``--weight-quant``), chosen per deployment:
   steps, bound by arithmetic, take fp16 packs of the same (dequantized) weights. A quarter of fp16's
   bytes per single-stream step. A checkpoint converted from a q4_1 GGUF (the default model) round-trips
   exactly, so for it ``int4`` costs nothing and ``auto`` picks it; elsewhere it costs 4-bit weights.
+- ``int4-a8`` (opt-in): ``int4``'s blocks, but steps of more rows round their activations to int8 per
+  block of 32 features and multiply in integers (``csrc/block_quant_gemm.cpp``: llama.cpp's q4_1 x q8
+  arithmetic, 1.7-1.9x fbgemm's fp16 GEMM on an AVX2 CPU) on the same weights regrouped in panels of 8
+  channels; no fp16 packs (lm_head keeps its q8_0 blocks and fp16 pack). Costs what int8 activations
+  cost: +0.7 % perplexity on the default model in many-row steps (``bench/quantization.py``).
 - ``none``: the checkpoint's dtype as loaded.
 """
 
@@ -68,7 +73,8 @@ def fp16_packing_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
-WEIGHT_QUANTS = ("auto", "none", "fp16", "int8", "int4")
+WEIGHT_QUANTS = ("auto", "none", "fp16", "int8", "int4", "int4-a8")
+BLOCK_QUANTS = ("int4", "int4-a8")  # the formats that keep q4_1 / q8_0 blocks
 
 
 def resolve_weight_quant(weight_quant: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -80,16 +86,17 @@ def resolve_weight_quant(weight_quant: str, device: torch.device, dtype: torch.d
     fp16_runs = device.type == "cpu" and dtype == torch.float32 and fp16_packing_available()
     if weight_quant == "auto":
         return "auto" if fp16_runs else "none"
-    if weight_quant in ("fp16", "int4") and not fp16_runs:
+    if weight_quant in ("fp16", *BLOCK_QUANTS) and not fp16_runs:
         raise ValueError(f"weight_quant {weight_quant!r} needs a float32 model on a CPU whose torch has fbgemm (x86)")
-    if weight_quant == "int4" and cpu_kernels()[0] is None:
-        raise ValueError(f"weight_quant 'int4' needs the CPU kernels, which are unavailable: {cpu_kernels()[1]}")
+    if weight_quant in BLOCK_QUANTS and cpu_kernels()[0] is None:
+        raise ValueError(f"weight_quant {weight_quant!r} needs the CPU kernels, which are unavailable: {cpu_kernels()[1]}")
     return weight_quant
 
 
 def _packed_placeholder(out_features: int, in_features: int) -> torch.Tensor:
-    """Stands in for a weight that lives only in an fbgemm pack: it has the pack's shape, dtype and
-    byte count for accounting, and no storage, so any other use fails loudly."""
+    """Stands in for a weight that lives only in an fbgemm pack or in blocks: it has the weight's shape
+    (the parameter count) and no storage, so any other use fails loudly; ``held_bytes`` counts what
+    the linear really holds."""
     return torch.empty(out_features, in_features, dtype=torch.float16, device="meta")
 
 
@@ -108,6 +115,7 @@ class Linear:
         self.scales: torch.Tensor | None = None
         self.packed: Any = None
         self.blocks: torch.Tensor | None = None  # int4: q4_1 blocks beside the fp16 pack
+        self.panels: torch.Tensor | None = None  # int4-a8: the blocks regrouped for many rows, instead of the pack
         self.split = weight.dtype == torch.float32
         if not self.split:
             self.weight, self.slices = weight.contiguous(), 1
@@ -135,13 +143,17 @@ class Linear:
         self.packed = torch.ops.quantized.linear_prepack_fp16(weight, None if self.bias is None else self.bias.float())
         self.weight, self.split, self._sliced = _packed_placeholder(*weight.shape), False, None
 
-    def quantize_int4(self, blocks: torch.Tensor) -> None:
+    def quantize_int4(self, blocks: torch.Tensor, int8_activations: bool = False) -> None:
         """From now on ``blocks`` (``block_quant.quantize(float_weight(), "q4_1")``) serve steps of few
-        rows and an fp16 pack of what they stand for serves the rest (the float weight is dropped)."""
+        rows, and the rest either an fp16 pack of what they stand for or, with ``int8_activations``,
+        their panels (``block_quant.to_panels``) with activations rounded to int8 (the float weight is dropped)."""
         out_features = blocks.shape[0]
-        self.packed = torch.ops.quantized.linear_prepack_fp16(
-            block_quant.dequantize(blocks, "q4_1"), None if self.bias is None else self.bias.float()
-        )
+        if int8_activations:
+            self.panels, self._gemm_kernel = block_quant.to_panels(blocks), cpu_kernels()[0].block_quant_gemm
+        else:
+            self.packed = torch.ops.quantized.linear_prepack_fp16(
+                block_quant.dequantize(blocks, "q4_1"), None if self.bias is None else self.bias.float()
+            )
         self.blocks, self.in_features = blocks, blocks.shape[1] // block_quant.BLOCK_BYTES["q4_1"] * block_quant.BLOCK
         self._block_kernel = cpu_kernels()[0].block_quant_linear
         self.weight, self.split, self._sliced = _packed_placeholder(out_features, self.in_features), False, None
@@ -150,6 +162,8 @@ class Linear:
         rows = x.shape[0]
         if self.blocks is not None and rows <= BLOCK_QUANT_MAX_ROWS:  # int4 runs only fp32 models on the CPU
             return self._block_kernel(x, self.blocks, "q4_1", self.in_features, self.bias, residual)
+        if self.panels is not None:
+            return self._gemm_kernel(x, self.panels, self.blocks.shape[0], self.bias, residual)
         if self.packed is not None:
             out = torch.ops.quantized.linear_dynamic_fp16(x, self.packed)  # the bias is in the pack
             return out if residual is None else out.add_(residual)
@@ -179,6 +193,7 @@ class RowSplitLinear:
         self.scales: torch.Tensor | None = None
         self.packed: Any = None
         self.blocks: torch.Tensor | None = None  # int4: q8_0 blocks beside the fp16 pack
+        self.panels = None  # (many-row int8 products are for q4_1 projections only)
         self.slices = _slices(out_features, threads) if weight.dtype == torch.float32 else 1
         self._sliced_t = weight.view(self.slices, out_features // self.slices, in_features).transpose(1, 2)
 
@@ -216,6 +231,13 @@ class RowSplitLinear:
             return F.linear(x, self.weight)
         out = torch.bmm(x.expand(self.slices, *x.shape), self._sliced_t)  # [slices, rows, out / slices]
         return out.transpose(0, 1).reshape(rows, -1)
+
+
+def held_bytes(linear: Linear | RowSplitLinear) -> dict[str, int]:
+    """The bytes of a linear's converted weight: its fp16 pack (fbgemm's pack is not a tensor: two bytes a
+    weight) and its int4 blocks and panels."""
+    blocks = sum(t.nbytes for t in (linear.blocks, linear.panels) if t is not None)
+    return {"packed": 2 * linear.weight.numel() if linear.packed is not None else 0, "blocks": blocks}
 
 
 def linears_of(model: object) -> list[Linear | RowSplitLinear]:
@@ -256,14 +278,20 @@ def convert_weights(model: object, weight_quant: str) -> tuple[str, int]:
     """Every linear of ``model`` switches to ``weight_quant``'s format; returns the format it took and
     how many. ``auto`` (as resolved on a CPU): int4 when every weight round-trips through its blocks
     exactly and the kernels are built, else fp16. A weight whose in_features do not split into
-    blocks of 32 keeps an fp16 pack under int4."""
+    blocks of 32 keeps an fp16 pack under int4 and int4-a8."""
     linears = linears_of(model)
-    if weight_quant in ("auto", "int4"):
+    if weight_quant in ("auto", *BLOCK_QUANTS):
         blocks = [_int4_blocks(linear, check_exact=weight_quant == "auto") for linear in linears]
-        if weight_quant == "int4" or (all(b is not None and b[1] for b in blocks) and cpu_kernels()[0] is not None):
+        if weight_quant in BLOCK_QUANTS or (all(b is not None and b[1] for b in blocks) and cpu_kernels()[0] is not None):
+            int8_activations = weight_quant == "int4-a8"
             for linear, b in zip(linears, blocks):
-                linear.quantize_int4(b[0]) if b is not None else linear.pack_fp16()
-            return "int4", len(linears)
+                if b is None:
+                    linear.pack_fp16()
+                elif isinstance(linear, RowSplitLinear):
+                    linear.quantize_int4(b[0])
+                else:
+                    linear.quantize_int4(b[0], int8_activations)
+            return "int4" if weight_quant == "auto" else weight_quant, len(linears)
         weight_quant = "fp16"
     convert = {"fp16": "pack_fp16", "int8": "quantize_int8"}[weight_quant]
     for linear in linears:

@@ -30,7 +30,7 @@ from services.worker.device import resolve_dtype
 from services.worker.device_memory import ActivationProfile, CudaMemoryProbe, MemoryProbe
 from services.worker.gdn_state import GDNStateCache, SlotMetadata
 from services.worker.kernels.sampling import SamplingTensors, sample_on_device
-from services.worker.linear import convert_weights, linears_of, resolve_weight_quant
+from services.worker.linear import convert_weights, held_bytes, linears_of, resolve_weight_quant
 from services.worker.models import model_family
 from services.worker.sampling import LogitBias, TokenHistory, process_logits, sample, token_logprobs
 from services.worker.tensor_parallel import TensorParallelGroup, parallelize, shard_config, shard_weights
@@ -404,6 +404,7 @@ class ModelRunner:
     def describe(self) -> dict[str, Any]:
         """Read-only facts for the instrumentation endpoint, read off the live objects."""
         tensors = self.model.tensors()
+        held = [held_bytes(linear) for linear in linears_of(self.model)]
         return {
             "family": self.family,
             "device": str(self.device),
@@ -423,13 +424,13 @@ class ModelRunner:
             "kv_cache_dtype": str(self.kv_cache.tensor.dtype).removeprefix("torch."),
             "kv_bytes_per_token": self.kv_cache.nbytes // (self.kv_cache.num_blocks * self.block_size),
             "param_count": sum(t.numel() for t in tensors),
-            "param_bytes": sum(t.numel() * t.element_size() for t in tensors),
+            # a converted linear's weight is a storage-less placeholder: its pack and blocks are counted apart
+            "param_bytes": sum(t.numel() * t.element_size() for t in tensors if not t.is_meta) + sum(h["packed"] for h in held),
             "threads": torch.get_num_threads(),
             "max_num_seqs": self.max_num_seqs,
             "weight_quant": self.weight_quant,
             "quantized_linears": self.quantized_linears,
-            # int4 keeps its blocks beside the fp16 packs that param_bytes counts
-            "block_quant_bytes": sum(linear.blocks.nbytes for linear in linears_of(self.model) if linear.blocks is not None),
+            "block_quant_bytes": sum(h["blocks"] for h in held),  # int4's blocks (and panels) beside any fp16 packs
             "requests": len(self._requests),
             **self.model.describe(),
             **self._describe_slots(),

@@ -88,7 +88,7 @@ def test_auto_weight_format_is_decided_at_conversion_for_fp32_on_the_cpu_only() 
     assert resolve_weight_quant("auto", cpu, torch.bfloat16) == "none"
     assert resolve_weight_quant("auto", cuda, torch.bfloat16) == "none"
     assert resolve_weight_quant("int8", cpu, torch.float32) == "int8"
-    for fmt in ("fp16", "int4"):
+    for fmt in ("fp16", "int4", "int4-a8"):
         with pytest.raises(ValueError, match="needs a float32 model on a CPU"):
             resolve_weight_quant(fmt, cpu, torch.bfloat16)
 

@@ -13,6 +13,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales, const std::optional<torch::Tensor>& bias);
 torch::Tensor block_quant_linear(const torch::Tensor& x, const torch::Tensor& weight, const std::string& format, int64_t in_features,
                                  const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& residual);
+torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& panels, int64_t out_features, const std::optional<torch::Tensor>& bias,
+                               const std::optional<torch::Tensor>& residual);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x, const std::optional<torch::Tensor>& residual, const torch::Tensor& weight,
                                                       double eps);
 torch::Tensor silu_and_mul(const torch::Tensor& gate_up);

@@ -1,0 +1,223 @@
+// Many-row products over q4_1 weights with activations rounded to int8 per block of 32 features: the
+// arithmetic of llama.cpp's q4_1 x q8_1 dot product, laid out for GEMM (``--weight-quant int4-a8``).
+//
+// Weights in panels of 8 output channels (services/worker/block_quant.py ``to_panels``), one 160-byte
+// record per panel and block of 32 input features:
+//   bytes 32j .. 32j+31 (j = 0..3): byte 4c+i of channel c's features 4j+i (low nibble) and 16+4j+i (high)
+//   bytes 128 .. 143: the 8 channels' fp16 scales d;  bytes 144 .. 159: their fp16 minimums m
+// so one 32-byte load, masked or shifted, gives 4 features of all 8 channels as unsigned bytes.
+//
+// Activations: x ~= qx * dx per (row, block), qx in -127..127; sx = the block's sum of the unrounded x.
+//   out[m, n] = sum_b d[n, b] * dx[m, b] * <q[n, b], qx[m, b]> + m[n, b] * sx[m, b]  (+ bias) (+ residual)
+// AVX2 maddubs multiplies the unsigned codes by the signed activations, 32 products per instruction
+// (twice fp32 FMA's rate on a CPU without VNNI). Its pairwise int16 sums are at most 2 * 15 * 127, so the
+// 8 of a block add up in int16 without saturating (30480 < 32767); one madd widens them to int32.
+// Each output lane is a channel, so no horizontal sums: a tile of rows keeps one accumulator per row.
+//
+// Threads split the panels; each panel meets a chunk of rows while its weights are in L1.
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <optional>
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TOKENYARD_BLOCK_QUANT_GEMM_AVX2 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t BLOCK = 32;               // input features per block
+constexpr int64_t PANEL = 8;                // output channels per panel
+constexpr int64_t PANEL_CODE_BYTES = 128;   // per panel and block, before the scales
+constexpr int64_t PANEL_BLOCK_BYTES = 160;  // codes + 8 fp16 scales + 8 fp16 minimums
+constexpr int64_t ROW_TILE = 4;             // rows per register tile: 4 int16 sums + 4 accumulators + weights fit 16 registers
+constexpr int64_t ROW_CHUNK = 64;           // rows a panel meets before the next panel (their activations stay in L2)
+
+float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+struct Int8Rows {
+  std::vector<int8_t> q;  // [rows, k]
+  std::vector<float> d;   // [rows, blocks]
+  std::vector<float> s;   // [rows, blocks]
+  int64_t k, blocks;
+};
+
+void quantize_block(const float* x, int8_t* q, float* d, float* s) {
+#ifdef TOKENYARD_BLOCK_QUANT_GEMM_AVX2
+  __m256 v[4];
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256 amax8 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                     _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  const __m256 sum8 = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  __m128 t = _mm_add_ps(_mm256_castps256_ps128(sum8), _mm256_extractf128_ps(sum8, 1));
+  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+  *s = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+  *d = amax / 127.f;
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  __m256i i[4];
+  for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));  // nearest, as std::nearbyint
+  // packs interleave the 128-bit lanes: dwords come out as 0-3 of each input, then 4-7; the permute restores order.
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+  float amax = 0.f, sum = 0.f;
+  for (int i = 0; i < BLOCK; ++i) {
+    amax = std::max(amax, std::fabs(x[i]));
+    sum += x[i];
+  }
+  *s = sum;
+  *d = amax / 127.f;
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int i = 0; i < BLOCK; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));
+#endif
+}
+
+Int8Rows quantize_rows(const float* x, int64_t rows, int64_t k) {
+  const int64_t blocks = k / BLOCK;
+  Int8Rows a{std::vector<int8_t>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks), k, blocks};
+  at::parallel_for(0, rows * blocks, 512, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) quantize_block(x + b * BLOCK, a.q.data() + b * BLOCK, a.d.data() + b, a.s.data() + b);
+  });
+  return a;
+}
+
+// Plain loops: the reference for the vector tile, and CPUs without AVX2. acc[r * PANEL + c].
+void panel_rows_generic(const uint8_t* panel, const Int8Rows& a, int64_t m0, int64_t rows, float* acc) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < PANEL; ++c) {
+      float total = 0.f;
+      for (int64_t b = 0; b < a.blocks; ++b) {
+        const uint8_t* rec = panel + b * PANEL_BLOCK_BYTES;
+        const int8_t* xq = a.q.data() + (m0 + r) * a.k + b * BLOCK;
+        int32_t dot = 0;
+        for (int j = 0; j < 4; ++j)
+          for (int i = 0; i < 4; ++i) {
+            const uint8_t byte = rec[32 * j + 4 * c + i];
+            dot += int32_t(byte & 0x0f) * xq[4 * j + i] + int32_t(byte >> 4) * xq[16 + 4 * j + i];
+          }
+        uint16_t dh, mh;
+        std::memcpy(&dh, rec + PANEL_CODE_BYTES + 2 * c, 2);
+        std::memcpy(&mh, rec + PANEL_CODE_BYTES + 2 * PANEL + 2 * c, 2);
+        const int64_t at = (m0 + r) * a.blocks + b;
+        total += half_to_float(dh) * a.d[at] * static_cast<float>(dot) + half_to_float(mh) * a.s[at];
+      }
+      acc[r * PANEL + c] = total;
+    }
+}
+
+#ifdef TOKENYARD_BLOCK_QUANT_GEMM_AVX2
+inline __m256i broadcast4(const int8_t* p) {  // 4 activation bytes into every dword
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// R rows x one panel into sums[r * PANEL + c] (row m0 + r, channel c).
+template <int R>
+void panel_tile(const uint8_t* panel, const Int8Rows& a, int64_t m0, float* sums) {
+  const __m256i nibble = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  const int8_t* xq[R];
+  const float *dx[R], *sx[R];
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) {
+    xq[r] = a.q.data() + (m0 + r) * a.k;
+    dx[r] = a.d.data() + (m0 + r) * a.blocks;
+    sx[r] = a.s.data() + (m0 + r) * a.blocks;
+    acc[r] = _mm256_setzero_ps();
+  }
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const uint8_t* rec = panel + b * PANEL_BLOCK_BYTES;
+    __m256i sum[R];
+    for (int j = 0; j < 4; ++j) {
+      const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * j));
+      const __m256i low = _mm256_and_si256(codes, nibble), high = _mm256_and_si256(_mm256_srli_epi16(codes, 4), nibble);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = xq[r] + b * BLOCK + 4 * j;
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(low, broadcast4(x)), _mm256_maddubs_epi16(high, broadcast4(x + 16)));
+        sum[r] = j == 0 ? p : _mm256_add_epi16(sum[r], p);
+        // Without this GCC defers the int16 additions to the block's end, keeping all 32 products live and
+        // spilling them; here each sum is due as it goes.
+        __asm__("" : "+x"(sum[r]));
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + PANEL_CODE_BYTES)));
+    const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + PANEL_CODE_BYTES + 2 * PANEL)));
+    for (int r = 0; r < R; ++r) {
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r], ones));
+      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_broadcast_ss(dx[r] + b)), acc[r]);
+      acc[r] = _mm256_fmadd_ps(mins, _mm256_broadcast_ss(sx[r] + b), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(sums + r * PANEL, acc[r]);
+}
+#endif
+
+// rows <= ROW_TILE rows of one panel into sums[r * PANEL + c].
+void run_tile(const uint8_t* panel, const Int8Rows& a, int64_t m0, int64_t rows, float* sums) {
+#ifdef TOKENYARD_BLOCK_QUANT_GEMM_AVX2
+  switch (rows) {
+    case 1: return panel_tile<1>(panel, a, m0, sums);
+    case 2: return panel_tile<2>(panel, a, m0, sums);
+    case 3: return panel_tile<3>(panel, a, m0, sums);
+    default: return panel_tile<4>(panel, a, m0, sums);
+  }
+#else
+  panel_rows_generic(panel, a, m0, rows, sums);
+#endif
+}
+
+}  // namespace
+
+torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& panels, int64_t out_features, const std::optional<torch::Tensor>& bias,
+                               const std::optional<torch::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [rows, in] float32");
+  const int64_t rows = x.size(0), k = x.size(1), blocks = k / BLOCK, panel_count = (out_features + PANEL - 1) / PANEL;
+  TORCH_CHECK(k % BLOCK == 0, "in_features must be a multiple of ", BLOCK, ", got ", k);
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == torch::kUInt8 && panels.is_contiguous(), "panels must be contiguous [panels, blocks, ",
+              PANEL_BLOCK_BYTES, "] uint8");
+  TORCH_CHECK(panels.size(0) == panel_count && panels.size(1) == blocks && panels.size(2) == PANEL_BLOCK_BYTES, "panels of ", out_features, " x ", k,
+              " weights must be [", panel_count, ", ", blocks, ", ", PANEL_BLOCK_BYTES, "], got ", panels.sizes());
+  std::optional<torch::Tensor> bc, rc;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == torch::kFloat32, "one float32 bias per output channel");
+    bc = bias->contiguous();
+  }
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == rows && residual->size(1) == out_features && residual->scalar_type() == torch::kFloat32,
+                "residual must be [rows, out] float32");
+    rc = residual->contiguous();
+  }
+  auto out = torch::empty({rows, out_features}, x.options());
+  const auto xc = x.contiguous();
+  const Int8Rows a = quantize_rows(xc.data_ptr<float>(), rows, k);
+  const uint8_t* w = panels.data_ptr<uint8_t>();
+  const float* b_ptr = bc.has_value() ? bc->data_ptr<float>() : nullptr;
+  const float* r_ptr = rc.has_value() ? rc->data_ptr<float>() : nullptr;
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, panel_count, 1, [&](int64_t begin, int64_t end) {
+    float sums[ROW_TILE * PANEL];
+    for (int64_t chunk = 0; chunk < rows; chunk += ROW_CHUNK)
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t n0 = p * PANEL, cols = std::min(PANEL, out_features - n0);
+        for (int64_t m0 = chunk; m0 < std::min(rows, chunk + ROW_CHUNK); m0 += ROW_TILE) {
+          const int64_t tile_rows = std::min(ROW_TILE, rows - m0);
+          run_tile(w + p * blocks * PANEL_BLOCK_BYTES, a, m0, tile_rows, sums);
+          for (int64_t r = 0; r < tile_rows; ++r)
+            for (int64_t c = 0; c < cols; ++c) {
+              const int64_t at = (m0 + r) * out_features + n0 + c;
+              o[at] = sums[r * PANEL + c] + (b_ptr ? b_ptr[n0 + c] : 0.f) + (r_ptr ? r_ptr[at] : 0.f);
+            }
+        }
+      }
+  });
+  return out;
+}
