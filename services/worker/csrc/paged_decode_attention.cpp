@@ -63,9 +63,23 @@ inline __m256 reduce8(const __m256* a) {
 // once into `widened` [8, dim] and then meet every head's query from there. stride is a multiple of
 // 8 and keys[len .. stride) repeat a real key, so a block always has eight readable positions; the
 // scores past len are set to -inf, which pass 2 turns into probability 0.
+// Prefetch the eight keys (offset 0) or values (it.value_offset) of positions [start, start + 8).
+template <int R, auto hint, typename T>
+inline void prefetch8(const Item<T>& it, int64_t start, int64_t offset) {
+  for (int i = 0; i < 8; ++i)
+    for (int64_t byte = 0; byte < static_cast<int64_t>(8 * R * sizeof(T)); byte += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(it.keys[start + i] + offset) + byte, hint);
+}
+
 template <int R, typename T>
 void score(const Item<T>& it, float* widened) {
+  // Keys and values are scattered over the cache (L3 or memory): the keys of the block after next and
+  // this block's values (for pass 3, into L2) are fetched ahead.
+  constexpr int64_t ahead = 16;
+  for (int64_t start = 0; start < std::min(ahead, it.stride); start += 8) prefetch8<R, _MM_HINT_T0>(it, start, 0);
   for (int64_t start = 0; start < it.stride; start += 8) {
+    if (start + ahead < it.stride) prefetch8<R, _MM_HINT_T0>(it, start + ahead, 0);
+    prefetch8<R, _MM_HINT_T1>(it, start, it.value_offset);
     const float* k[8];
     for (int i = 0; i < 8; ++i) {
       if constexpr (std::is_same_v<T, float>) {
