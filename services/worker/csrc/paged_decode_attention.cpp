@@ -59,10 +59,6 @@ inline __m256 reduce8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-// Pass 1, R = dim / 8 registers per vector. Keys go eight positions at a time; fp16 keys are widened
-// once into `widened` [8, dim] and then meet every head's query from there. stride is a multiple of
-// 8 and keys[len .. stride) repeat a real key, so a block always has eight readable positions; the
-// scores past len are set to -inf, which pass 2 turns into probability 0.
 // Prefetch the eight keys (offset 0) or values (it.value_offset) of positions [start, start + 8).
 template <int R, auto hint, typename T>
 inline void prefetch8(const Item<T>& it, int64_t start, int64_t offset) {
@@ -71,6 +67,10 @@ inline void prefetch8(const Item<T>& it, int64_t start, int64_t offset) {
       _mm_prefetch(reinterpret_cast<const char*>(it.keys[start + i] + offset) + byte, hint);
 }
 
+// Pass 1, R = dim / 8 registers per vector. Keys go eight positions at a time; fp16 keys are widened
+// once into `widened` [8, dim] and then meet every head's query from there. stride is a multiple of
+// 8 and keys[len .. stride) repeat a real key, so a block always has eight readable positions; the
+// scores past len are set to -inf, which pass 2 turns into probability 0.
 template <int R, typename T>
 void score(const Item<T>& it, float* widened) {
   // Keys and values are scattered over the cache (L3 or memory): the keys of the block after next and
