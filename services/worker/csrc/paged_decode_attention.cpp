@@ -100,8 +100,8 @@ void score(const Item<T>& it, float* widened) {
       for (int r0 = 0; r0 < R; r0 += 4) {  // four query registers and eight accumulators live at a time
         __m256 q[4];
         for (int r = 0; r < 4; ++r) q[r] = _mm256_loadu_ps(query + 8 * (r0 + r));
-        for (int i = 0; i < 8; ++i)
-          for (int r = 0; r < 4; ++r) a[i] = _mm256_fmadd_ps(q[r], _mm256_loadu_ps(k[i] + 8 * (r0 + r)), a[i]);
+        for (int r = 0; r < 4; ++r)  // eight independent FMAs in a row: the latency of each chain is covered
+          for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(q[r], _mm256_loadu_ps(k[i] + 8 * (r0 + r)), a[i]);
       }
       float* s = it.scores + g * it.stride + start;
       _mm256_storeu_ps(s, _mm256_mul_ps(reduce8(a), _mm256_set1_ps(it.scale)));
