@@ -195,7 +195,7 @@ void attend(const Item<T>& it, float* widened, float* sums) {
 
 // Any head_dim, plain loops (what a compiler without AVX2/FMA, or an unusual head_dim, gets).
 template <typename T>
-void attend_generic(const Item<T>& it, float* sums) {
+void attend_generic(const Item<T>& it) {
   for (int64_t g = 0; g < it.group; ++g) {
     const float* query = it.queries + g * it.dim;
     float* s = it.scores + g * it.stride;
@@ -220,7 +220,7 @@ void attend_generic(const Item<T>& it, float* sums) {
 }
 
 template <typename T>
-void attend_any(const Item<T>& it, float* widened, float* sums) {
+void attend_any(const Item<T>& it, [[maybe_unused]] float* widened, [[maybe_unused]] float* sums) {  // scratch for the AVX2 path
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   switch (it.dim) {
     case 64: return attend<8, T>(it, widened, sums);
@@ -230,7 +230,7 @@ void attend_any(const Item<T>& it, float* widened, float* sums) {
     default: break;
   }
 #endif
-  attend_generic(it, sums);
+  attend_generic(it);
 }
 
 }  // namespace
