@@ -1,18 +1,28 @@
-// Paged attention for decode steps on the CPU: one query token per request, its keys and values read
-// in place from the paged KV cache through the block table (no gathered copy of the context).
+// Paged attention on the CPU for every row of a step: each row is one query token (a decode, or one
+// token of a prefill chunk) over positions [0, len) of its request, its keys and values read in place
+// from the paged KV cache through the block table (no gathered copy of the context).
 //
 // Layout (services/worker/attention.py): cache [slots, 2, kv_heads, head_dim], position p of a request
 // in slot table[p / block_size] * block_size + p % block_size. Query heads h*G .. h*G+G-1 share kv head
-// h (GQA), so each (request, kv head) work item streams its keys and values once for G queries.
-// Softmax is online per block: scores of one block, then one rescale of the running sums.
+// h (GQA), so each (row, kv head) work item reads its keys and values once for its G queries.
+//
+// Per item, in three passes over the whole context (fp32 arithmetic; fp16 storage is widened on load):
+//   1. scores [G, len] = q . k * scale, each key read once for the G heads; with AVX2, eight positions'
+//      dot products at a time, reduced together into one register of eight sums (no horizontal sum
+//      per score);
+//   2. softmax per head over its row of scores: max, exp, sum (probabilities left unnormalized);
+//   3. out[g] = sum_p prob[g, p] * v_p / sum[g], each value read once for up to three heads at a time,
+//      a slice of head_dim at a time so the heads' accumulators stay in registers.
+// Items are taken one at a time by the threads (prefill rows grow 1..len, so equal shares of items
+// would be far from equal work).
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include "avx2_exp.h"
-#include "avx2_sum.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -23,14 +33,17 @@
 
 namespace {
 
-// One (request, kv head) work item: its `group` query heads attend over `len` positions, block by block.
-// Scratch: scores [group * block_size], acc [group * dim].
+constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+
+// One (row, kv head) work item. keys[p] points at position p's key; its value is at keys[p] +
+// value_offset. scores is [group, stride] with stride >= len (a multiple of 8 on the AVX2 path).
 template <typename T>  // the cache's element type: float, or c10::Half (fp16 storage, fp32 arithmetic)
 struct Item {
   const float* queries;  // [group, dim]
-  const T* cache;
-  const int32_t* table;
-  int64_t len, block_size, slot_stride, value_offset, group, dim;
+  const T* const* keys;
+  float* scores;
+  float* out;  // [group, dim]
+  int64_t len, stride, value_offset, group, dim;
   float scale;
 };
 
@@ -38,52 +51,143 @@ struct Item {
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
-// R = dim / 8 registers per row: the query stays in registers while it meets every key of a block,
-// the head's output accumulator while it takes every value.
+// [sum(a[0]), sum(a[1]), ..., sum(a[7])]: three rounds of pairwise adds instead of eight horizontal sums.
+inline __m256 reduce8(const __m256* a) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);  // lane halves: a0..a3 | a0..a3
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// Prefetch the eight keys (offset 0) or values (it.value_offset) of positions [start, start + 8).
+template <int R, auto hint, typename T>
+inline void prefetch8(const Item<T>& it, int64_t start, int64_t offset) {
+  for (int i = 0; i < 8; ++i)
+    for (int64_t byte = 0; byte < static_cast<int64_t>(8 * R * sizeof(T)); byte += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(it.keys[start + i] + offset) + byte, hint);
+}
+
+// Pass 1, R = dim / 8 registers per vector. Keys go eight positions at a time; fp16 keys are widened
+// once into `widened` [8, dim] and then meet every head's query from there. stride is a multiple of
+// 8 and keys[len .. stride) repeat a real key, so a block always has eight readable positions; the
+// scores past len are set to -inf, which pass 2 turns into probability 0.
 template <int R, typename T>
-void attend(const Item<T>& it, float* scores, float* acc, float* running_max, float* running_sum) {
-  for (int64_t start = 0; start < it.len; start += it.block_size) {
-    const int64_t n = std::min(it.block_size, it.len - start);
-    const T* base = it.cache + it.table[start / it.block_size] * it.block_size * it.slot_stride;
+void score(const Item<T>& it, float* widened) {
+  // Keys and values are scattered over the cache (L3 or memory): the keys of the block after next and
+  // this block's values (for pass 3, into L2) are fetched ahead.
+  constexpr int64_t ahead = 16;
+  for (int64_t start = 0; start < std::min(ahead, it.stride); start += 8) prefetch8<R, _MM_HINT_T0>(it, start, 0);
+  for (int64_t start = 0; start < it.stride; start += 8) {
+    if (start + ahead < it.stride) prefetch8<R, _MM_HINT_T0>(it, start + ahead, 0);
+    prefetch8<R, _MM_HINT_T1>(it, start, it.value_offset);
+    const float* k[8];
+    for (int i = 0; i < 8; ++i) {
+      if constexpr (std::is_same_v<T, float>) {
+        k[i] = it.keys[start + i];
+      } else {
+        float* w = widened + i * 8 * R;
+        for (int r = 0; r < R; ++r) _mm256_storeu_ps(w + 8 * r, load8(it.keys[start + i] + 8 * r));
+        k[i] = w;
+      }
+    }
     for (int64_t g = 0; g < it.group; ++g) {
-      float* s = scores + g * it.block_size;
-      __m256 q[R];
-      for (int r = 0; r < R; ++r) q[r] = _mm256_loadu_ps(it.queries + g * it.dim + 8 * r);
-      float block_max = running_max[g];
-      for (int64_t i = 0; i < n; ++i) {
-        const T* key = base + i * it.slot_stride;
-        __m256 d0 = _mm256_mul_ps(q[0], load8(key));
-        __m256 d1 = R > 1 ? _mm256_mul_ps(q[1], load8(key + 8)) : _mm256_setzero_ps();
-        for (int r = 2; r + 1 < R; r += 2) {
-          d0 = _mm256_fmadd_ps(q[r], load8(key + 8 * r), d0);
-          d1 = _mm256_fmadd_ps(q[r + 1], load8(key + 8 * r + 8), d1);
-        }
-        if (R > 2 && R % 2) d0 = _mm256_fmadd_ps(q[R - 1], load8(key + 8 * (R - 1)), d0);
-        s[i] = hsum(_mm256_add_ps(d0, d1)) * it.scale;
-        block_max = std::max(block_max, s[i]);
+      // Every head reads the keys from memory (L1) as FMA operands: without this barrier the compiler
+      // hoists the 8 * R key loads out of the head loop and spills them all to the stack.
+      asm volatile("" : : : "memory");
+      const float* query = it.queries + g * it.dim;
+      __m256 a[8];
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+      for (int r0 = 0; r0 < R; r0 += 4) {  // four query registers and eight accumulators live at a time
+        __m256 q[4];
+        for (int r = 0; r < 4; ++r) q[r] = _mm256_loadu_ps(query + 8 * (r0 + r));
+        for (int r = 0; r < 4; ++r)  // eight independent FMAs in a row: the latency of each chain is covered
+          for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(q[r], _mm256_loadu_ps(k[i] + 8 * (r0 + r)), a[i]);
       }
-      const __m256 m = _mm256_set1_ps(block_max);
-      __m256 block_sum = _mm256_setzero_ps();
-      int64_t i = 0;
-      for (; i + 8 <= n; i += 8) {
-        const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), m));
-        _mm256_storeu_ps(s + i, p);
-        block_sum = _mm256_add_ps(block_sum, p);
-      }
-      float sum = hsum(block_sum);
-      for (; i < n; ++i) sum += (s[i] = std::exp(s[i] - block_max));
-      const float correction = std::exp(running_max[g] - block_max);  // exp(-inf) = 0 on the first block
-      running_sum[g] = running_sum[g] * correction + sum;
-      running_max[g] = block_max;
-      __m256 a[R];
-      const __m256 c = _mm256_set1_ps(correction);
-      for (int r = 0; r < R; ++r) a[r] = _mm256_mul_ps(c, _mm256_loadu_ps(acc + g * it.dim + 8 * r));
-      for (int64_t j = 0; j < n; ++j) {
-        const T* value = base + j * it.slot_stride + it.value_offset;
-        const __m256 p = _mm256_set1_ps(s[j]);
-        for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(p, load8(value + 8 * r), a[r]);
-      }
-      for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + g * it.dim + 8 * r, a[r]);
+      float* s = it.scores + g * it.stride + start;
+      _mm256_storeu_ps(s, _mm256_mul_ps(reduce8(a), _mm256_set1_ps(it.scale)));
+      for (int64_t i = it.len - start; i < 8; ++i) s[i] = kMinusInf;
+    }
+  }
+}
+
+// Pass 2 over [group, stride] scores: probabilities exp(s - max) in place, and their sums[g].
+inline void softmax(float* scores, int64_t group, int64_t stride, float* sums) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * stride;
+    __m256 m = _mm256_set1_ps(kMinusInf);
+    for (int64_t i = 0; i < stride; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + i));
+    m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
+    m = _mm256_max_ps(m, _mm256_permute_ps(m, 0x4e));
+    m = _mm256_max_ps(m, _mm256_permute_ps(m, 0xb1));  // the row's max in every lane (finite: position 0 is real)
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t i = 0; i < stride; i += 8) {
+      const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), m));
+      _mm256_storeu_ps(s + i, p);
+      sum = _mm256_add_ps(sum, p);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, sum);
+    sums[g] = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  }
+}
+
+// Pass 3 for heads g0 .. g0+GT-1 and C registers of head_dim from column c: GT * C accumulators, each
+// value slice widened once for the GT heads. GT * C + GT broadcasts + 1 value register fit in the 16
+// ymm registers with room to spare (at exactly 16 the compiler spills an accumulator, and the
+// store/reload chain through the stack halves the speed), and GT * C >= 8 accumulators cover the FMA
+// latency except for the last two-register slice of three heads.
+template <int GT, int C, typename T>
+void weigh_slice(const Item<T>& it, int64_t g0, int64_t column, const float* sums) {
+  const float* probs = it.scores + g0 * it.stride;
+  __m256 acc[GT][C];
+  for (int g = 0; g < GT; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < it.len; ++p) {
+    const T* value = it.keys[p] + it.value_offset + column;
+    __m256 w[GT];
+    for (int g = 0; g < GT; ++g) w[g] = _mm256_broadcast_ss(probs + g * it.stride + p);
+    for (int c = 0; c < C; ++c) {
+      const __m256 v = load8(value + 8 * c);
+      for (int g = 0; g < GT; ++g) acc[g][c] = _mm256_fmadd_ps(w[g], v, acc[g][c]);
+    }
+  }
+  for (int g = 0; g < GT; ++g) {
+    const __m256 inv = _mm256_set1_ps(1.f / sums[g0 + g]);
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(it.out + (g0 + g) * it.dim + column + 8 * c, _mm256_mul_ps(acc[g][c], inv));
+  }
+}
+
+// Slices across head_dim (dim / 8 registers, a multiple of 4 on this path): eight or four registers
+// for one head, four for two, threes and twos for three (8 = 3 + 3 + 2, 16 = 3 + 3 + 3 + 3 + 2 + 2).
+template <int GT, typename T>
+void weigh_values(const Item<T>& it, int64_t g0, const float* sums) {
+  const int64_t regs = it.dim / 8;
+  int64_t r = 0;
+  auto take = [&](auto width) {
+    weigh_slice<GT, decltype(width)::value>(it, g0, 8 * r, sums);
+    r += width;
+  };
+  while (r < regs) {
+    const int64_t left = regs - r;
+    if constexpr (GT == 1)
+      left >= 8 ? take(std::integral_constant<int, 8>{}) : take(std::integral_constant<int, 4>{});
+    else if constexpr (GT == 2)
+      take(std::integral_constant<int, 4>{});
+    else
+      left > 4 || left == 3 ? take(std::integral_constant<int, 3>{}) : take(std::integral_constant<int, 2>{});
+  }
+}
+
+template <int R, typename T>
+void attend(const Item<T>& it, float* widened, float* sums) {
+  static_assert(R % 4 == 0, "head_dim a multiple of 32");
+  score<R>(it, widened);
+  softmax(it.scores, it.group, it.stride, sums);
+  for (int64_t g0 = 0; g0 < it.group; g0 += 3) {
+    switch (std::min<int64_t>(3, it.group - g0)) {
+      case 3: weigh_values<3>(it, g0, sums); break;
+      case 2: weigh_values<2>(it, g0, sums); break;
+      default: weigh_values<1>(it, g0, sums); break;
     }
   }
 }
@@ -91,49 +195,42 @@ void attend(const Item<T>& it, float* scores, float* acc, float* running_max, fl
 
 // Any head_dim, plain loops (what a compiler without AVX2/FMA, or an unusual head_dim, gets).
 template <typename T>
-void attend_generic(const Item<T>& it, float* scores, float* acc, float* running_max, float* running_sum) {
-  for (int64_t start = 0; start < it.len; start += it.block_size) {
-    const int64_t n = std::min(it.block_size, it.len - start);
-    const T* base = it.cache + it.table[start / it.block_size] * it.block_size * it.slot_stride;
-    for (int64_t g = 0; g < it.group; ++g) {
-      float* s = scores + g * it.block_size;
-      const float* query = it.queries + g * it.dim;
-      float block_max = running_max[g];
-      for (int64_t i = 0; i < n; ++i) {
-        const T* key = base + i * it.slot_stride;
-        float dot = 0.f;
-        for (int64_t d = 0; d < it.dim; ++d) dot += query[d] * static_cast<float>(key[d]);
-        s[i] = dot * it.scale;
-        block_max = std::max(block_max, s[i]);
-      }
-      const float correction = std::exp(running_max[g] - block_max);
-      float sum = running_sum[g] * correction;
-      float* a = acc + g * it.dim;
-      for (int64_t d = 0; d < it.dim; ++d) a[d] *= correction;
-      for (int64_t i = 0; i < n; ++i) {
-        const float p = std::exp(s[i] - block_max);
-        sum += p;
-        const T* value = base + i * it.slot_stride + it.value_offset;
-        for (int64_t d = 0; d < it.dim; ++d) a[d] += p * static_cast<float>(value[d]);
-      }
-      running_max[g] = block_max;
-      running_sum[g] = sum;
+void attend_generic(const Item<T>& it) {
+  for (int64_t g = 0; g < it.group; ++g) {
+    const float* query = it.queries + g * it.dim;
+    float* s = it.scores + g * it.stride;
+    float max = kMinusInf;
+    for (int64_t p = 0; p < it.len; ++p) {
+      float dot = 0.f;
+      for (int64_t d = 0; d < it.dim; ++d) dot += query[d] * static_cast<float>(it.keys[p][d]);
+      s[p] = dot * it.scale;
+      max = std::max(max, s[p]);
     }
+    float sum = 0.f;
+    float* o = it.out + g * it.dim;
+    std::fill(o, o + it.dim, 0.f);
+    for (int64_t p = 0; p < it.len; ++p) {
+      const float prob = std::exp(s[p] - max);
+      sum += prob;
+      const T* value = it.keys[p] + it.value_offset;
+      for (int64_t d = 0; d < it.dim; ++d) o[d] += prob * static_cast<float>(value[d]);
+    }
+    for (int64_t d = 0; d < it.dim; ++d) o[d] /= sum;
   }
 }
 
 template <typename T>
-void attend_any(const Item<T>& it, float* scores, float* acc, float* running_max, float* running_sum) {
+void attend_any(const Item<T>& it, [[maybe_unused]] float* widened, [[maybe_unused]] float* sums) {  // scratch for the AVX2 path
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   switch (it.dim) {
-    case 64: return attend<8, T>(it, scores, acc, running_max, running_sum);
-    case 128: return attend<16, T>(it, scores, acc, running_max, running_sum);
-    case 96: return attend<12, T>(it, scores, acc, running_max, running_sum);
-    case 32: return attend<4, T>(it, scores, acc, running_max, running_sum);
+    case 64: return attend<8, T>(it, widened, sums);
+    case 128: return attend<16, T>(it, widened, sums);
+    case 96: return attend<12, T>(it, widened, sums);
+    case 32: return attend<4, T>(it, widened, sums);
     default: break;
   }
 #endif
-  attend_generic(it, scores, acc, running_max, running_sum);
+  attend_generic(it);
 }
 
 }  // namespace
@@ -172,18 +269,29 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 
   auto run = [&](const auto* cache_ptr) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(cache_ptr)>>;
-    at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores(group * block_size), acc(group * dim), running_max(group), running_sum(group);
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t b = item / kv_heads, h = item % kv_heads;
-        const Item<T> it{q_ptr + (b * heads + h * group) * dim, cache_ptr + h * dim, table_ptr + b * width, len_ptr[b], block_size, slot_stride, value_offset, group, dim, fscale};
-        std::fill(acc.begin(), acc.end(), 0.f);
-        std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
-        std::fill(running_sum.begin(), running_sum.end(), 0.f);
-        attend_any(it, scores.data(), acc.data(), running_max.data(), running_sum.data());
-        float* o = out_ptr + (b * heads + h * group) * dim;
-        for (int64_t g = 0; g < group; ++g)
-          for (int64_t d = 0; d < dim; ++d) o[g * dim + d] = acc[g * dim + d] / running_sum[g];
+    const int64_t items = batch * kv_heads;
+    std::atomic<int64_t> next{0};
+    // One call per thread; each takes items until none is left (nested in another parallel region,
+    // one call takes them all).
+    at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+      // Scratch grown to the longest item met: key pointers and scores padded to a multiple of 8.
+      std::vector<const T*> keys;
+      std::vector<float> scores, widened(8 * dim), sums(group);
+      for (int64_t item; (item = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+        const int64_t b = item / kv_heads, h = item % kv_heads, len = len_ptr[b], stride = (len + 7) / 8 * 8;
+        if (static_cast<int64_t>(keys.size()) < stride) {
+          keys.resize(stride);
+          scores.resize(group * stride);
+        }
+        const T* head_base = cache_ptr + h * dim;
+        for (int64_t start = 0; start < len; start += block_size) {
+          const T* block = head_base + table_ptr[b * width + start / block_size] * block_size * slot_stride;
+          for (int64_t i = 0, n = std::min(block_size, len - start); i < n; ++i) keys[start + i] = block + i * slot_stride;
+        }
+        std::fill(keys.begin() + len, keys.begin() + stride, keys[len - 1]);  // readable padding (scored -inf)
+        const Item<T> it{q_ptr + (b * heads + h * group) * dim, keys.data(), scores.data(), out_ptr + (b * heads + h * group) * dim,
+                         len, stride, value_offset, group, dim, fscale};
+        attend_any(it, widened.data(), sums.data());
       }
     });
   };
