@@ -20,14 +20,13 @@ Weight storage formats (``--weight-quant``), chosen per deployment:
   minimum per 32 input features) and lm_head in q8_0 blocks, multiplied by ``csrc/block_quant_linear.cpp``
   with activations rounded to int16 per block (error ~2e-5 of the block's largest value, below fp16's),
   for steps of at most ``BLOCK_QUANT_MAX_ROWS`` rows, where streaming the weights bounds the step; larger
-  steps, bound by arithmetic, take fp16 packs of the same (dequantized) weights. A quarter of fp16's
-  bytes per single-stream step. A checkpoint converted from a q4_1 GGUF (the default model) round-trips
+  steps take the same weights regrouped in panels of 8 channels (``csrc/block_quant_gemm.cpp``, int16
+  activations, madd; as fast as fbgemm's fp16 GEMM at hundreds of rows, 1.4x at 8 rows with a quarter of
+  its bytes), and lm_head an fp16 pack. A quarter of fp16's bytes per single-stream step. A checkpoint converted from a q4_1 GGUF (the default model) round-trips
   exactly, so for it ``int4`` costs nothing and ``auto`` picks it; elsewhere it costs 4-bit weights.
-- ``int4-a8`` (opt-in): ``int4``'s blocks, but steps of more rows round their activations to int8 per
-  block of 32 features and multiply in integers (``csrc/block_quant_gemm.cpp``: llama.cpp's q4_1 x q8
-  arithmetic, 1.7-1.9x fbgemm's fp16 GEMM on an AVX2 CPU) on the same weights regrouped in panels of 8
-  channels; no fp16 packs (lm_head keeps its q8_0 blocks and fp16 pack). Costs what int8 activations
-  cost: +0.7 % perplexity on the default model in many-row steps (``bench/quantization.py``).
+- ``int4-a8`` (opt-in): ``int4``, but the panels' steps round activations to int8 instead (maddubs:
+  llama.cpp's q4_1 x q8 arithmetic, 1.7-1.9x fbgemm's fp16 GEMM on an AVX2 CPU). Costs what int8
+  activations cost: +0.7 % perplexity on the default model in many-row steps (``bench/quantization.py``).
 - ``none``: the checkpoint's dtype as loaded.
 """
 
@@ -145,15 +144,11 @@ class Linear:
 
     def quantize_int4(self, blocks: torch.Tensor, int8_activations: bool = False) -> None:
         """From now on ``blocks`` (``block_quant.quantize(float_weight(), "q4_1")``) serve steps of few
-        rows, and the rest either an fp16 pack of what they stand for or, with ``int8_activations``,
-        their panels (``block_quant.to_panels``) with activations rounded to int8 (the float weight is dropped)."""
+        rows and their panels (``block_quant.to_panels``) the rest, with activations rounded to int16
+        or, with ``int8_activations``, to int8 (the float weight is dropped)."""
         out_features = blocks.shape[0]
-        if int8_activations:
-            self.panels, self._gemm_kernel = block_quant.to_panels(blocks), cpu_kernels()[0].block_quant_gemm
-        else:
-            self.packed = torch.ops.quantized.linear_prepack_fp16(
-                block_quant.dequantize(blocks, "q4_1"), None if self.bias is None else self.bias.float()
-            )
+        self.panels, self._gemm_kernel = block_quant.to_panels(blocks), cpu_kernels()[0].block_quant_gemm
+        self._activation_bits = 8 if int8_activations else 16
         self.blocks, self.in_features = blocks, blocks.shape[1] // block_quant.BLOCK_BYTES["q4_1"] * block_quant.BLOCK
         self._block_kernel = cpu_kernels()[0].block_quant_linear
         self.weight, self.split, self._sliced = _packed_placeholder(out_features, self.in_features), False, None
@@ -163,7 +158,7 @@ class Linear:
         if self.blocks is not None and rows <= BLOCK_QUANT_MAX_ROWS:  # int4 runs only fp32 models on the CPU
             return self._block_kernel(x, self.blocks, "q4_1", self.in_features, self.bias, residual)
         if self.panels is not None:
-            return self._gemm_kernel(x, self.panels, self.blocks.shape[0], self.bias, residual)
+            return self._gemm_kernel(x, self.panels, self.blocks.shape[0], self.bias, residual, self._activation_bits)
         if self.packed is not None:
             out = torch.ops.quantized.linear_dynamic_fp16(x, self.packed)  # the bias is in the pack
             return out if residual is None else out.add_(residual)

@@ -1,5 +1,5 @@
-"""int4 weights: the q4_1/q8_0 block codec, the C++ block kernel against the dequantized weight, the
-row threshold between the kernel and the fp16 packs, and ``auto`` choosing int4 exactly where it is
+"""int4 weights: the q4_1/q8_0 block codec, the C++ block and panel kernels against the dequantized weight,
+the row threshold between them, int4-a8's int8 activations, and ``auto`` choosing int4 exactly where it is
 lossless (a checkpoint on the q4_1 grid, as one converted from a q4_1 GGUF)."""
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ def _int8_rounded(x: torch.Tensor) -> torch.Tensor:
 @kernels
 @pytest.mark.parametrize("rows", [1, 3, 5, 9, 70])  # 70: past one chunk of rows a panel meets at a time
 @pytest.mark.parametrize("out_features", [24, 30])  # 30: a last panel of 6 channels
-def test_gemm_kernel_equals_int8_activations_times_the_dequantized_weight(rows: int, out_features: int) -> None:
+@pytest.mark.parametrize("bits", [8, 16])
+def test_gemm_kernel_equals_rounded_activations_times_the_dequantized_weight(rows: int, out_features: int, bits: int) -> None:
     generator = torch.Generator().manual_seed(rows * 100 + out_features)
     w, bias, residual = (torch.randn(*shape, generator=generator) for shape in ((out_features, 288), (out_features,), (rows, out_features)))
     x = torch.randn(rows, 288, generator=generator) * (1 + 30 * (torch.rand(288, generator=generator) < 0.02))
@@ -116,42 +117,52 @@ def test_gemm_kernel_equals_int8_activations_times_the_dequantized_weight(rows: 
     minimums_only = packed.clone()
     minimums_only[:, : packed.shape[1] // 20 * 16] = 0
     dense, minimums = block_quant.dequantize(packed, "q4_1"), block_quant.dequantize(minimums_only, "q4_1")
-    reference = _int8_rounded(x) @ (dense - minimums).T + x @ minimums.T  # the minimums meet the block sums of x itself
+    rounded = _int8_rounded(x) if bits == 8 else _int16_rounded(x)
+    reference = rounded @ (dense - minimums).T + x @ minimums.T  # the minimums meet the block sums of x itself
     kernel = cpu_kernels()[0].block_quant_gemm
     panels = block_quant.to_panels(packed)
-    torch.testing.assert_close(kernel(x, panels, out_features, bias, residual), reference + bias + residual, rtol=2e-5, atol=5e-4)
-    ours = kernel(x.t().contiguous().t(), panels, out_features, None, None)
-    torch.testing.assert_close(ours, reference, rtol=2e-5, atol=5e-4)
+    # An activation exactly on an int16 rounding tie (its fine grid meets some) may round one level apart
+    # here and in the kernel: allow one level of the largest block times the largest weight.
+    atol = 5e-4 + (float(x.abs().max()) / 32767 * float(dense.abs().max()) if bits == 16 else 0.0)
+    torch.testing.assert_close(kernel(x, panels, out_features, bias, residual, bits), reference + bias + residual, rtol=2e-5, atol=atol)
+    ours = kernel(x.t().contiguous().t(), panels, out_features, None, None, bits)
+    torch.testing.assert_close(ours, reference, rtol=2e-5, atol=atol)
     error = float((ours - x @ dense.T).norm() / (x @ dense.T).norm())
-    assert 1e-3 < error < 6e-2, error  # int8 activations cost ~3e-2 beside 30x outliers (one block in two holds one): not nothing, not more
+    # int8 costs ~3e-2 beside 30x outliers (one block in two holds one), int16 ~1e-4: not nothing, not more
+    assert (1e-3 < error < 6e-2) if bits == 8 else (1e-6 < error < 3e-4), error
     with pytest.raises(RuntimeError, match="panels of"):
-        kernel(x, panels[:-1].contiguous(), out_features, None, None)
+        kernel(x, panels[:-1].contiguous(), out_features, None, None, bits)
+    with pytest.raises(RuntimeError, match="activation_bits"):
+        kernel(x, panels, out_features, None, None, 4)
 
 
 @kernels
-def test_int4_a8_linears_take_the_blocks_for_few_rows_and_the_panels_beyond() -> None:
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_int4_linears_take_the_blocks_for_few_rows_and_the_panels_beyond(int8_activations: bool) -> None:
     w, bias = torch.randn(40, 64), torch.randn(40)
     linear = Linear(w.clone(), threads=2, bias=bias)
     packed = block_quant.quantize(w, "q4_1")
-    linear.quantize_int4(packed, int8_activations=True)
+    linear.quantize_int4(packed, int8_activations)
     assert linear.packed is None and linear.weight.device.type == "meta"  # no fp16 pack, no float weight
     few, many = torch.randn(BLOCK_QUANT_MAX_ROWS, 64), torch.randn(BLOCK_QUANT_MAX_ROWS + 1, 64)
     torch.testing.assert_close(linear(few), _kernel_reference(few, packed, "q4_1") + bias, rtol=2e-5, atol=5e-4)
-    torch.testing.assert_close(linear(many), cpu_kernels()[0].block_quant_gemm(many, block_quant.to_panels(packed), 40, bias, None), rtol=0, atol=0)
+    bits = 8 if int8_activations else 16
+    expected = cpu_kernels()[0].block_quant_gemm(many, block_quant.to_panels(packed), 40, bias, None, bits)
+    torch.testing.assert_close(linear(many), expected, rtol=0, atol=0)
+    if not int8_activations:  # int16 activations: the many-row kernel's arithmetic is the few-row one's
+        torch.testing.assert_close(linear(many), _kernel_reference(many, packed, "q4_1") + bias, rtol=2e-5, atol=5e-4)
 
 
 @kernels
-def test_int4_linears_take_the_blocks_for_few_rows_and_fp16_packs_of_the_same_weight_beyond() -> None:
-    w, bias = torch.randn(40, 64), torch.randn(40)
-    linear, head = Linear(w.clone(), threads=2, bias=bias), RowSplitLinear(w.clone(), threads=2)
-    linear.quantize_int4(block_quant.quantize(w, "q4_1"))
+def test_int4_lm_head_takes_its_q8_0_blocks_for_few_rows_and_an_fp16_pack_of_the_same_weight_beyond() -> None:
+    w = torch.randn(40, 64)
+    head = RowSplitLinear(w.clone(), threads=2)
     head.quantize_int4(block_quant.quantize(w, "q8_0"))
-    for layer, fmt, b in ((linear, "q4_1", bias), (head, "q8_0", torch.zeros(40))):
-        dense = block_quant.dequantize(block_quant.quantize(w, fmt), fmt)
-        assert layer.weight.device.type == "meta"  # the float weight is gone
-        few, many = torch.randn(BLOCK_QUANT_MAX_ROWS, 64), torch.randn(BLOCK_QUANT_MAX_ROWS + 1, 64)
-        torch.testing.assert_close(layer(few), _kernel_reference(few, block_quant.quantize(w, fmt), fmt) + b, rtol=2e-5, atol=5e-4)
-        torch.testing.assert_close(layer(many), many @ dense.half().float().T + b, rtol=1e-5, atol=1e-5)
+    dense = block_quant.dequantize(block_quant.quantize(w, "q8_0"), "q8_0")
+    assert head.weight.device.type == "meta"  # the float weight is gone
+    few, many = torch.randn(BLOCK_QUANT_MAX_ROWS, 64), torch.randn(BLOCK_QUANT_MAX_ROWS + 1, 64)
+    torch.testing.assert_close(head(few), _kernel_reference(few, block_quant.quantize(w, "q8_0"), "q8_0"), rtol=2e-5, atol=5e-4)
+    torch.testing.assert_close(head(many), many @ dense.half().float().T, rtol=1e-5, atol=1e-5)
 
 
 def _snap_to_blocks(source: str, target: Path) -> None:
@@ -180,7 +191,7 @@ def test_auto_serves_a_checkpoint_on_the_block_grid_in_int4_losslessly(tiny_llam
     facts = served.describe()
     assert facts["weight_quant"] == "int4" and facts["quantized_linears"] == 4 * tiny.reference.config.num_hidden_layers + 1
     assert facts["block_quant_bytes"] > 0
-    prefill = StepPlan(0, [Slice("p", 0, len(prompt), prompt, list(range(8)), sampling=GREEDY)])  # 20 rows: the fp16 packs
+    prefill = StepPlan(0, [Slice("p", 0, len(prompt), prompt, list(range(8)), sampling=GREEDY)])  # 20 rows: the panels
     decode = StepPlan(1, [Slice("d", len(prompt), 1)])  # one row: the block kernel
     relative = []
     theirs, ours = exact.logits(prefill)["p"], served.logits(prefill)["p"]
@@ -204,7 +215,6 @@ def test_int4_a8_costs_what_int8_activations_cost_in_many_row_steps_and_nothing_
     exact, lossless, a8 = (ModelRunner(str(tmp_path / "snapped"), num_blocks=16, block_size=4, weight_quant=q) for q in ("none", "int4", "int4-a8"))
     facts = a8.describe()
     assert facts["weight_quant"] == "int4-a8" and facts["quantized_linears"] == 4 * tiny_llamas["untied"].reference.config.num_hidden_layers + 1
-    assert facts["param_bytes"] < lossless.describe()["param_bytes"]  # no fp16 packs of the projections
     prefill = StepPlan(0, [Slice("p", 0, len(prompt), prompt, list(range(8)), sampling=GREEDY)])  # 20 rows: the int8 panels
     theirs, ours = exact.logits(prefill)["p"], a8.logits(prefill)["p"]
     relative = float((ours - theirs).norm() / theirs.norm())
@@ -242,7 +252,7 @@ def test_a_few_row_step_runs_all_layers_in_one_call_with_the_per_layer_paths_own
     decoder.cpu_kernels = lambda: (Spy(), "")
     try:
         prompts = [prompt_of(3, 3), prompt_of(4, 9)]
-        for i, prompt in enumerate(prompts):  # 3 rows: one call; 9 rows: the per-layer path (fp16 packs)
+        for i, prompt in enumerate(prompts):  # 3 rows: one call; 9 rows: the per-layer path (the panels)
             plan = StepPlan(0, [Slice(f"r{i}", 0, len(prompt), prompt, list(range(8 * i, 8 * i + 8)), sampling=GREEDY)])
             assert one_call.execute(plan).sampled[0].token_id == per_layer.execute(plan).sampled[0].token_id
         for step in range(4):  # both requests decode together: 2 rows

@@ -1,5 +1,6 @@
-// Many-row products over q4_1 weights with activations rounded to int8 per block of 32 features: the
-// arithmetic of llama.cpp's q4_1 x q8_1 dot product, laid out for GEMM (``--weight-quant int4-a8``).
+// Many-row products over q4_1 weights (``--weight-quant int4`` and ``int4-a8``): activations rounded per
+// block of 32 features to int16 (accurate: error ~2e-5 of the block's largest value) or to int8 (the
+// arithmetic of llama.cpp's q4_1 x q8 dot product, twice as fast), multiplied in integers.
 //
 // Weights in panels of 8 output channels (services/worker/block_quant.py ``to_panels``), one 160-byte
 // record per panel and block of 32 input features:
@@ -7,13 +8,9 @@
 //   bytes 128 .. 143: the 8 channels' fp16 scales d;  bytes 144 .. 159: their fp16 minimums m
 // so one 32-byte load, masked or shifted, gives 4 features of all 8 channels as unsigned bytes.
 //
-// Activations: x ~= qx * dx per (row, block), qx in -127..127; sx = the block's sum of the unrounded x.
+// Activations: x ~= qx * dx per (row, block); sx = the block's sum of the unrounded x.
 //   out[m, n] = sum_b d[n, b] * dx[m, b] * <q[n, b], qx[m, b]> + m[n, b] * sx[m, b]  (+ bias) (+ residual)
-// AVX2 maddubs multiplies the unsigned codes by the signed activations, 32 products per instruction
-// (twice fp32 FMA's rate on a CPU without VNNI). Its pairwise int16 sums are at most 2 * 15 * 127, so the
-// 8 of a block add up in int16 without saturating (30480 < 32767); one madd widens them to int32.
 // Each output lane is a channel, so no horizontal sums: a tile of rows keeps one accumulator per row.
-//
 // Threads split the panels; each panel meets a chunk of rows while its weights are in L1.
 
 #include <ATen/Parallel.h>
@@ -40,14 +37,19 @@ constexpr int64_t ROW_CHUNK = 64;           // rows a panel meets before the nex
 
 float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
-struct Int8Rows {
-  std::vector<int8_t> q;  // [rows, k]
-  std::vector<float> d;   // [rows, blocks]
-  std::vector<float> s;   // [rows, blocks]
+// The activations of a product: x ~= q * d per (row, block), q in -MAX..MAX of T; s = the block's sum of x itself.
+template <typename T>
+struct QuantizedRows {
+  static constexpr float MAX_CODE = sizeof(T) == 1 ? 127.f : 32767.f;
+  std::vector<T> q;      // [rows, k]
+  std::vector<float> d;  // [rows, blocks]
+  std::vector<float> s;  // [rows, blocks]
   int64_t k, blocks;
 };
 
-void quantize_block(const float* x, int8_t* q, float* d, float* s) {
+template <typename T>
+void quantize_block(const float* x, T* q, float* d, float* s) {
+  constexpr float MAX_CODE = QuantizedRows<T>::MAX_CODE;
 #ifdef TOKENYARD_BLOCK_QUANT_GEMM_AVX2
   __m256 v[4];
   for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i);
@@ -61,13 +63,18 @@ void quantize_block(const float* x, int8_t* q, float* d, float* s) {
   __m128 t = _mm_add_ps(_mm256_castps256_ps128(sum8), _mm256_extractf128_ps(sum8, 1));
   t = _mm_add_ps(t, _mm_movehl_ps(t, t));
   *s = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-  *d = amax / 127.f;
-  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  *d = amax / MAX_CODE;
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? MAX_CODE / amax : 0.f);
   __m256i i[4];
   for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));  // nearest, as std::nearbyint
-  // packs interleave the 128-bit lanes: dwords come out as 0-3 of each input, then 4-7; the permute restores order.
-  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  // packs work within 128-bit lanes, so 8-byte (int16) or 4-byte (int8) runs come out of order; a permute restores it.
+  if constexpr (sizeof(T) == 1) {
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permute4x64_epi64(_mm256_packs_epi32(i[0], i[1]), 0xd8));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(i[2], i[3]), 0xd8));
+  }
 #else
   float amax = 0.f, sum = 0.f;
   for (int i = 0; i < BLOCK; ++i) {
@@ -75,29 +82,31 @@ void quantize_block(const float* x, int8_t* q, float* d, float* s) {
     sum += x[i];
   }
   *s = sum;
-  *d = amax / 127.f;
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
-  for (int i = 0; i < BLOCK; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));
+  *d = amax / MAX_CODE;
+  const float inv = amax > 0.f ? MAX_CODE / amax : 0.f;
+  for (int i = 0; i < BLOCK; ++i) q[i] = static_cast<T>(std::nearbyint(x[i] * inv));
 #endif
 }
 
-Int8Rows quantize_rows(const float* x, int64_t rows, int64_t k) {
+template <typename T>
+QuantizedRows<T> quantize_rows(const float* x, int64_t rows, int64_t k) {
   const int64_t blocks = k / BLOCK;
-  Int8Rows a{std::vector<int8_t>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks), k, blocks};
+  QuantizedRows<T> a{std::vector<T>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks), k, blocks};
   at::parallel_for(0, rows * blocks, 512, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) quantize_block(x + b * BLOCK, a.q.data() + b * BLOCK, a.d.data() + b, a.s.data() + b);
+    for (int64_t b = begin; b < end; ++b) quantize_block<T>(x + b * BLOCK, a.q.data() + b * BLOCK, a.d.data() + b, a.s.data() + b);
   });
   return a;
 }
 
-// Plain loops: the reference for the vector tile, and CPUs without AVX2. acc[r * PANEL + c].
-void panel_rows_generic(const uint8_t* panel, const Int8Rows& a, int64_t m0, int64_t rows, float* acc) {
+// Plain loops: the reference for the vector tiles, and CPUs without AVX2. sums[r * PANEL + c].
+template <typename T>
+void panel_rows_generic(const uint8_t* panel, const QuantizedRows<T>& a, int64_t m0, int64_t rows, float* sums) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < PANEL; ++c) {
       float total = 0.f;
       for (int64_t b = 0; b < a.blocks; ++b) {
         const uint8_t* rec = panel + b * PANEL_BLOCK_BYTES;
-        const int8_t* xq = a.q.data() + (m0 + r) * a.k + b * BLOCK;
+        const T* xq = a.q.data() + (m0 + r) * a.k + b * BLOCK;
         int32_t dot = 0;
         for (int j = 0; j < 4; ++j)
           for (int i = 0; i < 4; ++i) {
@@ -110,22 +119,68 @@ void panel_rows_generic(const uint8_t* panel, const Int8Rows& a, int64_t m0, int
         const int64_t at = (m0 + r) * a.blocks + b;
         total += half_to_float(dh) * a.d[at] * static_cast<float>(dot) + half_to_float(mh) * a.s[at];
       }
-      acc[r * PANEL + c] = total;
+      sums[r * PANEL + c] = total;
     }
 }
 
 #ifdef TOKENYARD_BLOCK_QUANT_GEMM_AVX2
-inline __m256i broadcast4(const int8_t* p) {  // 4 activation bytes into every dword
+template <typename T>
+inline __m256i broadcast4(const T* p) {  // 4 bytes of activation codes into every dword
   int32_t v;
   std::memcpy(&v, p, 4);
   return _mm256_set1_epi32(v);
 }
 
-// R rows x one panel into sums[r * PANEL + c] (row m0 + r, channel c).
+// Keeps a running sum due where it is computed: without this GCC defers the integer additions to the
+// block's end, keeping all the products live and spilling them.
+#define TOKENYARD_DUE(v) __asm__("" : "+x"(v))
+
+// The block's integer dot products of R rows with a panel's 8 channels: lane c of dot[r] for channel c.
+// int8 activations: maddubs (unsigned codes x signed activations, 32 products), its int16 pair sums
+// added up in int16 (at most 8 * 2 * 15 * 127 = 30480), widened by one madd.
 template <int R>
-void panel_tile(const uint8_t* panel, const Int8Rows& a, int64_t m0, float* sums) {
-  const __m256i nibble = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-  const int8_t* xq[R];
+inline void block_dots(const uint8_t* rec, const int8_t* const* x, __m256i* dot) {
+  const __m256i nibble = _mm256_set1_epi8(0x0f);
+  __m256i sum[R];
+  for (int j = 0; j < 4; ++j) {
+    const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * j));
+    const __m256i low = _mm256_and_si256(codes, nibble), high = _mm256_and_si256(_mm256_srli_epi16(codes, 4), nibble);
+    for (int r = 0; r < R; ++r) {
+      const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(low, broadcast4(x[r] + 4 * j)), _mm256_maddubs_epi16(high, broadcast4(x[r] + 16 + 4 * j)));
+      sum[r] = j == 0 ? p : _mm256_add_epi16(sum[r], p);
+      TOKENYARD_DUE(sum[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) dot[r] = _mm256_madd_epi16(sum[r], _mm256_set1_epi16(1));
+}
+
+// int16 activations: each channel's codes widened to int16 pairs (features 0,1 and 2,3 of a 4-feature
+// group) by a byte shuffle, then madd (16 products); the int32 sums are exact (32 * 15 * 32767 < 2^24,
+// so the float conversion is too).
+template <int R>
+inline void block_dots(const uint8_t* rec, const int16_t* const* x, __m256i* dot) {
+  const __m256i nibble = _mm256_set1_epi8(0x0f);
+  const __m256i pairs01 = _mm256_setr_epi8(0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1, 0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1);
+  const __m256i pairs23 = _mm256_add_epi8(pairs01, _mm256_set1_epi16(2));  // the -1 bytes stay negative: zeros
+  for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+  for (int j = 0; j < 4; ++j) {
+    const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * j));
+    for (int half = 0; half < 2; ++half) {  // features 4j.. (low nibbles), then 16 + 4j.. (high)
+      const __m256i nibbles = _mm256_and_si256(half ? _mm256_srli_epi16(codes, 4) : codes, nibble);
+      const __m256i w01 = _mm256_shuffle_epi8(nibbles, pairs01), w23 = _mm256_shuffle_epi8(nibbles, pairs23);
+      const int64_t f = 16 * half + 4 * j;
+      for (int r = 0; r < R; ++r) {
+        dot[r] = _mm256_add_epi32(dot[r], _mm256_add_epi32(_mm256_madd_epi16(w01, broadcast4(x[r] + f)), _mm256_madd_epi16(w23, broadcast4(x[r] + f + 2))));
+        TOKENYARD_DUE(dot[r]);
+      }
+    }
+  }
+}
+
+// R rows x one panel into sums[r * PANEL + c] (row m0 + r, channel c).
+template <int R, typename T>
+void panel_tile(const uint8_t* panel, const QuantizedRows<T>& a, int64_t m0, float* sums) {
+  const T* xq[R];
   const float *dx[R], *sx[R];
   __m256 acc[R];
   for (int r = 0; r < R; ++r) {
@@ -136,24 +191,14 @@ void panel_tile(const uint8_t* panel, const Int8Rows& a, int64_t m0, float* sums
   }
   for (int64_t b = 0; b < a.blocks; ++b) {
     const uint8_t* rec = panel + b * PANEL_BLOCK_BYTES;
-    __m256i sum[R];
-    for (int j = 0; j < 4; ++j) {
-      const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * j));
-      const __m256i low = _mm256_and_si256(codes, nibble), high = _mm256_and_si256(_mm256_srli_epi16(codes, 4), nibble);
-      for (int r = 0; r < R; ++r) {
-        const int8_t* x = xq[r] + b * BLOCK + 4 * j;
-        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(low, broadcast4(x)), _mm256_maddubs_epi16(high, broadcast4(x + 16)));
-        sum[r] = j == 0 ? p : _mm256_add_epi16(sum[r], p);
-        // Without this GCC defers the int16 additions to the block's end, keeping all 32 products live and
-        // spilling them; here each sum is due as it goes.
-        __asm__("" : "+x"(sum[r]));
-      }
-    }
+    const T* x[R];
+    for (int r = 0; r < R; ++r) x[r] = xq[r] + b * BLOCK;
+    __m256i dot[R];
+    block_dots<R>(rec, x, dot);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + PANEL_CODE_BYTES)));
     const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + PANEL_CODE_BYTES + 2 * PANEL)));
     for (int r = 0; r < R; ++r) {
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r], ones));
-      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_broadcast_ss(dx[r] + b)), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(d, _mm256_broadcast_ss(dx[r] + b)), acc[r]);
       acc[r] = _mm256_fmadd_ps(mins, _mm256_broadcast_ss(sx[r] + b), acc[r]);
     }
   }
@@ -162,7 +207,8 @@ void panel_tile(const uint8_t* panel, const Int8Rows& a, int64_t m0, float* sums
 #endif
 
 // rows <= ROW_TILE rows of one panel into sums[r * PANEL + c].
-void run_tile(const uint8_t* panel, const Int8Rows& a, int64_t m0, int64_t rows, float* sums) {
+template <typename T>
+void run_tile(const uint8_t* panel, const QuantizedRows<T>& a, int64_t m0, int64_t rows, float* sums) {
 #ifdef TOKENYARD_BLOCK_QUANT_GEMM_AVX2
   switch (rows) {
     case 1: return panel_tile<1>(panel, a, m0, sums);
@@ -175,10 +221,33 @@ void run_tile(const uint8_t* panel, const Int8Rows& a, int64_t m0, int64_t rows,
 #endif
 }
 
+template <typename T>
+void run(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out_features, const float* bias, const float* residual, float* out) {
+  const QuantizedRows<T> a = quantize_rows<T>(x, rows, k);
+  const int64_t blocks = k / BLOCK, panel_count = (out_features + PANEL - 1) / PANEL;
+  at::parallel_for(0, panel_count, 1, [&](int64_t begin, int64_t end) {
+    float sums[ROW_TILE * PANEL];
+    for (int64_t chunk = 0; chunk < rows; chunk += ROW_CHUNK)
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t n0 = p * PANEL, cols = std::min(PANEL, out_features - n0);
+        for (int64_t m0 = chunk; m0 < std::min(rows, chunk + ROW_CHUNK); m0 += ROW_TILE) {
+          const int64_t tile_rows = std::min(ROW_TILE, rows - m0);
+          run_tile(w + p * blocks * PANEL_BLOCK_BYTES, a, m0, tile_rows, sums);
+          for (int64_t r = 0; r < tile_rows; ++r)
+            for (int64_t c = 0; c < cols; ++c) {
+              const int64_t at = (m0 + r) * out_features + n0 + c;
+              out[at] = sums[r * PANEL + c] + (bias ? bias[n0 + c] : 0.f) + (residual ? residual[at] : 0.f);
+            }
+        }
+      }
+  });
+}
+
 }  // namespace
 
 torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& panels, int64_t out_features, const std::optional<torch::Tensor>& bias,
-                               const std::optional<torch::Tensor>& residual) {
+                               const std::optional<torch::Tensor>& residual, int64_t activation_bits) {
+  TORCH_CHECK(activation_bits == 8 || activation_bits == 16, "activation_bits must be 8 or 16, got ", activation_bits);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [rows, in] float32");
   const int64_t rows = x.size(0), k = x.size(1), blocks = k / BLOCK, panel_count = (out_features + PANEL - 1) / PANEL;
   TORCH_CHECK(k % BLOCK == 0, "in_features must be a multiple of ", BLOCK, ", got ", k);
@@ -198,26 +267,11 @@ torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& pane
   }
   auto out = torch::empty({rows, out_features}, x.options());
   const auto xc = x.contiguous();
-  const Int8Rows a = quantize_rows(xc.data_ptr<float>(), rows, k);
-  const uint8_t* w = panels.data_ptr<uint8_t>();
   const float* b_ptr = bc.has_value() ? bc->data_ptr<float>() : nullptr;
   const float* r_ptr = rc.has_value() ? rc->data_ptr<float>() : nullptr;
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, panel_count, 1, [&](int64_t begin, int64_t end) {
-    float sums[ROW_TILE * PANEL];
-    for (int64_t chunk = 0; chunk < rows; chunk += ROW_CHUNK)
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t n0 = p * PANEL, cols = std::min(PANEL, out_features - n0);
-        for (int64_t m0 = chunk; m0 < std::min(rows, chunk + ROW_CHUNK); m0 += ROW_TILE) {
-          const int64_t tile_rows = std::min(ROW_TILE, rows - m0);
-          run_tile(w + p * blocks * PANEL_BLOCK_BYTES, a, m0, tile_rows, sums);
-          for (int64_t r = 0; r < tile_rows; ++r)
-            for (int64_t c = 0; c < cols; ++c) {
-              const int64_t at = (m0 + r) * out_features + n0 + c;
-              o[at] = sums[r * PANEL + c] + (b_ptr ? b_ptr[n0 + c] : 0.f) + (r_ptr ? r_ptr[at] : 0.f);
-            }
-        }
-      }
-  });
+  if (activation_bits == 8)
+    run<int8_t>(xc.data_ptr<float>(), rows, k, panels.data_ptr<uint8_t>(), out_features, b_ptr, r_ptr, out.data_ptr<float>());
+  else
+    run<int16_t>(xc.data_ptr<float>(), rows, k, panels.data_ptr<uint8_t>(), out_features, b_ptr, r_ptr, out.data_ptr<float>());
   return out;
 }
