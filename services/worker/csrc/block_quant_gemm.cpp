@@ -16,6 +16,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "linear_epilogue.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -255,20 +257,10 @@ torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& pane
               PANEL_BLOCK_BYTES, "] uint8");
   TORCH_CHECK(panels.size(0) == panel_count && panels.size(1) == blocks && panels.size(2) == PANEL_BLOCK_BYTES, "panels of ", out_features, " x ", k,
               " weights must be [", panel_count, ", ", blocks, ", ", PANEL_BLOCK_BYTES, "], got ", panels.sizes());
-  std::optional<torch::Tensor> bc, rc;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == torch::kFloat32, "one float32 bias per output channel");
-    bc = bias->contiguous();
-  }
-  if (residual.has_value()) {
-    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == rows && residual->size(1) == out_features && residual->scalar_type() == torch::kFloat32,
-                "residual must be [rows, out] float32");
-    rc = residual->contiguous();
-  }
+  const LinearEpilogue epilogue(bias, residual, rows, out_features);
   auto out = torch::empty({rows, out_features}, x.options());
   const auto xc = x.contiguous();
-  const float* b_ptr = bc.has_value() ? bc->data_ptr<float>() : nullptr;
-  const float* r_ptr = rc.has_value() ? rc->data_ptr<float>() : nullptr;
+  const float *b_ptr = epilogue.bias_ptr(), *r_ptr = epilogue.residual_ptr();
   if (activation_bits == 8)
     run<int8_t>(xc.data_ptr<float>(), rows, k, panels.data_ptr<uint8_t>(), out_features, b_ptr, r_ptr, out.data_ptr<float>());
   else

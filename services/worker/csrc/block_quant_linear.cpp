@@ -16,6 +16,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "linear_epilogue.h"
+
 #include "avx2_sum.h"
 
 #include <algorithm>
@@ -279,19 +281,9 @@ torch::Tensor block_quant_linear(const torch::Tensor& x, const torch::Tensor& we
               " bytes, got ", weight.size(1));
   const int64_t rows = x.size(0), out_features = weight.size(0);
   const auto xc = x.contiguous();
-  std::optional<torch::Tensor> bc, rc;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == torch::kFloat32, "one float32 bias per output channel");
-    bc = bias->contiguous();
-  }
-  if (residual.has_value()) {
-    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == rows && residual->size(1) == out_features && residual->scalar_type() == torch::kFloat32,
-                "residual must be [rows, out] float32");
-    rc = residual->contiguous();
-  }
+  const LinearEpilogue epilogue(bias, residual, rows, out_features);
   auto out = torch::empty({rows, out_features}, x.options());
-  const float* b_ptr = bc.has_value() ? bc->data_ptr<float>() : nullptr;
-  const float* r_ptr = rc.has_value() ? rc->data_ptr<float>() : nullptr;
+  const float *b_ptr = epilogue.bias_ptr(), *r_ptr = epilogue.residual_ptr();
   const auto* w_ptr = weight.data_ptr<uint8_t>();
   if (format == "q4_1")
     run<Q4_1>(xc.data_ptr<float>(), rows, in_features, w_ptr, out_features, b_ptr, r_ptr, out.data_ptr<float>());
