@@ -34,7 +34,7 @@ constexpr int64_t BLOCK = 32;               // input features per block
 constexpr int64_t PANEL = 8;                // output channels per panel
 constexpr int64_t PANEL_CODE_BYTES = 128;   // per panel and block, before the scales
 constexpr int64_t PANEL_BLOCK_BYTES = 160;  // codes + 8 fp16 scales + 8 fp16 minimums
-constexpr int64_t ROW_TILE = 4;             // rows per register tile: 4 int16 sums + 4 accumulators + weights fit 16 registers
+constexpr int64_t ROW_TILE = 4;             // rows per register tile: 4 block sums + 4 accumulators + weights fit 16 registers
 constexpr int64_t ROW_CHUNK = 64;           // rows a panel meets before the next panel (their activations stay in L2)
 
 float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
