@@ -17,15 +17,16 @@ Weight storage formats (``--weight-quant``), chosen per deployment:
   ``_weight_int8pack_mm``). fbgemm's dynamic int8 GEMM was rejected: its one activation scale per
   tensor (or even per token) costs +4 % perplexity or more.
 - ``int4``: the dense projections in q4_1 blocks (``block_quant.py``: 4-bit codes, an fp16 scale and
-  minimum per 32 input features) and lm_head in q8_0 blocks, multiplied by ``csrc/block_quant_linear.cpp``
-  with activations rounded to int16 per block (error ~2e-5 of the block's largest value, below fp16's),
-  for steps of at most ``BLOCK_QUANT_MAX_ROWS`` rows, where streaming the weights bounds the step; larger
-  steps take the same weights regrouped in panels of 8 channels (``csrc/block_quant_gemm.cpp``, int16
-  activations, madd; as fast as fbgemm's fp16 GEMM at hundreds of rows, 1.4x at 8 rows with a quarter of
-  its bytes), and lm_head an fp16 pack. A quarter of fp16's bytes per single-stream step. A checkpoint
-  converted from a q4_1 GGUF (the default model) round-trips exactly, so for it ``int4`` costs nothing
-  and ``auto`` picks it; elsewhere it costs 4-bit weights.
-- ``int4-a8`` (opt-in): ``int4``, but the panels' steps round activations to int8 instead (maddubs:
+  minimum per 32 input features) regrouped in panels of 8 output channels (``block_quant.to_panels``),
+  multiplied by ``csrc/block_quant_gemm.cpp`` with activations rounded to int16 per block (error ~2e-5
+  of the block's largest value, below fp16's); lm_head in q8_0 blocks (``csrc/block_quant_linear.cpp``)
+  for steps of at most ``BLOCK_QUANT_MAX_ROWS`` rows and an fp16 pack beyond. A panel is one sequential
+  stream of 160-byte records, which the memory system feeds faster than rows read side by side: at one
+  row the panels take 0.77x the row kernel's time, at four 0.52x (``bench/quantization.py``'s decode
+  steps); at hundreds of rows they are as fast as fbgemm's fp16 GEMM with a quarter of its bytes. A
+  checkpoint converted from a q4_1 GGUF (the default model) round-trips exactly, so for it ``int4``
+  costs nothing and ``auto`` picks it; elsewhere it costs 4-bit weights.
+- ``int4-a8`` (opt-in): ``int4``, but steps of more than ``BLOCK_QUANT_MAX_ROWS`` rows round activations to int8 instead (maddubs:
   llama.cpp's q4_1 x q8 arithmetic, 1.7-1.9x fbgemm's fp16 GEMM on an AVX2 CPU). Costs what int8
   activations cost: logit error 6.8e-2, 94 % top-1 agreement with fp32 on the default model in many-row
   steps (``bench/quantization.py``).
@@ -44,7 +45,7 @@ from services.worker.cpu_kernels import cpu_kernels
 
 SPLIT_MAX_ROWS = 8  # measured: the split wins up to 8 rows, plain GEMM beyond
 INT8_ACTIVATION_BLOCK = 32  # features per activation scale in csrc/int8_linear.cpp
-BLOCK_QUANT_MAX_ROWS = 4  # measured in decode steps: the block kernel wins while the weights' bytes bound the step
+BLOCK_QUANT_MAX_ROWS = 4  # lm_head's q8_0 blocks serve steps up to here; int4-a8 keeps int16 activations up to here
 
 
 def _slices(size: int, threads: int) -> int:
@@ -115,8 +116,8 @@ class Linear:
         self.bias = bias
         self.scales: torch.Tensor | None = None
         self.packed: Any = None
-        self.blocks: torch.Tensor | None = None  # int4: q4_1 blocks for few rows
-        self.panels: torch.Tensor | None = None  # int4: the same blocks regrouped for many rows
+        self.blocks: torch.Tensor | None = None  # (q8_0 blocks are lm_head's alone: see RowSplitLinear)
+        self.panels: torch.Tensor | None = None  # int4: q4_1 blocks regrouped in panels of 8 output channels
         self.split = weight.dtype == torch.float32
         if not self.split:
             self.weight, self.slices = weight.contiguous(), 1
@@ -145,22 +146,19 @@ class Linear:
         self.weight, self.split, self._sliced = _packed_placeholder(*weight.shape), False, None
 
     def quantize_int4(self, blocks: torch.Tensor, int8_activations: bool = False) -> None:
-        """From now on ``blocks`` (``block_quant.quantize(float_weight(), "q4_1")``) serve steps of few
-        rows and their panels (``block_quant.to_panels``) the rest, with activations rounded to int16
-        or, with ``int8_activations``, to int8 (the float weight is dropped)."""
-        out_features = blocks.shape[0]
+        """From now on the panels of ``blocks`` (``block_quant.quantize(float_weight(), "q4_1")``) serve
+        every step, with activations rounded to int16 or, with ``int8_activations``, to int8 in steps of
+        more than ``BLOCK_QUANT_MAX_ROWS`` rows (the float weight and the rows are dropped)."""
+        self.out_features, self.in_features = blocks.shape[0], blocks.shape[1] // block_quant.BLOCK_BYTES["q4_1"] * block_quant.BLOCK
         self.panels, self._gemm_kernel = block_quant.to_panels(blocks), cpu_kernels()[0].block_quant_gemm
         self._activation_bits = 8 if int8_activations else 16
-        self.blocks, self.in_features = blocks, blocks.shape[1] // block_quant.BLOCK_BYTES["q4_1"] * block_quant.BLOCK
-        self._block_kernel = cpu_kernels()[0].block_quant_linear
-        self.weight, self.split, self._sliced = _packed_placeholder(out_features, self.in_features), False, None
+        self.weight, self.split, self._sliced = _packed_placeholder(self.out_features, self.in_features), False, None
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
-        if self.blocks is not None and rows <= BLOCK_QUANT_MAX_ROWS:  # int4 runs only fp32 models on the CPU
-            return self._block_kernel(x, self.blocks, "q4_1", self.in_features, self.bias, residual)
-        if self.panels is not None:
-            return self._gemm_kernel(x, self.panels, self.blocks.shape[0], self.bias, residual, self._activation_bits)
+        if self.panels is not None:  # int4 runs only fp32 models on the CPU
+            bits = 16 if rows <= BLOCK_QUANT_MAX_ROWS else self._activation_bits
+            return self._gemm_kernel(x, self.panels, self.out_features, self.bias, residual, bits)
         if self.packed is not None:
             out = torch.ops.quantized.linear_dynamic_fp16(x, self.packed)  # the bias is in the pack
             return out if residual is None else out.add_(residual)

@@ -138,18 +138,18 @@ def test_gemm_kernel_equals_rounded_activations_times_the_dequantized_weight(row
 
 @kernels
 @pytest.mark.parametrize("int8_activations", [False, True])
-def test_int4_linears_take_the_blocks_for_few_rows_and_the_panels_beyond(int8_activations: bool) -> None:
+def test_int4_linears_take_the_panels_with_int16_activations_for_few_rows_and_their_own_beyond(int8_activations: bool) -> None:
     w, bias = torch.randn(40, 64), torch.randn(40)
     linear = Linear(w.clone(), threads=2, bias=bias)
     packed = block_quant.quantize(w, "q4_1")
     linear.quantize_int4(packed, int8_activations)
-    assert linear.packed is None and linear.weight.device.type == "meta"  # no fp16 pack, no float weight
+    assert linear.packed is None and linear.blocks is None and linear.weight.device.type == "meta"  # panels alone: no rows, fp16 pack or float weight
     few, many = torch.randn(BLOCK_QUANT_MAX_ROWS, 64), torch.randn(BLOCK_QUANT_MAX_ROWS + 1, 64)
     torch.testing.assert_close(linear(few), _kernel_reference(few, packed, "q4_1") + bias, rtol=2e-5, atol=5e-4)
     bits = 8 if int8_activations else 16
     expected = cpu_kernels()[0].block_quant_gemm(many, block_quant.to_panels(packed), 40, bias, None, bits)
     torch.testing.assert_close(linear(many), expected, rtol=0, atol=0)
-    if not int8_activations:  # int16 activations: the many-row kernel's arithmetic is the few-row one's
+    if not int8_activations:  # int16 activations: the arithmetic of few-row steps
         torch.testing.assert_close(linear(many), _kernel_reference(many, packed, "q4_1") + bias, rtol=2e-5, atol=5e-4)
 
 
@@ -219,7 +219,7 @@ def test_int4_a8_costs_what_int8_activations_cost_in_many_row_steps_and_nothing_
     theirs, ours = exact.logits(prefill)["p"], a8.logits(prefill)["p"]
     relative = float((ours - theirs).norm() / theirs.norm())
     assert 1e-3 < relative < 0.15, relative  # measured 7.7e-2 on this tiny random model (3e-2 on the default one); a wrong layout gives ~1
-    short = prompt[:4]  # a prefill of 4 rows and a decode of one: steps the int16 block kernel serves, as under int4
+    short = prompt[:4]  # a prefill of 4 rows and a decode of one: steps with int16 activations, as under int4
     for runner in (lossless, a8):
         runner.execute(StepPlan(0, [Slice("d", 0, len(short), short, list(range(8, 16)), sampling=GREEDY)]))
     decode = StepPlan(1, [Slice("d", len(short), 1)])

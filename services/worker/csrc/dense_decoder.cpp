@@ -1,6 +1,7 @@
 // The dense decoder's layers for a step of a few rows, as one call: the same kernels, in the same order
 // and with the same arguments as DecoderForCausalLM._forward_fused over int4 weights (Python's
-// per-layer glue, a dozen calls per layer, costs as much as a layer's attention at batch 1).
+// per-layer glue, a dozen calls per layer, costs as much as a layer's attention at batch 1). The
+// projections are q4_1 panels (block_quant.to_panels) multiplied with int16 activations.
 //
 // Per layer, on normed x and the running residual:
 //   qkv = x @ Wqkv (+ b); rotate q, k in place; store k, v in the cache; attend every row over the
@@ -25,16 +26,19 @@ torch::Tensor dense_decoder_layers(const torch::Tensor& embedded, const std::vec
   TORCH_CHECK(embedded.dim() == 2, "embedded must be [rows, hidden]");
   const int64_t rows = embedded.size(0), hidden = embedded.size(1), attn_width = heads * head_dim;
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  const int64_t qkv_width = (heads + 2 * kv_heads) * head_dim;
+  constexpr int64_t INT16 = 16;  // activation bits: few-row steps keep int4 as accurate as its weights
+  constexpr int64_t BLOCK_FEATURES = 32;  // input features per panel block (down: [panels, intermediate / 32, ...])
   auto [x, residual] = add_rms_norm(embedded, std::nullopt, norms[0], eps);
   for (int64_t i = 0; i < layers; ++i) {
-    const auto qkv_rows = block_quant_linear(x, qkv[i], "q4_1", hidden, qkv_bias[i], std::nullopt).view({rows, heads + 2 * kv_heads, head_dim});
+    const auto qkv_rows = block_quant_gemm(x, qkv[i], qkv_width, qkv_bias[i], std::nullopt, INT16).view({rows, heads + 2 * kv_heads, head_dim});
     rotary_(qkv_rows.narrow(1, 0, heads + kv_heads), cos, sin);
     const auto kv = qkv_rows.narrow(1, heads, 2 * kv_heads).view({rows, 2, kv_heads, head_dim});
     caches[i].index_copy_(0, write_slots, kv.to(caches[i].scalar_type()));
     const auto attended = paged_decode_attention(qkv_rows.narrow(1, 0, heads), caches[i], block_tables, context_lens, block_size, scale).view({rows, attn_width});
-    std::tie(x, residual) = add_rms_norm(block_quant_linear(attended, o_proj[i], "q4_1", attn_width, o_bias[i], std::nullopt), residual, norms[2 * i + 1], eps);
-    const auto activated = silu_and_mul(block_quant_linear(x, gate_up[i], "q4_1", hidden, std::nullopt, std::nullopt));
-    const auto mlp_out = block_quant_linear(activated, down[i], "q4_1", activated.size(1), std::nullopt, std::nullopt);
+    std::tie(x, residual) = add_rms_norm(block_quant_gemm(attended, o_proj[i], hidden, o_bias[i], std::nullopt, INT16), residual, norms[2 * i + 1], eps);
+    const auto activated = silu_and_mul(block_quant_gemm(x, gate_up[i], 2 * BLOCK_FEATURES * down[i].size(1), std::nullopt, std::nullopt, INT16));
+    const auto mlp_out = block_quant_gemm(activated, down[i], hidden, std::nullopt, std::nullopt, INT16);
     std::tie(x, residual) = add_rms_norm(mlp_out, residual, norms[2 * i + 2], eps);
   }
   return x;

@@ -252,13 +252,13 @@ class DecoderForCausalLM:
         for layer in self.layers:
             if type(layer.attn) is not Attention or type(layer.mlp) is not FusedDenseMLP:  # e.g. a tensor-parallel wrapper
                 return None
-            if any(linear.blocks is None for linear in (layer.attn.qkv, layer.attn.o_proj, layer.mlp.gate_up, layer.mlp.down)):
+            if any(linear.panels is None for linear in (layer.attn.qkv, layer.attn.o_proj, layer.mlp.gate_up, layer.mlp.down)):
                 return None
         norms = [weight for layer in self.layers for weight in (layer.input_norm.weight, layer.post_norm.weight)] + [self.norm.weight]
         attn, mlp = [layer.attn for layer in self.layers], [layer.mlp for layer in self.layers]
         return (  # in the kernel's argument order: norms, qkv, qkv bias, o_proj, o bias, gate_up, down
-            norms, [a.qkv.blocks for a in attn], [a.qkv.bias for a in attn], [a.o_proj.blocks for a in attn], [a.o_proj.bias for a in attn],
-            [m.gate_up.blocks for m in mlp], [m.down.blocks for m in mlp],
+            norms, [a.qkv.panels for a in attn], [a.qkv.bias for a in attn], [a.o_proj.panels for a in attn], [a.o_proj.bias for a in attn],
+            [m.gate_up.panels for m in mlp], [m.down.panels for m in mlp],
         )  # fmt: skip
 
     def _forward_fused(
