@@ -1,8 +1,7 @@
 """Block-quantized weights in llama.cpp's q4_1 and q8_0 layouts: the codec and its exactness check.
 
 A weight [out, in] is cut along ``in`` into blocks of 32 features, each with fp16 scales (llama.cpp's
-formats, laid out row by row with the codes first and the scales after them, which is what
-``csrc/block_quant_linear.cpp`` reads):
+formats, laid out row by row with the codes first and the scales after them):
 
 - ``q4_1``: 4-bit codes (block b's byte j: feature 32b + j in the low nibble, 32b + j + 16 in the high
   one), then one scale ``d`` and one minimum ``m`` per block; ``w = d * q + m``. 20 bytes per 32 weights.
@@ -11,9 +10,9 @@ formats, laid out row by row with the codes first and the scales after them, whi
 A model converted from a GGUF in these formats (the default model: q4_1 projections, a q8_0
 embedding) round-trips exactly, so serving it in them loses nothing; ``is_exact`` tells.
 
-``to_panels`` regroups q4_1 rows into panels of 8 output channels for many-row products
-(``csrc/block_quant_gemm.cpp``): per panel and block, 128 bytes of codes (4 features of all 8
-channels per 32 bytes), then the 8 scales and the 8 minimums.
+``to_panels`` regroups the rows into panels of 8 output channels, what ``csrc/block_quant_gemm.cpp``
+multiplies: per panel and block one record, the codes of all 8 channels (4 features of each per 32
+bytes), then their 8 scales (and for q4_1 their 8 minimums). A panel is one sequential stream.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ import torch
 BLOCK = 32
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 PANEL = 8  # output channels per panel
+PANEL_BLOCK_BYTES = {"q4_1": 160, "q8_0": 272}  # one panel's record per block: 8 channels' codes, scales (and minimums)
 
 
 def _blocks(weight: torch.Tensor) -> torch.Tensor:
@@ -83,19 +83,30 @@ def is_exact(weight: torch.Tensor, packed: torch.Tensor, fmt: str) -> bool:
     return bool((restored - weight.float()).abs().amax() <= tolerance)
 
 
-def to_panels(packed: torch.Tensor) -> torch.Tensor:
-    """q4_1 rows [out, in / 32 * 20] → uint8 [ceil(out / 8), in / 32, 160]: per panel and block, byte
-    32j + 4c + i holds the row layout's byte 4j + i of channel c (features 4j + i and 16 + 4j + i), then
-    the channels' fp16 scales, then their minimums. Channels past ``out`` are zero (they add nothing)."""
+def to_panels(packed: torch.Tensor, fmt: str = "q4_1") -> torch.Tensor:
+    """Rows [out, in / 32 * BLOCK_BYTES[fmt]] → uint8 [ceil(out / 8), in / 32, PANEL_BLOCK_BYTES[fmt]].
+    Per panel and block, 32 bytes per group j of 4 features: byte 4c + i belongs to channel c.
+
+    - q4_1: the row layout's byte 4j + i of channel c (features 4j + i and 16 + 4j + i), j < 4;
+    - q8_0: channel c's features 4j, 4j + 2, 4j + 1, 4j + 3 (i = 0..3), j < 8, so a 16-bit lane's low
+      bytes and high bytes are each a pair of adjacent features;
+
+    then the channels' fp16 scales (and q4_1's minimums). Channels past ``out`` are zero (they add nothing)."""
+    if fmt not in BLOCK_BYTES:
+        raise ValueError(f"unknown block format {fmt!r} (supported: {', '.join(BLOCK_BYTES)})")
     rows, width = packed.shape
-    blocks = width // BLOCK_BYTES["q4_1"]
+    blocks = width // BLOCK_BYTES[fmt]
     if rows % PANEL:
         packed = torch.cat([packed, packed.new_zeros(PANEL - rows % PANEL, width)])
     panels = packed.shape[0] // PANEL
-    codes = packed[:, : blocks * 16].reshape(panels, PANEL, blocks, 4, 4).permute(0, 2, 3, 1, 4).reshape(panels, blocks, 128)
 
     def halves(part: torch.Tensor) -> torch.Tensor:  # [out, blocks * 2] fp16 bytes → [panels, blocks, 8 * 2]
         return part.reshape(panels, PANEL, blocks, 2).permute(0, 2, 1, 3).reshape(panels, blocks, 2 * PANEL)
 
-    scales, mins = halves(packed[:, blocks * 16 : blocks * 18]), halves(packed[:, blocks * 18 :])
-    return torch.cat([codes, scales, mins], dim=2).contiguous()
+    if fmt == "q4_1":
+        codes = packed[:, : blocks * 16].reshape(panels, PANEL, blocks, 4, 4).permute(0, 2, 3, 1, 4).reshape(panels, blocks, 128)
+        parts = [codes, halves(packed[:, blocks * 16 : blocks * 18]), halves(packed[:, blocks * 18 :])]
+    else:
+        groups = packed[:, : blocks * 32].reshape(panels, PANEL, blocks, 8, 4)[..., [0, 2, 1, 3]]
+        parts = [groups.permute(0, 2, 3, 1, 4).reshape(panels, blocks, 256), halves(packed[:, blocks * 32 :])]
+    return torch.cat(parts, dim=2).contiguous()

@@ -17,16 +17,16 @@ Weight storage formats (``--weight-quant``), chosen per deployment:
   ``_weight_int8pack_mm``). fbgemm's dynamic int8 GEMM was rejected: its one activation scale per
   tensor (or even per token) costs +4 % perplexity or more.
 - ``int4``: the dense projections in q4_1 blocks (``block_quant.py``: 4-bit codes, an fp16 scale and
-  minimum per 32 input features) regrouped in panels of 8 output channels (``block_quant.to_panels``),
-  multiplied by ``csrc/block_quant_gemm.cpp`` with activations rounded to int16 per block (error ~2e-5
-  of the block's largest value, below fp16's); lm_head in q8_0 blocks (``csrc/block_quant_linear.cpp``)
-  for steps of at most ``BLOCK_QUANT_MAX_ROWS`` rows and an fp16 pack beyond. A panel is one sequential
-  stream of 160-byte records, which the memory system feeds faster than rows read side by side: at one
-  row the panels take 0.77x the row kernel's time, at four 0.52x (``bench/quantization.py``'s decode
-  steps); at hundreds of rows they are as fast as fbgemm's fp16 GEMM with a quarter of its bytes. A
-  checkpoint converted from a q4_1 GGUF (the default model) round-trips exactly, so for it ``int4``
-  costs nothing and ``auto`` picks it; elsewhere it costs 4-bit weights.
-- ``int4-a8`` (opt-in): ``int4``, but steps of more than ``BLOCK_QUANT_MAX_ROWS`` rows round activations to int8 instead (maddubs:
+  minimum per 32 input features), lm_head in q8_0 blocks (8-bit codes, an fp16 scale), both regrouped in
+  panels of 8 output channels (``block_quant.to_panels``) and multiplied by ``csrc/block_quant_gemm.cpp``
+  with activations rounded to int16 per block (error ~2e-5 of the block's largest value, below fp16's).
+  A panel is one sequential stream of records, which the memory system feeds faster than rows read side
+  by side: decode steps of 1 / 2 / 4 rows take 0.8 / 0.7 / 0.8x the time of a row kernel; at hundreds of
+  rows the panels are ~1.1x (q4_1) and ~1.2x (q8_0) fbgemm's fp16 GEMM with a quarter or half of its
+  bytes, so no fp16 packs are kept. A checkpoint converted from a q4_1 GGUF (the default model)
+  round-trips exactly, so for it ``int4`` costs nothing and ``auto`` picks it; elsewhere it costs 4-bit
+  weights.
+- ``int4-a8`` (opt-in): ``int4``, but the projections' steps of more than ``BLOCK_QUANT_MAX_ROWS`` rows round activations to int8 instead (maddubs:
   llama.cpp's q4_1 x q8 arithmetic, 1.7-1.9x fbgemm's fp16 GEMM on an AVX2 CPU). Costs what int8
   activations cost: logit error 6.8e-2, 94 % top-1 agreement with fp32 on the default model in many-row
   steps (``bench/quantization.py``).
@@ -45,7 +45,7 @@ from services.worker.cpu_kernels import cpu_kernels
 
 SPLIT_MAX_ROWS = 8  # measured: the split wins up to 8 rows, plain GEMM beyond
 INT8_ACTIVATION_BLOCK = 32  # features per activation scale in csrc/int8_linear.cpp
-BLOCK_QUANT_MAX_ROWS = 4  # lm_head's q8_0 blocks serve steps up to here; int4-a8 keeps int16 activations up to here
+BLOCK_QUANT_MAX_ROWS = 4  # "few rows": int4-a8 keeps int16 activations, the dense decoder runs all layers in one call
 
 
 def _slices(size: int, threads: int) -> int:
@@ -116,7 +116,6 @@ class Linear:
         self.bias = bias
         self.scales: torch.Tensor | None = None
         self.packed: Any = None
-        self.blocks: torch.Tensor | None = None  # (q8_0 blocks are lm_head's alone: see RowSplitLinear)
         self.panels: torch.Tensor | None = None  # int4: q4_1 blocks regrouped in panels of 8 output channels
         self.split = weight.dtype == torch.float32
         if not self.split:
@@ -187,8 +186,7 @@ class RowSplitLinear:
         self.weight = weight
         self.scales: torch.Tensor | None = None
         self.packed: Any = None
-        self.blocks: torch.Tensor | None = None  # int4: q8_0 blocks beside the fp16 pack
-        self.panels = None  # (the panel GEMM is for q4_1 projections only)
+        self.panels: torch.Tensor | None = None  # int4: q8_0 blocks regrouped in panels of 8 output channels
         self.slices = _slices(out_features, threads) if weight.dtype == torch.float32 else 1
         self._sliced_t = weight.view(self.slices, out_features // self.slices, in_features).transpose(1, 2)
 
@@ -207,17 +205,15 @@ class RowSplitLinear:
         return self.weight.float().contiguous()
 
     def quantize_int4(self, blocks: torch.Tensor) -> None:
-        """``blocks`` (``block_quant.quantize(float_weight(), "q8_0")``) for steps of few rows, an fp16
-        pack of what they stand for beyond; a tied embedding keeps its float original for lookups."""
-        self.packed = torch.ops.quantized.linear_prepack_fp16(block_quant.dequantize(blocks, "q8_0"), None)
-        self.blocks, self.in_features = blocks, self.weight.shape[1]
-        self._block_kernel = cpu_kernels()[0].block_quant_linear
+        """From now on the panels of ``blocks`` (``block_quant.quantize(float_weight(), "q8_0")``) serve every
+        step, with int16 activations; a tied embedding keeps its float original for lookups."""
+        self.panels, self._gemm_kernel = block_quant.to_panels(blocks, "q8_0"), cpu_kernels()[0].block_quant_gemm
         self.weight = _packed_placeholder(*self.weight.shape)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if self.blocks is not None and rows <= BLOCK_QUANT_MAX_ROWS:
-            return self._block_kernel(x, self.blocks, "q8_0", self.in_features, None, None)
+        if self.panels is not None:
+            return self._gemm_kernel(x, self.panels, self.weight.shape[0], None, None, 16)
         if self.packed is not None:
             return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
         if self.scales is not None:
@@ -230,8 +226,8 @@ class RowSplitLinear:
 
 def held_bytes(linear: Linear | RowSplitLinear) -> dict[str, int]:
     """The bytes of a linear's converted weight: its fp16 pack (fbgemm's pack is not a tensor: two bytes a
-    weight) and its int4 blocks and panels."""
-    blocks = sum(t.nbytes for t in (linear.blocks, linear.panels) if t is not None)
+    weight) and its int4 panels."""
+    blocks = linear.panels.nbytes if linear.panels is not None else 0
     return {"packed": 2 * linear.weight.numel() if linear.packed is not None else 0, "blocks": blocks}
 
 

@@ -1,5 +1,5 @@
-"""int4 weights: the q4_1/q8_0 block codec, the C++ block and panel kernels against the dequantized weight,
-the row threshold between them, int4-a8's int8 activations, and ``auto`` choosing int4 exactly where it is
+"""int4 weights: the q4_1/q8_0 block codec, their panels, the C++ panel kernel against the dequantized
+weight, int4-a8's int8 activations beyond few rows, and ``auto`` choosing int4 exactly where it is
 lossless (a checkpoint on the q4_1 grid, as one converted from a q4_1 GGUF)."""
 
 from __future__ import annotations
@@ -45,40 +45,23 @@ def _int16_rounded(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * (32767 / amax)) * (amax / 32767)).view(x.shape)  # the kernel's own roundings
 
 
-def _kernel_reference(x: torch.Tensor, packed: torch.Tensor, fmt: str) -> torch.Tensor:
-    """The kernel's arithmetic in torch: the codes times int16-rounded ``x``, q4_1's minimums times the
-    block sums of ``x`` itself (the minimums alone are what the blocks hold with every code zeroed)."""
-    dense = block_quant.dequantize(packed, fmt)
+def _int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as int4-a8's many-row steps multiply it: int8 codes per block of 32 features, dequantized."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    return (torch.round(blocks * (127 / amax)) * (amax / 127)).view(x.shape)
+
+
+def _kernel_reference(x: torch.Tensor, packed: torch.Tensor, fmt: str, bits: int = 16) -> torch.Tensor:
+    """The kernel's arithmetic in torch: the codes times rounded ``x``, q4_1's minimums times the block
+    sums of ``x`` itself (the minimums alone are what the blocks hold with every code zeroed)."""
+    dense, rounded = block_quant.dequantize(packed, fmt), _int8_rounded(x) if bits == 8 else _int16_rounded(x)
     if fmt == "q8_0":
-        return _int16_rounded(x) @ dense.T
+        return rounded @ dense.T
     minimums_only = packed.clone()
     minimums_only[:, : packed.shape[1] // 20 * 16] = 0
     minimums = block_quant.dequantize(minimums_only, fmt)
-    return _int16_rounded(x) @ (dense - minimums).T + x @ minimums.T
-
-
-@kernels
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
-@pytest.mark.parametrize("out_features", [24, 30])  # 30: a tail of output channels past the 4-channel tiles
-def test_kernel_equals_int16_activations_times_the_dequantized_weight(fmt: str, rows: int, out_features: int) -> None:
-    generator = torch.Generator().manual_seed(rows * 100 + out_features)
-    w, bias, residual = (torch.randn(*shape, generator=generator) for shape in ((out_features, 288), (out_features,), (rows, out_features)))
-    x = torch.randn(rows, 288, generator=generator) * (1 + 30 * (torch.rand(288, generator=generator) < 0.02))  # a few outlier features
-    packed = block_quant.quantize(w, fmt)
-    dense = block_quant.dequantize(packed, fmt)
-    kernel = cpu_kernels()[0].block_quant_linear
-    ours = kernel(x, packed, fmt, 288, bias, residual)
-    # Integer block products are exact; only fp32 summation order differs from this reference (the
-    # outlier features make partial sums of ~1e3 that cancel, hence the absolute tolerance).
-    torch.testing.assert_close(ours, _kernel_reference(x, packed, fmt) + bias + residual, rtol=2e-5, atol=5e-4)
-    strided = kernel(x.t().contiguous().t(), packed, fmt, 288, None, None)
-    torch.testing.assert_close(strided, _kernel_reference(x, packed, fmt), rtol=2e-5, atol=5e-4)
-    assert float((strided - x @ dense.T).norm() / (x @ dense.T).norm()) < 3e-4  # what the int16 rounding costs beside 30x outliers
-    with pytest.raises(RuntimeError, match="bytes"):
-        kernel(x, packed[:, :-1].contiguous(), fmt, 288, None, None)
-    with pytest.raises(RuntimeError, match="unknown block format"):
-        kernel(x, packed, "q2_k", 288, None, None)
+    return rounded @ (dense - minimums).T + x @ minimums.T
 
 
 def test_panels_regroup_the_rows_codes_and_scales_by_eight_channels() -> None:
@@ -98,31 +81,37 @@ def test_panels_regroup_the_rows_codes_and_scales_by_eight_channels() -> None:
     assert not restored[13:].any()
 
 
-def _int8_rounded(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as the many-row kernel multiplies it: int8 codes per block of 32 features, dequantized."""
-    blocks = x.reshape(x.shape[0], -1, 32)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    return (torch.round(blocks * (127 / amax)) * (amax / 127)).view(x.shape)
+def test_q8_0_panels_regroup_the_rows_codes_and_scales_by_eight_channels() -> None:
+    w = torch.randn(11, 64)  # 11: a second panel with 3 channels and 5 of zeros
+    packed = block_quant.quantize(w, "q8_0")
+    panels = block_quant.to_panels(packed, "q8_0")
+    assert panels.shape == (2, 2, 272) and panels.dtype == torch.uint8
+    # Undo by hand: bytes 32j + 4c .. 32j + 4c + 3 of a record hold features 4j, 4j + 2, 4j + 1, 4j + 3 of channel c.
+    codes = panels[..., :256].contiguous().view(torch.int8).reshape(2, 2, 8, 8, 4)[..., [0, 2, 1, 3]].float()  # [panel, block, j, c, i]
+    features = codes.permute(0, 3, 1, 2, 4).reshape(16, 64)  # [channel, block * 32]
+    scales = panels[..., 256:].contiguous().view(torch.float16).float().permute(0, 2, 1).reshape(16, 2)
+    restored = features * scales.repeat_interleave(32, 1)
+    torch.testing.assert_close(restored[:11], block_quant.dequantize(packed, "q8_0"), rtol=0, atol=0)
+    assert not restored[11:].any()
+    with pytest.raises(ValueError, match="unknown block format"):
+        block_quant.to_panels(packed, "q2_k")
 
 
 @kernels
-@pytest.mark.parametrize("rows", [1, 3, 5, 9, 70])  # 70: past one chunk of rows a panel meets at a time
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 70])  # 70: past one chunk of rows a panel meets at a time
 @pytest.mark.parametrize("out_features", [24, 30])  # 30: a last panel of 6 channels
-@pytest.mark.parametrize("bits", [8, 16])
-def test_gemm_kernel_equals_rounded_activations_times_the_dequantized_weight(rows: int, out_features: int, bits: int) -> None:
+@pytest.mark.parametrize("fmt, bits", [("q4_1", 8), ("q4_1", 16), ("q8_0", 16)])
+def test_gemm_kernel_equals_rounded_activations_times_the_dequantized_weight(rows: int, out_features: int, fmt: str, bits: int) -> None:
     generator = torch.Generator().manual_seed(rows * 100 + out_features)
     w, bias, residual = (torch.randn(*shape, generator=generator) for shape in ((out_features, 288), (out_features,), (rows, out_features)))
-    x = torch.randn(rows, 288, generator=generator) * (1 + 30 * (torch.rand(288, generator=generator) < 0.02))
-    packed = block_quant.quantize(w, "q4_1")
-    minimums_only = packed.clone()
-    minimums_only[:, : packed.shape[1] // 20 * 16] = 0
-    dense, minimums = block_quant.dequantize(packed, "q4_1"), block_quant.dequantize(minimums_only, "q4_1")
-    rounded = _int8_rounded(x) if bits == 8 else _int16_rounded(x)
-    reference = rounded @ (dense - minimums).T + x @ minimums.T  # the minimums meet the block sums of x itself
+    x = torch.randn(rows, 288, generator=generator) * (1 + 30 * (torch.rand(288, generator=generator) < 0.02))  # a few outlier features
+    packed = block_quant.quantize(w, fmt)
+    dense, reference = block_quant.dequantize(packed, fmt), _kernel_reference(x, packed, fmt, bits)
     kernel = cpu_kernels()[0].block_quant_gemm
-    panels = block_quant.to_panels(packed)
-    # An activation exactly on an int16 rounding tie (its fine grid meets some) may round one level apart
-    # here and in the kernel: allow one level of the largest block times the largest weight.
+    panels = block_quant.to_panels(packed, fmt)
+    # Integer block products are exact; fp32 summation order differs from the reference (the outliers make
+    # partial sums of ~1e3 that cancel). An activation exactly on an int16 rounding tie (its fine grid meets
+    # some) may round one level apart here and in the kernel: one level of the largest block times the largest weight.
     atol = 5e-4 + (float(x.abs().max()) / 32767 * float(dense.abs().max()) if bits == 16 else 0.0)
     torch.testing.assert_close(kernel(x, panels, out_features, bias, residual, bits), reference + bias + residual, rtol=2e-5, atol=atol)
     ours = kernel(x.t().contiguous().t(), panels, out_features, None, None, bits)
@@ -134,6 +123,11 @@ def test_gemm_kernel_equals_rounded_activations_times_the_dequantized_weight(row
         kernel(x, panels[:-1].contiguous(), out_features, None, None, bits)
     with pytest.raises(RuntimeError, match="activation_bits"):
         kernel(x, panels, out_features, None, None, 4)
+    with pytest.raises(RuntimeError, match="record"):
+        kernel(x, panels[..., :-2].contiguous(), out_features, None, None, bits)
+    if fmt == "q8_0":
+        with pytest.raises(RuntimeError, match="int16 activations only"):
+            kernel(x, panels, out_features, None, None, 8)
 
 
 @kernels
@@ -143,7 +137,7 @@ def test_int4_linears_take_the_panels_with_int16_activations_for_few_rows_and_th
     linear = Linear(w.clone(), threads=2, bias=bias)
     packed = block_quant.quantize(w, "q4_1")
     linear.quantize_int4(packed, int8_activations)
-    assert linear.packed is None and linear.blocks is None and linear.weight.device.type == "meta"  # panels alone: no rows, fp16 pack or float weight
+    assert linear.packed is None and linear.weight.device.type == "meta"  # panels alone: no fp16 pack, no float weight
     few, many = torch.randn(BLOCK_QUANT_MAX_ROWS, 64), torch.randn(BLOCK_QUANT_MAX_ROWS + 1, 64)
     torch.testing.assert_close(linear(few), _kernel_reference(few, packed, "q4_1") + bias, rtol=2e-5, atol=5e-4)
     bits = 8 if int8_activations else 16
@@ -154,15 +148,15 @@ def test_int4_linears_take_the_panels_with_int16_activations_for_few_rows_and_th
 
 
 @kernels
-def test_int4_lm_head_takes_its_q8_0_blocks_for_few_rows_and_an_fp16_pack_of_the_same_weight_beyond() -> None:
+def test_int4_lm_head_takes_its_q8_0_panels_at_every_row_count() -> None:
     w = torch.randn(40, 64)
     head = RowSplitLinear(w.clone(), threads=2)
-    head.quantize_int4(block_quant.quantize(w, "q8_0"))
-    dense = block_quant.dequantize(block_quant.quantize(w, "q8_0"), "q8_0")
-    assert head.weight.device.type == "meta"  # the float weight is gone
-    few, many = torch.randn(BLOCK_QUANT_MAX_ROWS, 64), torch.randn(BLOCK_QUANT_MAX_ROWS + 1, 64)
-    torch.testing.assert_close(head(few), _kernel_reference(few, block_quant.quantize(w, "q8_0"), "q8_0"), rtol=2e-5, atol=5e-4)
-    torch.testing.assert_close(head(many), many @ dense.half().float().T, rtol=1e-5, atol=1e-5)
+    packed = block_quant.quantize(w, "q8_0")
+    head.quantize_int4(packed)
+    assert head.weight.device.type == "meta" and head.packed is None  # the float weight is gone, no fp16 pack
+    for rows in (1, BLOCK_QUANT_MAX_ROWS + 1, 40):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(head(x), _kernel_reference(x, packed, "q8_0"), rtol=2e-5, atol=5e-4)
 
 
 def _snap_to_blocks(source: str, target: Path) -> None:
@@ -192,7 +186,7 @@ def test_auto_serves_a_checkpoint_on_the_block_grid_in_int4_losslessly(tiny_llam
     assert facts["weight_quant"] == "int4" and facts["quantized_linears"] == 4 * tiny.reference.config.num_hidden_layers + 1
     assert facts["block_quant_bytes"] > 0
     prefill = StepPlan(0, [Slice("p", 0, len(prompt), prompt, list(range(8)), sampling=GREEDY)])  # 20 rows: the panels
-    decode = StepPlan(1, [Slice("d", len(prompt), 1)])  # one row: the block kernel
+    decode = StepPlan(1, [Slice("d", len(prompt), 1)])  # one row
     relative = []
     theirs, ours = exact.logits(prefill)["p"], served.logits(prefill)["p"]
     relative.append(float((ours - theirs).norm() / theirs.norm()))

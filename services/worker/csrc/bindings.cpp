@@ -4,8 +4,7 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (fp32, CPU)");
-  m.def("block_quant_linear", &block_quant_linear, "x @ dequantized(q4_1 or q8_0 blocks).T (+ bias) (+ residual), fp32 arithmetic (CPU)");
-  m.def("block_quant_gemm", &block_quant_gemm, "x @ dequantized(q4_1 panels).T (+ bias) (+ residual), x rounded to int8 per block of 32 (CPU)");
+  m.def("block_quant_gemm", &block_quant_gemm, "x @ dequantized(q4_1 or q8_0 panels).T (+ bias) (+ residual), x rounded to int16 or int8 per block of 32 (CPU)");
   m.def("int8_linear", &int8_linear, "x @ (int8 weight * per-channel scale).T (+ bias), fp32 arithmetic (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(h) * weight, h) with h = x + residual written over x (fp32, CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] rows (fp32, CPU)");

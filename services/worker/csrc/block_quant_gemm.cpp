@@ -1,15 +1,20 @@
-// Many-row products over q4_1 weights (``--weight-quant int4`` and ``int4-a8``): activations rounded per
-// block of 32 features to int16 (accurate: error ~2e-5 of the block's largest value) or to int8 (the
-// arithmetic of llama.cpp's q4_1 x q8 dot product, twice as fast), multiplied in integers.
+// Products over block-quantized weights in panels (``--weight-quant int4`` and ``int4-a8``): activations
+// rounded per block of 32 features to int16 (accurate: error ~2e-5 of the block's largest value) or, for
+// q4_1 weights, to int8 (the arithmetic of llama.cpp's q4_1 x q8 dot product, twice as fast in many-row
+// steps), multiplied in integers.
 //
-// Weights in panels of 8 output channels (services/worker/block_quant.py ``to_panels``), one 160-byte
-// record per panel and block of 32 input features:
-//   bytes 32j .. 32j+31 (j = 0..3): byte 4c+i of channel c's features 4j+i (low nibble) and 16+4j+i (high)
-//   bytes 128 .. 143: the 8 channels' fp16 scales d;  bytes 144 .. 159: their fp16 minimums m
-// so one 32-byte load, masked or shifted, gives 4 features of all 8 channels as unsigned bytes.
+// Weights in panels of 8 output channels (services/worker/block_quant.py ``to_panels``), one record per
+// panel and block of 32 input features, whose format the record's size tells:
+//   q4_1, 160 bytes: bytes 32j .. 32j+31 (j = 0..3): byte 4c+i of channel c's features 4j+i (low nibble)
+//                    and 16+4j+i (high); bytes 128 .. 143: the 8 channels' fp16 scales d; 144 .. 159: their
+//                    fp16 minimums m
+//   q8_0, 272 bytes: bytes 32j .. 32j+31 (j = 0..7): bytes 4c .. 4c+3 channel c's signed codes of features
+//                    4j, 4j+2, 4j+1, 4j+3; bytes 256 .. 271: the fp16 scales d
+// so one 32-byte load gives 4 features of all 8 channels, and a panel is one sequential stream (which the
+// memory system feeds faster than rows read side by side: the panels serve steps of one row too).
 //
 // Activations: x ~= qx * dx per (row, block); sx = the block's sum of the unrounded x.
-//   out[m, n] = sum_b d[n, b] * dx[m, b] * <q[n, b], qx[m, b]> + m[n, b] * sx[m, b]  (+ bias) (+ residual)
+//   out[m, n] = sum_b d[n, b] * dx[m, b] * <q[n, b], qx[m, b]> (+ m[n, b] * sx[m, b])  (+ bias) (+ residual)
 // Each output lane is a channel, so no horizontal sums: a tile of rows keeps one accumulator per row.
 // Threads split the panels; each panel meets a chunk of rows while its weights are in L1.
 
@@ -32,8 +37,24 @@ namespace {
 
 constexpr int64_t BLOCK = 32;               // input features per block
 constexpr int64_t PANEL = 8;                // output channels per panel
-constexpr int64_t PANEL_CODE_BYTES = 128;   // per panel and block, before the scales
-constexpr int64_t PANEL_BLOCK_BYTES = 160;  // codes + 8 fp16 scales + 8 fp16 minimums
+
+// The two record formats: their size, where the scales start, whether minimums follow them.
+struct Q4_1Panels {
+  static constexpr int64_t RECORD = 160, SCALES = 128;  // codes, 8 fp16 scales, 8 fp16 minimums
+  static constexpr bool HAS_MIN = true;
+  static int code(const uint8_t* rec, int64_t c, int64_t f) {  // channel c's feature f of the block
+    const uint8_t byte = rec[32 * (f % 16 / 4) + 4 * c + f % 4];
+    return f < 16 ? byte & 0x0f : byte >> 4;
+  }
+};
+struct Q8_0Panels {
+  static constexpr int64_t RECORD = 272, SCALES = 256;  // codes, 8 fp16 scales
+  static constexpr bool HAS_MIN = false;
+  static int code(const uint8_t* rec, int64_t c, int64_t f) {
+    constexpr int64_t place[4] = {0, 2, 1, 3};  // features 4j, 4j+2, 4j+1, 4j+3 in a channel's 4 bytes
+    return static_cast<int8_t>(rec[32 * (f / 4) + 4 * c + place[f % 4]]);
+  }
+};
 constexpr int64_t ROW_TILE = 4;             // rows per register tile: 4 block sums + 4 accumulators + weights fit 16 registers
 constexpr int64_t ROW_CHUNK = 64;           // rows a panel meets before the next panel (their activations stay in L2)
 
@@ -101,25 +122,25 @@ QuantizedRows<T> quantize_rows(const float* x, int64_t rows, int64_t k) {
 }
 
 // Plain loops: the reference for the vector tiles, and CPUs without AVX2. sums[r * PANEL + c].
-template <typename T>
+template <typename F, typename T>
 void panel_rows_generic(const uint8_t* panel, const QuantizedRows<T>& a, int64_t m0, int64_t rows, float* sums) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < PANEL; ++c) {
       float total = 0.f;
       for (int64_t b = 0; b < a.blocks; ++b) {
-        const uint8_t* rec = panel + b * PANEL_BLOCK_BYTES;
+        const uint8_t* rec = panel + b * F::RECORD;
         const T* xq = a.q.data() + (m0 + r) * a.k + b * BLOCK;
         int32_t dot = 0;
-        for (int j = 0; j < 4; ++j)
-          for (int i = 0; i < 4; ++i) {
-            const uint8_t byte = rec[32 * j + 4 * c + i];
-            dot += int32_t(byte & 0x0f) * xq[4 * j + i] + int32_t(byte >> 4) * xq[16 + 4 * j + i];
-          }
-        uint16_t dh, mh;
-        std::memcpy(&dh, rec + PANEL_CODE_BYTES + 2 * c, 2);
-        std::memcpy(&mh, rec + PANEL_CODE_BYTES + 2 * PANEL + 2 * c, 2);
+        for (int64_t f = 0; f < BLOCK; ++f) dot += F::code(rec, c, f) * int32_t(xq[f]);
+        uint16_t dh;
+        std::memcpy(&dh, rec + F::SCALES + 2 * c, 2);
         const int64_t at = (m0 + r) * a.blocks + b;
-        total += half_to_float(dh) * a.d[at] * static_cast<float>(dot) + half_to_float(mh) * a.s[at];
+        total += half_to_float(dh) * a.d[at] * static_cast<float>(dot);
+        if (F::HAS_MIN) {
+          uint16_t mh;
+          std::memcpy(&mh, rec + F::SCALES + 2 * PANEL + 2 * c, 2);
+          total += half_to_float(mh) * a.s[at];
+        }
       }
       sums[r * PANEL + c] = total;
     }
@@ -179,8 +200,25 @@ inline void block_dots(const uint8_t* rec, const int16_t* const* x, __m256i* dot
   }
 }
 
+// q8_0 codes, int16 activations: a 32-byte group's 16-bit lanes 2c, 2c+1 hold channel c's features
+// (0, 2) and (1, 3) of the group, so the lanes' low bytes are features 0, 1 and their high bytes 2, 3,
+// each sign-extended by shifts alone; then madd (16 products). The int32 sums stay below
+// 32 * 127 * 32767 < 2^28, their float conversion rounds at 2^-24.
+template <int R>
+inline void q8_0_block_dots(const uint8_t* rec, const int16_t* const* x, __m256i* dot) {
+  for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+  for (int j = 0; j < 8; ++j) {
+    const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * j));
+    const __m256i w01 = _mm256_srai_epi16(_mm256_slli_epi16(codes, 8), 8), w23 = _mm256_srai_epi16(codes, 8);
+    for (int r = 0; r < R; ++r) {
+      dot[r] = _mm256_add_epi32(dot[r], _mm256_add_epi32(_mm256_madd_epi16(w01, broadcast4(x[r] + 4 * j)), _mm256_madd_epi16(w23, broadcast4(x[r] + 4 * j + 2))));
+      TOKENYARD_DUE(dot[r]);
+    }
+  }
+}
+
 // R rows x one panel into sums[r * PANEL + c] (row m0 + r, channel c).
-template <int R, typename T>
+template <int R, typename F, typename T>
 void panel_tile(const uint8_t* panel, const QuantizedRows<T>& a, int64_t m0, float* sums) {
   const T* xq[R];
   const float *dx[R], *sx[R];
@@ -192,16 +230,19 @@ void panel_tile(const uint8_t* panel, const QuantizedRows<T>& a, int64_t m0, flo
     acc[r] = _mm256_setzero_ps();
   }
   for (int64_t b = 0; b < a.blocks; ++b) {
-    const uint8_t* rec = panel + b * PANEL_BLOCK_BYTES;
+    const uint8_t* rec = panel + b * F::RECORD;
     const T* x[R];
     for (int r = 0; r < R; ++r) x[r] = xq[r] + b * BLOCK;
     __m256i dot[R];
-    block_dots<R>(rec, x, dot);
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + PANEL_CODE_BYTES)));
-    const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + PANEL_CODE_BYTES + 2 * PANEL)));
-    for (int r = 0; r < R; ++r) {
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(d, _mm256_broadcast_ss(dx[r] + b)), acc[r]);
-      acc[r] = _mm256_fmadd_ps(mins, _mm256_broadcast_ss(sx[r] + b), acc[r]);
+    if constexpr (F::HAS_MIN)
+      block_dots<R>(rec, x, dot);
+    else
+      q8_0_block_dots<R>(rec, x, dot);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + F::SCALES)));
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(d, _mm256_broadcast_ss(dx[r] + b)), acc[r]);
+    if constexpr (F::HAS_MIN) {
+      const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + F::SCALES + 2 * PANEL)));
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(mins, _mm256_broadcast_ss(sx[r] + b), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(sums + r * PANEL, acc[r]);
@@ -209,21 +250,21 @@ void panel_tile(const uint8_t* panel, const QuantizedRows<T>& a, int64_t m0, flo
 #endif
 
 // rows <= ROW_TILE rows of one panel into sums[r * PANEL + c].
-template <typename T>
+template <typename F, typename T>
 void run_tile(const uint8_t* panel, const QuantizedRows<T>& a, int64_t m0, int64_t rows, float* sums) {
 #ifdef TOKENYARD_BLOCK_QUANT_GEMM_AVX2
   switch (rows) {
-    case 1: return panel_tile<1>(panel, a, m0, sums);
-    case 2: return panel_tile<2>(panel, a, m0, sums);
-    case 3: return panel_tile<3>(panel, a, m0, sums);
-    default: return panel_tile<4>(panel, a, m0, sums);
+    case 1: return panel_tile<1, F>(panel, a, m0, sums);
+    case 2: return panel_tile<2, F>(panel, a, m0, sums);
+    case 3: return panel_tile<3, F>(panel, a, m0, sums);
+    default: return panel_tile<4, F>(panel, a, m0, sums);
   }
 #else
-  panel_rows_generic(panel, a, m0, rows, sums);
+  panel_rows_generic<F>(panel, a, m0, rows, sums);
 #endif
 }
 
-template <typename T>
+template <typename F, typename T>
 void run(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out_features, const float* bias, const float* residual, float* out) {
   const QuantizedRows<T> a = quantize_rows<T>(x, rows, k);
   const int64_t blocks = k / BLOCK, panel_count = (out_features + PANEL - 1) / PANEL;
@@ -234,7 +275,7 @@ void run(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out_
         const int64_t n0 = p * PANEL, cols = std::min(PANEL, out_features - n0);
         for (int64_t m0 = chunk; m0 < std::min(rows, chunk + ROW_CHUNK); m0 += ROW_TILE) {
           const int64_t tile_rows = std::min(ROW_TILE, rows - m0);
-          run_tile(w + p * blocks * PANEL_BLOCK_BYTES, a, m0, tile_rows, sums);
+          run_tile<F>(w + p * blocks * F::RECORD, a, m0, tile_rows, sums);
           for (int64_t r = 0; r < tile_rows; ++r)
             for (int64_t c = 0; c < cols; ++c) {
               const int64_t at = (m0 + r) * out_features + n0 + c;
@@ -253,17 +294,25 @@ torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& pane
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [rows, in] float32");
   const int64_t rows = x.size(0), k = x.size(1), blocks = k / BLOCK, panel_count = (out_features + PANEL - 1) / PANEL;
   TORCH_CHECK(k % BLOCK == 0, "in_features must be a multiple of ", BLOCK, ", got ", k);
-  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == torch::kUInt8 && panels.is_contiguous(), "panels must be contiguous [panels, blocks, ",
-              PANEL_BLOCK_BYTES, "] uint8");
-  TORCH_CHECK(panels.size(0) == panel_count && panels.size(1) == blocks && panels.size(2) == PANEL_BLOCK_BYTES, "panels of ", out_features, " x ", k,
-              " weights must be [", panel_count, ", ", blocks, ", ", PANEL_BLOCK_BYTES, "], got ", panels.sizes());
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == torch::kUInt8 && panels.is_contiguous(),
+              "panels must be contiguous [panels, blocks, record] uint8 (a record of ", Q4_1Panels::RECORD, " bytes: q4_1, ", Q8_0Panels::RECORD, ": q8_0)");
+  const int64_t record = panels.size(2);
+  TORCH_CHECK(record == Q4_1Panels::RECORD || record == Q8_0Panels::RECORD, "a panel record is ", Q4_1Panels::RECORD, " bytes (q4_1) or ",
+              Q8_0Panels::RECORD, " (q8_0), got ", record);
+  TORCH_CHECK(panels.size(0) == panel_count && panels.size(1) == blocks, "panels of ", out_features, " x ", k, " weights must be [", panel_count, ", ",
+              blocks, ", ", record, "], got ", panels.sizes());
+  TORCH_CHECK(record == Q4_1Panels::RECORD || activation_bits == 16, "q8_0 panels take int16 activations only");
   const LinearEpilogue epilogue(bias, residual, rows, out_features);
   auto out = torch::empty({rows, out_features}, x.options());
   const auto xc = x.contiguous();
-  const float *b_ptr = epilogue.bias_ptr(), *r_ptr = epilogue.residual_ptr();
-  if (activation_bits == 8)
-    run<int8_t>(xc.data_ptr<float>(), rows, k, panels.data_ptr<uint8_t>(), out_features, b_ptr, r_ptr, out.data_ptr<float>());
+  const float *x_ptr = xc.data_ptr<float>(), *b_ptr = epilogue.bias_ptr(), *r_ptr = epilogue.residual_ptr();
+  const uint8_t* w_ptr = panels.data_ptr<uint8_t>();
+  float* o_ptr = out.data_ptr<float>();
+  if (record == Q8_0Panels::RECORD)
+    run<Q8_0Panels, int16_t>(x_ptr, rows, k, w_ptr, out_features, b_ptr, r_ptr, o_ptr);
+  else if (activation_bits == 8)
+    run<Q4_1Panels, int8_t>(x_ptr, rows, k, w_ptr, out_features, b_ptr, r_ptr, o_ptr);
   else
-    run<int16_t>(xc.data_ptr<float>(), rows, k, panels.data_ptr<uint8_t>(), out_features, b_ptr, r_ptr, out.data_ptr<float>());
+    run<Q4_1Panels, int16_t>(x_ptr, rows, k, w_ptr, out_features, b_ptr, r_ptr, o_ptr);
   return out;
 }

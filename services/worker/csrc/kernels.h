@@ -11,8 +11,6 @@
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& block_tables,
                                      const torch::Tensor& context_lens, int64_t block_size, double scale);
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales, const std::optional<torch::Tensor>& bias);
-torch::Tensor block_quant_linear(const torch::Tensor& x, const torch::Tensor& weight, const std::string& format, int64_t in_features,
-                                 const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& residual);
 torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& panels, int64_t out_features, const std::optional<torch::Tensor>& bias,
                                const std::optional<torch::Tensor>& residual, int64_t activation_bits);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x, const std::optional<torch::Tensor>& residual, const torch::Tensor& weight,

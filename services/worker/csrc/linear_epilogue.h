@@ -1,5 +1,5 @@
-// Shared by the block-quantized linear kernels: the optional bias [out] and residual [rows, out] that
-// are added to a product, checked and made contiguous (fp32, CPU).
+// The block-quantized GEMM's epilogue: the optional bias [out] and residual [rows, out] that are added to
+// a product, checked and made contiguous (fp32, CPU).
 #pragma once
 
 #include <torch/extension.h>
