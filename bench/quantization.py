@@ -3,7 +3,7 @@
 Accuracy: perplexity of a fixed text (teacher-forced, every position's logits) and the relative
 error of those logits against fp32; top-1 agreement. Twice: as one prefill chunk (many rows per
 product) and token by token (one row per product), since a format may multiply few-row steps in
-another kernel than many-row ones (int4's blocks vs its fp16 packs). Speed: in-process decode step time at a few
+another kernel or precision than many-row ones (int4-a8: int16 activations for few rows, int8 beyond). Speed: in-process decode step time at a few
 batch sizes, every format measured alternately in the same run.
 
     .venv/bin/python -m bench.quantization --model models/SmolLM2-135M-Instruct
