@@ -101,8 +101,10 @@ def main() -> None:
             for quant, value in logits.items()
         }
         for quant, facts in results[mode].items():
-            print(f"{mode:14s} {quant:5s}: perplexity {facts['perplexity']:.3f}, logit rel. error {facts['logit_relative_error']:.2e}, "
-                  f"top-1 agreement {facts['top1_agreement']:.3f}")
+            print(
+                f"{mode:14s} {quant:5s}: perplexity {facts['perplexity']:.3f}, logit rel. error {facts['logit_relative_error']:.2e}, "
+                f"top-1 agreement {facts['top1_agreement']:.3f}"
+            )
     for quant, runner in runners.items():
         facts = runner.describe()
         results.setdefault("weight_bytes", {})[quant] = facts["param_bytes"] + facts["block_quant_bytes"]

@@ -18,6 +18,7 @@ def setup_logging(process: str, level: str = "info", fmt: str = "auto") -> struc
     logging.basicConfig(format="%(message)s", stream=sys.stderr, level=level.upper())
     json_lines = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
     renderer = structlog.processors.JSONRenderer() if json_lines else structlog.dev.ConsoleRenderer(colors=False)
+
     def add_process(logger: object, method: str, event: dict) -> dict:
         event.setdefault("process", process)  # on every line, from any module-level logger too
         return event

@@ -47,6 +47,8 @@ class _ProcessLabelled(Collector):
 def exposition(labels: dict[str, str]) -> bytes:
     """The process's metrics in the Prometheus text format, each sample carrying ``labels``."""
     return generate_latest(_ProcessLabelled(labels))
+
+
 Health = Callable[[], tuple[int, dict[str, Any]]]
 
 

@@ -41,6 +41,8 @@ from shared.model_info import HYBRID_PREFIX_CACHE_OFF, resolve_kv_cache_dtype
 ALL_PROMPT = 1 << 62  # a prompt_len no prefill reaches: every prefilled token is prompt
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 @dataclass
 class _Request:
     params: SamplingParams
@@ -146,9 +148,7 @@ class ModelRunner:
             self.states = None if shape is None else GDNStateCache(shape, pool_slots, DTYPES[dtype], self.model.embed.device)
             # With graphs, one block past the scheduler's is the dummy block that padding rows write.
             cache_blocks = num_blocks + 1 if graphed else num_blocks
-            self.kv_cache = KVCache(
-                self.model.num_kv_layers, cache_blocks, block_size, self.model.num_kv_heads, self.model.head_dim, kv_dtype, self.device
-            )
+            self.kv_cache = KVCache(self.model.num_kv_layers, cache_blocks, block_size, self.model.num_kv_heads, self.model.head_dim, kv_dtype, self.device)
         if graphed:
             context = max_model_len or config.get("max_position_embeddings", 2048)
             width = min(-(-context // block_size), num_blocks)

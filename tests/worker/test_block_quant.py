@@ -201,9 +201,7 @@ def test_auto_serves_a_checkpoint_on_the_block_grid_in_int4_losslessly(tiny_llam
 
 
 @kernels
-def test_int4_a8_costs_what_int8_activations_cost_in_many_row_steps_and_nothing_in_few_row_ones(
-    tiny_llamas: dict[str, Checkpoint], tmp_path: Path
-) -> None:
+def test_int4_a8_costs_what_int8_activations_cost_in_many_row_steps_and_nothing_in_few_row_ones(tiny_llamas: dict[str, Checkpoint], tmp_path: Path) -> None:
     _snap_to_blocks(tiny_llamas["untied"].path, tmp_path / "snapped")
     prompt = prompt_of(5, 20)
     exact, lossless, a8 = (ModelRunner(str(tmp_path / "snapped"), num_blocks=16, block_size=4, weight_quant=q) for q in ("none", "int4", "int4-a8"))

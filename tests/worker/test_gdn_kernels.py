@@ -31,7 +31,6 @@ from services.worker.kernels import conv1d, gdn  # noqa: E402  (run in the child
 Tensor = torch.Tensor
 
 
-
 # What the child runs: the kernels, returning the pools they updated in place. ---------------------------
 
 

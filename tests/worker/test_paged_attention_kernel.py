@@ -25,7 +25,6 @@ from services.worker.attention import paged_attention_triton  # noqa: E402
 GREEDY = SamplingParams(temperature=0)
 
 
-
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.float16, 2e-3)], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("case", list(ATTENTION_CASES))
 def test_triton_paged_attention_matches_the_torch_path(interpreter: Pool, case: str, dtype: torch.dtype, tolerance: float) -> None:
