@@ -148,16 +148,16 @@ class Linear:
         """From now on the panels of ``blocks`` (``block_quant.quantize(float_weight(), "q4_1")``) serve
         every step, with activations rounded to int16 or, with ``int8_activations``, to int8 in steps of
         more than ``BLOCK_QUANT_MAX_ROWS`` rows (the float weight and the rows are dropped)."""
-        self.out_features, self.in_features = blocks.shape[0], blocks.shape[1] // block_quant.BLOCK_BYTES["q4_1"] * block_quant.BLOCK
+        in_features = blocks.shape[1] // block_quant.BLOCK_BYTES["q4_1"] * block_quant.BLOCK
         self.panels, self._gemm_kernel = block_quant.to_panels(blocks), cpu_kernels()[0].block_quant_gemm
         self._activation_bits = 8 if int8_activations else 16
-        self.weight, self.split, self._sliced = _packed_placeholder(self.out_features, self.in_features), False, None
+        self.weight, self.split, self._sliced = _packed_placeholder(blocks.shape[0], in_features), False, None
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
         if self.panels is not None:  # int4 runs only fp32 models on the CPU
             bits = 16 if rows <= BLOCK_QUANT_MAX_ROWS else self._activation_bits
-            return self._gemm_kernel(x, self.panels, self.out_features, self.bias, residual, bits)
+            return self._gemm_kernel(x, self.panels, self.weight.shape[0], self.bias, residual, bits)
         if self.packed is not None:
             out = torch.ops.quantized.linear_dynamic_fp16(x, self.packed)  # the bias is in the pack
             return out if residual is None else out.add_(residual)
@@ -227,8 +227,8 @@ class RowSplitLinear:
 def held_bytes(linear: Linear | RowSplitLinear) -> dict[str, int]:
     """The bytes of a linear's converted weight: its fp16 pack (fbgemm's pack is not a tensor: two bytes a
     weight) and its int4 panels."""
-    blocks = linear.panels.nbytes if linear.panels is not None else 0
-    return {"packed": 2 * linear.weight.numel() if linear.packed is not None else 0, "blocks": blocks}
+    panels = linear.panels.nbytes if linear.panels is not None else 0
+    return {"packed": 2 * linear.weight.numel() if linear.packed is not None else 0, "panels": panels}
 
 
 def linears_of(model: object) -> list[Linear | RowSplitLinear]:

@@ -430,7 +430,7 @@ class ModelRunner:
             "max_num_seqs": self.max_num_seqs,
             "weight_quant": self.weight_quant,
             "quantized_linears": self.quantized_linears,
-            "block_quant_bytes": sum(h["blocks"] for h in held),  # int4's blocks (and panels) beside any fp16 packs
+            "block_quant_bytes": sum(h["panels"] for h in held),  # int4's panels beside any fp16 packs
             "requests": len(self._requests),
             **self.model.describe(),
             **self._describe_slots(),

@@ -21,8 +21,6 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
-#include "linear_epilogue.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -35,8 +33,10 @@
 
 namespace {
 
-constexpr int64_t BLOCK = 32;               // input features per block
-constexpr int64_t PANEL = 8;                // output channels per panel
+constexpr int64_t BLOCK = 32;       // input features per block
+constexpr int64_t PANEL = 8;        // output channels per panel
+constexpr int64_t ROW_TILE = 4;     // rows per register tile: 4 block sums + 4 accumulators + weights fit 16 registers
+constexpr int64_t ROW_CHUNK = 64;   // rows a panel meets before the next panel (their activations stay in L2)
 
 // The two record formats: their size, where the scales start, whether minimums follow them.
 struct Q4_1Panels {
@@ -55,8 +55,6 @@ struct Q8_0Panels {
     return static_cast<int8_t>(rec[32 * (f / 4) + 4 * c + place[f % 4]]);
   }
 };
-constexpr int64_t ROW_TILE = 4;             // rows per register tile: 4 block sums + 4 accumulators + weights fit 16 registers
-constexpr int64_t ROW_CHUNK = 64;           // rows a panel meets before the next panel (their activations stay in L2)
 
 float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
@@ -285,6 +283,25 @@ void run(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out_
       }
   });
 }
+
+// The optional bias [out] and residual [rows, out] added to a product, checked and made contiguous.
+struct LinearEpilogue {
+  std::optional<torch::Tensor> bias, residual;  // contiguous copies (or the tensors themselves)
+
+  LinearEpilogue(const std::optional<torch::Tensor>& b, const std::optional<torch::Tensor>& r, int64_t rows, int64_t out_features) {
+    if (b.has_value()) {
+      TORCH_CHECK(b->dim() == 1 && b->size(0) == out_features && b->scalar_type() == torch::kFloat32, "one float32 bias per output channel");
+      bias = b->contiguous();
+    }
+    if (r.has_value()) {
+      TORCH_CHECK(r->dim() == 2 && r->size(0) == rows && r->size(1) == out_features && r->scalar_type() == torch::kFloat32,
+                  "residual must be [rows, out] float32");
+      residual = r->contiguous();
+    }
+  }
+  const float* bias_ptr() const { return bias.has_value() ? bias->data_ptr<float>() : nullptr; }
+  const float* residual_ptr() const { return residual.has_value() ? residual->data_ptr<float>() : nullptr; }
+};
 
 }  // namespace
 
