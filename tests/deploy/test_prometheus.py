@@ -135,15 +135,18 @@ class Observed:
                 raise AssertionError(f"Prometheus never saw {expr} as expected: {result}")
             time.sleep(0.2)
 
+    def wait_for_scrapes_after(self, moment: float) -> None:
+        """Until Prometheus has scraped every tokenyard process after `moment` (a time.time())."""
+        self.wait_for('min(timestamp(up{job="tokenyard"}))', lambda result: bool(result) and sample_values(result)[0] > moment)
 
-def send_traffic(url: str, model: str, streams: tuple[bool, ...]) -> int:
-    """Chat completions sharing a long system prompt, streamed or not; returns how many."""
+
+def send_traffic(url: str, model: str, streams: tuple[bool, ...]) -> None:
+    """Chat completions sharing a long system prompt, streamed or not."""
     for stream in streams:
         messages = [{"role": "system", "content": PROMPT}, {"role": "user", "content": "Say hello."}]
         body = {"model": model, "messages": messages, "max_tokens": 6, "temperature": 0, "stream": stream}
         status, answer = http(f"{url}/v1/chat/completions", body)
         assert status == 200, f"stream={stream}: {status} {answer[:500]!r}"
-    return len(streams)
 
 
 def sample_values(result: list[dict]) -> list[float]:
@@ -191,12 +194,12 @@ def observed(tmp_path_factory) -> Iterator[Observed]:
         observed = Observed(stack_url, prometheus_url)
         observed.wait_for('up{job="tokenyard"} == 1', lambda result: len(result) == len(PROCESSES))
         model = json.loads(http(f"{stack_url}/v1/models")[1])["data"][0]["id"]
-        # Two rounds with a scrape between them, so every rate() sees its counters move.
-        sent = send_traffic(stack_url, model, streams=(False, True))
-        observed.wait_for("sum(tokenyard:e2e_request_latency_seconds_count)", lambda result: sample_values(result) == [sent])
-        sent += send_traffic(stack_url, model, streams=(True,))
-        observed.wait_for("sum(tokenyard:e2e_request_latency_seconds_count)", lambda result: sample_values(result) == [sent])
-        time.sleep(1.5)  # one more scrape of the other processes, whose scrapes are offset from the api's
+        # Two rounds with a scrape of every process between them (each process's scrapes have their
+        # own offset), so every rate() sees its counters move; the counters created by round one
+        # (labelled histograms appear at their first observation) need round two to move at all.
+        for streams in ((False, True), (True,)):
+            send_traffic(stack_url, model, streams)
+            observed.wait_for_scrapes_after(time.time())
         yield observed
 
 
