@@ -21,6 +21,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "activation_quant.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -33,10 +35,13 @@
 
 namespace {
 
-constexpr int64_t BLOCK = 32;       // input features per block
-constexpr int64_t PANEL = 8;        // output channels per panel
-constexpr int64_t ROW_TILE = 4;     // rows per register tile: 4 block sums + 4 accumulators + weights fit 16 registers
-constexpr int64_t ROW_CHUNK = 64;   // rows a panel meets before the next panel (their activations stay in L2)
+using activation_quant::QuantizedRows;
+using activation_quant::quantize_rows;
+
+constexpr int64_t BLOCK = activation_quant::BLOCK;  // input features per block (and per activation scale)
+constexpr int64_t PANEL = 8;                         // output channels per panel
+constexpr int64_t ROW_TILE = 4;                      // rows per register tile: 4 block sums + 4 accumulators + weights fit 16 registers
+constexpr int64_t ROW_CHUNK = 64;                    // rows a panel meets before the next panel (their activations stay in L2)
 
 // The two record formats: their size, where the scales start, whether minimums follow them.
 struct Q4_1Panels {
@@ -57,67 +62,6 @@ struct Q8_0Panels {
 };
 
 float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
-
-// The activations of a product: x ~= q * d per (row, block), q in -MAX..MAX of T; s = the block's sum of x itself.
-template <typename T>
-struct QuantizedRows {
-  static constexpr float MAX_CODE = sizeof(T) == 1 ? 127.f : 32767.f;
-  std::vector<T> q;      // [rows, k]
-  std::vector<float> d;  // [rows, blocks]
-  std::vector<float> s;  // [rows, blocks]
-  int64_t k, blocks;
-};
-
-template <typename T>
-void quantize_block(const float* x, T* q, float* d, float* s) {
-  constexpr float MAX_CODE = QuantizedRows<T>::MAX_CODE;
-#ifdef TOKENYARD_BLOCK_QUANT_GEMM_AVX2
-  __m256 v[4];
-  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i);
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  const __m256 amax8 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                     _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-  const __m256 sum8 = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-  __m128 t = _mm_add_ps(_mm256_castps256_ps128(sum8), _mm256_extractf128_ps(sum8, 1));
-  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-  *s = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-  *d = amax / MAX_CODE;
-  const __m256 inv = _mm256_set1_ps(amax > 0.f ? MAX_CODE / amax : 0.f);
-  __m256i i[4];
-  for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));  // nearest, as std::nearbyint
-  // packs work within 128-bit lanes, so 8-byte (int16) or 4-byte (int8) runs come out of order; a permute restores it.
-  if constexpr (sizeof(T) == 1) {
-    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-  } else {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permute4x64_epi64(_mm256_packs_epi32(i[0], i[1]), 0xd8));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(i[2], i[3]), 0xd8));
-  }
-#else
-  float amax = 0.f, sum = 0.f;
-  for (int i = 0; i < BLOCK; ++i) {
-    amax = std::max(amax, std::fabs(x[i]));
-    sum += x[i];
-  }
-  *s = sum;
-  *d = amax / MAX_CODE;
-  const float inv = amax > 0.f ? MAX_CODE / amax : 0.f;
-  for (int i = 0; i < BLOCK; ++i) q[i] = static_cast<T>(std::nearbyint(x[i] * inv));
-#endif
-}
-
-template <typename T>
-QuantizedRows<T> quantize_rows(const float* x, int64_t rows, int64_t k) {
-  const int64_t blocks = k / BLOCK;
-  QuantizedRows<T> a{std::vector<T>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks), k, blocks};
-  at::parallel_for(0, rows * blocks, 512, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) quantize_block<T>(x + b * BLOCK, a.q.data() + b * BLOCK, a.d.data() + b, a.s.data() + b);
-  });
-  return a;
-}
 
 // Plain loops: the reference for the vector tiles, and CPUs without AVX2. sums[r * PANEL + c].
 template <typename F, typename T>

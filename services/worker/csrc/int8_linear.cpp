@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "activation_quant.h"
 #include "avx2_sum.h"
 
 #include <algorithm>
@@ -23,24 +24,9 @@
 
 namespace {
 
-constexpr int64_t BLOCK = 32;  // activation features per scale
+constexpr int64_t BLOCK = activation_quant::BLOCK;  // activation features per scale
 constexpr int64_t TILE = 4;    // output channels per tile
 constexpr int64_t PREFETCH_TILES = 4;
-
-// x [rows, k] -> xq [rows, k] in -127..127 and xscale [rows, k / BLOCK], x ~= xq * xscale per block.
-void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* xq, float* xscale) {
-  const int64_t blocks = k / BLOCK;
-  at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const float* src = x + b * BLOCK;
-      float amax = 0.f;
-      for (int64_t i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(src[i]));
-      const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      xscale[b] = scale;
-      for (int64_t i = 0; i < BLOCK; ++i) xq[b * BLOCK + i] = static_cast<int8_t>(std::nearbyint(src[i] * inv));
-    }
-  });
-}
 
 // The same arithmetic in plain loops: tiles the vector kernels do not take, and CPUs without AVX2.
 void tile_generic(const int8_t* xq, const float* xscale, const int8_t* w, int64_t rows, int64_t cols, int64_t k, float* sums) {
@@ -118,9 +104,9 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& weight, c
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == torch::kFloat32, "one float32 bias per output channel");
     bc = bias->contiguous();
   }
-  std::vector<int8_t> xq(rows * k);
-  std::vector<float> xscale(rows * blocks);
-  quantize_rows(xc.data_ptr<float>(), rows, k, xq.data(), xscale.data());
+  const auto a = activation_quant::quantize_rows<int8_t>(xc.data_ptr<float>(), rows, k);
+  const std::vector<int8_t>& xq = a.q;
+  const std::vector<float>& xscale = a.d;
   auto out = torch::empty({rows, out_features}, x.options());
   const int8_t* w_ptr = weight.data_ptr<int8_t>();
   const float* s_ptr = sc.data_ptr<float>();
