@@ -204,8 +204,8 @@ def paged_attention_cpp(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, 
     decode or a prefill chunk's, is a query over the cache up to its own position (causal by
     construction), read in place through its request's block table (fp32 or fp16 storage). A fresh
     chunk thus attends over its keys as the cache holds them, as a later prefix-cache hit will."""
-    cache.index_copy_(0, meta.write_slots, kv.to(cache.dtype))
     kernels, _ = cpu_kernels()
+    kernels.store_kv_(cache, kv, meta.write_slots)
     out = kernels.paged_decode_attention(q, cache, meta.row_block_tables, meta.row_context_lens, meta.block_size, q.shape[-1] ** -0.5)
     return out.view(q.shape[0], -1)
 

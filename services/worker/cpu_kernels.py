@@ -22,7 +22,16 @@ log = structlog.get_logger()
 
 SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("bindings.cpp", "paged_decode_attention.cpp", "int8_linear.cpp", "block_quant_gemm.cpp", "decoder_fusions.cpp", "dense_decoder.cpp")
+    for name in (
+        "bindings.cpp",
+        "paged_decode_attention.cpp",
+        "kv_store.cpp",
+        "int8_linear.cpp",
+        "block_quant_gemm.cpp",
+        "decoder_fusions.cpp",
+        "dense_decoder.cpp",
+        "argmax_rows.cpp",
+    )
 ]
 # csrc/*.h are included by these; ninja's dependency files rebuild the module when one changes.
 

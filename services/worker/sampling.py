@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from services.worker.cpu_kernels import cpu_kernels
 from shared.frames import SamplingParams, TokenLogprobs
 
 
@@ -93,9 +94,18 @@ def _apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], his
     logits[index] = sub
 
 
+def row_argmax(scores: torch.Tensor) -> torch.Tensor:
+    """``scores.argmax(dim=-1)`` of [N, V] scores; fp32 on the CPU through the C++ kernel (torch's
+    reduction takes ~0.85 ms for 32 rows of a 49152-entry vocabulary, the kernel ~0.16)."""
+    kernels, _ = cpu_kernels()
+    if kernels is not None and scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 2:
+        return kernels.argmax_rows(scores)
+    return scores.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """One token id per row of ``logits`` [N, V] (already processed); ``generators[i]`` is row i's rng (None: the global one)."""
-    greedy = logits.argmax(dim=-1)
+    greedy = row_argmax(logits)
     random_rows = [i for i, p in enumerate(params) if p.temperature > 0]
     if not random_rows:
         return greedy
@@ -112,7 +122,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
     for j, i in enumerate(random_rows):
         if (generator := generators[i]) is not None:
             race[j].exponential_(generator=generator)
-    drawn = probs.div_(race.clamp_min_(1e-30)).argmax(dim=-1)
+    drawn = row_argmax(probs.div_(race.clamp_min_(1e-30)))
     return greedy.index_copy_(0, rows, drawn)
 
 

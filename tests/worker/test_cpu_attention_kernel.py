@@ -1,6 +1,7 @@
 """The C++ decode-attention kernel (the ``cpp`` backend, the CPU's default for fp32) against the torch
 path: decodes in place through out-of-order block tables beside prefill chunks, GQA groups of 1-4,
-contexts ending on, before and after block boundaries; refusal of a plan that points outside the cache."""
+contexts ending on, before and after block boundaries; queries read in place from the fused qkv rows;
+refusal of a plan that points outside the cache, for reads and for the step's cache write."""
 
 from __future__ import annotations
 
@@ -90,3 +91,29 @@ def test_the_kernel_matches_a_reference_over_long_and_ragged_contexts(dtype: tor
     scale = dim**-0.5
     ours = kernels.paged_decode_attention(q, cache, blocks, lens, block_size, scale)
     torch.testing.assert_close(ours, reference_attention(q, cache, blocks, lens, block_size, scale), rtol=1e-5, atol=1e-5)
+
+
+def test_a_write_outside_the_cache_is_refused_before_anything_is_written() -> None:
+    """``store_kv_`` (the cpp backend's cache write) checks every slot first; int32 slots work as int64 do."""
+    kernels, _ = cpu_kernels()
+    cache = torch.zeros(16, 2, 2, 32, dtype=torch.float16)
+    kv = torch.randn(3, 2, 2, 32)
+    with pytest.raises(RuntimeError, match="outside the KV cache"):
+        kernels.store_kv_(cache, kv, torch.tensor([1, 16, 2]))
+    assert not cache.any()
+    kernels.store_kv_(cache, kv, torch.tensor([1, 15, 2], dtype=torch.int32))
+    torch.testing.assert_close(cache[[1, 15, 2]], kv.half(), rtol=0, atol=0)
+
+
+def test_queries_are_read_in_place_from_the_fused_qkv_rows() -> None:
+    """The model hands the kernel ``qkv[:, :heads]``, a view whose rows are further apart than its heads:
+    the answer is the contiguous copy's, to the bit."""
+    kernels, _ = cpu_kernels()
+    cache = torch.randn(4 * 8, 2, 3, 64)
+    qkv = torch.randn(5, 9 + 2 * 3, 64)
+    tables, lens = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2], [0, 2]], dtype=torch.int32), torch.tensor([9, 16, 3, 12, 1], dtype=torch.int32)
+    view = qkv[:, :9]
+    assert not view.is_contiguous()
+    ours = kernels.paged_decode_attention(view, cache, tables, lens, 8, 0.125)
+    torch.testing.assert_close(ours, kernels.paged_decode_attention(view.contiguous(), cache, tables, lens, 8, 0.125), rtol=0, atol=0)
+    torch.testing.assert_close(ours, reference_attention(view.contiguous(), cache, tables, lens, 8, 0.125), rtol=1e-5, atol=1e-5)

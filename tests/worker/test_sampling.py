@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from services.worker.sampling import LogitBias, TokenHistory, process_logits, sample, token_logprobs
+from services.worker.cpu_kernels import cpu_kernels
+from services.worker.sampling import LogitBias, TokenHistory, process_logits, row_argmax, sample, token_logprobs
 from shared.frames import SamplingParams
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
@@ -183,3 +184,25 @@ def test_seeded_penalised_row_draws_the_same_tokens_in_any_batch() -> None:
     alone = draws([0])
     assert draws([2, 0, 1]) == alone and draws([1, 2, 0]) == alone
     assert len(set(alone)) > 2  # it really samples
+
+
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 1), (3, 7), (2, 8), (4, 13), (5, 1003), (32, 49152)])
+def test_row_argmax_is_torch_argmax(rows: int, vocab: int) -> None:
+    """Greedy's argmax (the C++ kernel for fp32 on the CPU): rows shorter than, equal to and not a
+    multiple of its eight lanes, and the default model's vocabulary."""
+    assert cpu_kernels()[0] is not None, "the kernel under test is not built"
+    scores = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows * vocab))
+    assert torch.equal(row_argmax(scores), scores.argmax(dim=-1))
+
+
+def test_row_argmax_answers_ties_infinities_and_nan_as_torch_does() -> None:
+    scores = torch.zeros(6, 40)
+    scores[0, [5, 30]] = 1.0  # a tie between lanes: the first position
+    scores[1] = float("-inf")  # nothing larger than -inf: position 0
+    scores[2, [17, 3]] = float("nan")  # NaN wins, the first one
+    scores[3, 39] = float("inf")  # in the tail past the last whole eight
+    scores[4] = torch.randint(0, 3, (40,), generator=torch.Generator().manual_seed(0)).float()  # ties in every lane
+    scores[5, 36] = float("nan")  # NaN only in the tail
+    assert torch.equal(row_argmax(scores), scores.argmax(dim=-1))
+    short = torch.tensor([[1.0, float("nan"), 3.0], [2.0, 2.0, 1.0]])
+    assert torch.equal(row_argmax(short), short.argmax(dim=-1))

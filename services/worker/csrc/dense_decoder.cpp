@@ -34,7 +34,7 @@ torch::Tensor dense_decoder_layers(const torch::Tensor& embedded, const std::vec
     const auto qkv_rows = block_quant_gemm(x, qkv[i], qkv_width, qkv_bias[i], std::nullopt, INT16).view({rows, heads + 2 * kv_heads, head_dim});
     rotary_(qkv_rows.narrow(1, 0, heads + kv_heads), cos, sin);
     const auto kv = qkv_rows.narrow(1, heads, 2 * kv_heads).view({rows, 2, kv_heads, head_dim});
-    caches[i].index_copy_(0, write_slots, kv.to(caches[i].scalar_type()));
+    store_kv_(caches[i], kv, write_slots);
     const auto attended = paged_decode_attention(qkv_rows.narrow(1, 0, heads), caches[i], block_tables, context_lens, block_size, scale).view({rows, attn_width});
     std::tie(x, residual) = add_rms_norm(block_quant_gemm(attended, o_proj[i], hidden, o_bias[i], std::nullopt, INT16), residual, norms[2 * i + 1], eps);
     const auto activated = silu_and_mul(block_quant_gemm(x, gate_up[i], 2 * BLOCK_FEATURES * down[i].size(1), std::nullopt, std::nullopt, INT16));

@@ -247,10 +247,13 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   TORCH_CHECK(block_tables.size(0) >= batch && context_lens.size(0) >= batch, "one block table row and one context length per request");
   const int64_t group = heads / kv_heads, width = block_tables.size(1);
 
-  const auto qc = q.contiguous();
+  // Each row's heads contiguous is all the kernel needs: q is usually a view of the step's fused qkv
+  // rows, read in place rather than copied.
+  const auto qc = q.stride(2) == 1 && q.stride(1) == dim ? q : q.contiguous();
+  const int64_t q_row = qc.stride(0);
   const auto tables = block_tables.contiguous();
   const auto lens = context_lens.contiguous();
-  auto out = torch::empty_like(qc);
+  auto out = torch::empty({batch, heads, dim}, q.options());
   const float* q_ptr = qc.data_ptr<float>();
   const int32_t* table_ptr = tables.data_ptr<int32_t>();
   const int32_t* len_ptr = lens.data_ptr<int32_t>();
@@ -289,7 +292,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
           for (int64_t i = 0, n = std::min(block_size, len - start); i < n; ++i) keys[start + i] = block + i * slot_stride;
         }
         std::fill(keys.begin() + len, keys.begin() + stride, keys[len - 1]);  // readable padding (scored -inf)
-        const Item<T> it{q_ptr + (b * heads + h * group) * dim, keys.data(), scores.data(), out_ptr + (b * heads + h * group) * dim,
+        const Item<T> it{q_ptr + b * q_row + h * group * dim, keys.data(), scores.data(), out_ptr + (b * heads + h * group) * dim,
                          len, stride, value_offset, group, dim, fscale};
         attend_any(it, widened.data(), sums.data());
       }
