@@ -161,6 +161,17 @@ def launched_stack(port: int, flags: list[str], log_path: str) -> AbstractContex
     return running_service("launcher", port, flags, log_path)
 
 
+def wait_supervised(stack: Stack, timeout: float) -> None:
+    """Waits until the launcher says the stack is ready: from then on a child that dies is restarted.
+    The api answers /health 200 a moment before the launcher's own poll sees it, and a child killed
+    in between is a failed start, after which the launcher stops the whole stack; so a test that
+    kills children waits for this line, not only for /health."""
+    deadline = time.monotonic() + timeout
+    while "tokenyard is ready" not in stack.log():
+        assert stack.process.poll() is None and time.monotonic() < deadline, stack.log()[-3000:]
+        time.sleep(0.2)
+
+
 def wait_healthy(stack: Stack, timeout: float) -> float:
     """Waits until the api's /health answers 200; returns the seconds it took."""
     started = time.monotonic()

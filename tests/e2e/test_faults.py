@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from bench.stack_client import free_port_block
-from tests.e2e.conftest import Stack, launched_stack, metric_value, wait_healthy, wait_until_quiescent
+from tests.e2e.conftest import Stack, launched_stack, metric_value, wait_healthy, wait_supervised, wait_until_quiescent
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -21,6 +21,7 @@ def fresh_stack(tmp_path_factory) -> Stack:
     log_path = str(tmp_path_factory.mktemp("faults") / "stack.log")
     with launched_stack(free_port_block(), ["--kv-cache-tokens", "4096"], log_path) as stack:
         wait_healthy(stack, 300)
+        wait_supervised(stack, 30)  # the tests kill children: the launcher must be restarting them
         yield stack
 
 

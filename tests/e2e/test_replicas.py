@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from bench.stack_client import free_port_block
-from tests.e2e.conftest import ENGINES, Replicas, build_tiny_smollm, launched_stack, metric_value
+from tests.e2e.conftest import ENGINES, Replicas, build_tiny_smollm, launched_stack, metric_value, wait_supervised
 
 MODEL = "tiny-smollm"
 
@@ -29,6 +29,7 @@ def replicas(tmp_path_factory) -> Replicas:
     with launched_stack(free_port_block(7), flags, str(tmp / "stack.log")) as stack:
         replicas = Replicas(stack)
         replicas.wait_all_in_rotation(180)
+        wait_supervised(stack, 30)  # the tests kill engine processes: the launcher must be restarting them
         yield replicas
 
 

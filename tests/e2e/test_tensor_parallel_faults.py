@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from bench.stack_client import free_port_block
-from tests.e2e.conftest import Stack, build_tiny_smollm, http_get, launched_stack, wait_healthy, wait_until_quiescent
+from tests.e2e.conftest import Stack, build_tiny_smollm, http_get, launched_stack, wait_healthy, wait_supervised, wait_until_quiescent
 
 MODEL = "tiny-smollm"
 FAIL_FAST_S = 15.0  # far below the group's 600s timeout; on a quiet machine it takes about one second
@@ -31,6 +31,7 @@ def tp_stack(tmp_path_factory) -> Stack:
     flags = ["--model", str(tmp / MODEL), "--tensor-parallel-size", "2", "--num-threads", "1", "--kv-cache-tokens", "8192"]
     with launched_stack(free_port_block(), flags, str(tmp / "stack.log")) as stack:
         wait_healthy(stack, 300)
+        wait_supervised(stack, 30)  # the tests kill ranks: the launcher must be restarting them
         yield stack
 
 
