@@ -94,7 +94,8 @@ def test_the_kernel_matches_a_reference_over_long_and_ragged_contexts(dtype: tor
 
 
 def test_a_write_outside_the_cache_is_refused_before_anything_is_written() -> None:
-    """``store_kv_`` (the cpp backend's cache write) checks every slot first; int32 slots work as int64 do."""
+    """``store_kv_`` (the cpp backend's cache write) checks every slot first; int32 slots work as int64
+    do, and a kv whose rows are not contiguous is written as its contiguous copy would be."""
     kernels, _ = cpu_kernels()
     cache = torch.zeros(16, 2, 2, 32, dtype=torch.float16)
     kv = torch.randn(3, 2, 2, 32)
@@ -103,6 +104,9 @@ def test_a_write_outside_the_cache_is_refused_before_anything_is_written() -> No
     assert not cache.any()
     kernels.store_kv_(cache, kv, torch.tensor([1, 15, 2], dtype=torch.int32))
     torch.testing.assert_close(cache[[1, 15, 2]], kv.half(), rtol=0, atol=0)
+    scattered = torch.randn(3, 32, 2, 2).permute(0, 2, 3, 1)  # a token's values not contiguous: copied first
+    kernels.store_kv_(cache, scattered, torch.tensor([4, 5, 6]))
+    torch.testing.assert_close(cache[[4, 5, 6]], scattered.half(), rtol=0, atol=0)
 
 
 def test_queries_are_read_in_place_from_the_fused_qkv_rows() -> None:

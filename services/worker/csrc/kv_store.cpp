@@ -31,15 +31,17 @@ void store_kv_(const torch::Tensor& cache, const torch::Tensor& kv, const torch:
   TORCH_CHECK(kv.dim() == 4 && kv.scalar_type() == torch::kFloat32 && kv.sizes().slice(1).equals(cache.sizes().slice(1)),
               "kv must be [tokens, 2, kv_heads, head_dim] float32, the cache's row shape");
   const int64_t row = cache.stride(0), tokens = kv.size(0);
-  TORCH_CHECK(kv.stride(3) == 1 && kv.stride(2) == kv.size(3) && kv.stride(1) == kv.size(2) * kv.size(3), "each token's keys and values must be contiguous");
+  // A token's keys and values contiguous is all the copy needs (kv is usually a view of the fused qkv rows).
+  const bool rows_contiguous = kv.stride(3) == 1 && kv.stride(2) == kv.size(3) && kv.stride(1) == kv.size(2) * kv.size(3);
+  const auto kvc = rows_contiguous ? kv : kv.contiguous();
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == tokens && (slots.scalar_type() == torch::kLong || slots.scalar_type() == torch::kInt),
               "one int64 (or int32) slot per token");
   const auto sc = slots.to(torch::kLong).contiguous();  // no copy when already int64
   const int64_t* slot = sc.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)  // checked up front: a bad plan must not write outside the cache
     TORCH_CHECK(slot[t] >= 0 && slot[t] < cache.size(0), "slot ", slot[t], " is outside the KV cache of ", cache.size(0), " slots");
-  const float* src = kv.data_ptr<float>();
-  const int64_t src_stride = kv.stride(0);
+  const float* src = kvc.data_ptr<float>();
+  const int64_t src_stride = kvc.stride(0);
   if (cache.scalar_type() == torch::kHalf) {
     c10::Half* dst = cache.data_ptr<c10::Half>();
     for (int64_t t = 0; t < tokens; ++t) narrow_row(src + t * src_stride, dst + slot[t] * row, row);
