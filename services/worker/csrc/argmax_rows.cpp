@@ -1,7 +1,7 @@
 // Greedy sampling's argmax over each row of fp32 logits, as torch.argmax(dim=-1) answers it (the
 // first index of the largest value; a row holding NaN answers its first NaN), eight lanes at a time
 // and rows split over the threads: torch's CPU reduction reads ~7 GB/s (0.85 ms for 32 rows of a
-// 49152-token vocabulary), this ~10x faster.
+// 49152-token vocabulary), this ~5x faster (0.16 ms).
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
