@@ -12,14 +12,14 @@ peer without the secret key never gets a frame through.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import structlog
 import zmq
-import zmq.asyncio
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
@@ -28,6 +28,7 @@ from shared.frames import Frame
 from shared.metrics import FRAME_BYTES, FRAME_DECODE_ERRORS, FRAMES
 
 _HWM = 100_000  # frames queued per socket before a send would block
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enum arithmetic costs microseconds per frame
 
 log = structlog.get_logger()
 
@@ -125,22 +126,8 @@ def _prepare_bind(address: str) -> None:
 
 
 class _Receiver:
-    """Decoding and accounting shared by the sync and asyncio inboxes."""
+    """Decoding and accounting shared by the blocking and event-loop inboxes."""
 
-    name: str
-
-    def _decode(self, data: bytes) -> Frame | None:
-        FRAMES.labels(self.name, "received").inc()
-        FRAME_BYTES.labels(self.name, "received").inc(len(data))
-        try:
-            return decode(data)
-        except FrameDecodeError as exc:
-            FRAME_DECODE_ERRORS.labels(self.name).inc()
-            log.error("frame_decode_error", socket=self.name, error=str(exc))
-            return None
-
-
-class Inbox(_Receiver):
     def __init__(self, ctx: zmq.Context, address: str, name: str, curve: Curve | None = None) -> None:
         _prepare_bind(address)
         self.name = name
@@ -150,41 +137,74 @@ class Inbox(_Receiver):
         self.socket.setsockopt(zmq.LINGER, 0)
         _secure_server(self.socket, ctx, address, curve)
         self.socket.bind(address)
+        # Every frame is counted: the labelled children are looked up once, not per frame.
+        self._frames = FRAMES.labels(name, "received")
+        self._bytes = FRAME_BYTES.labels(name, "received")
+        self._decode_errors = FRAME_DECODE_ERRORS.labels(name)
+
+    def _decode(self, data: bytes) -> Frame | None:
+        self._frames.inc()
+        self._bytes.inc(len(data))
+        try:
+            return decode(data)
+        except FrameDecodeError as exc:
+            self._decode_errors.inc()
+            log.error("frame_decode_error", socket=self.name, error=str(exc))
+            return None
+
+    def close(self) -> None:
+        self.socket.close(0)
+
+
+class Inbox(_Receiver):
+    """A blocking inbox, for the processes whose loop is a plain ``while``."""
 
     def recv(self, timeout_ms: int) -> Iterator[Frame]:
         """Waits up to timeout_ms for a frame, then yields every frame already queued."""
         if not self.socket.poll(timeout_ms):
             return
-        while True:
+        while self.socket.getsockopt(_EVENTS) & _POLLIN:  # cheaper than reading until zmq.Again is raised
+            frame = self._decode(self.socket.recv(zmq.NOBLOCK))
+            if frame is not None:
+                yield frame
+
+
+class AsyncInbox(_Receiver):
+    """An inbox read from an asyncio loop: ``start(on_frame)`` calls ``on_frame`` with each frame as it arrives.
+
+    A plain socket whose file descriptor the loop watches: when it signals, every queued frame is
+    read without blocking. (zmq.asyncio's per-message futures cost more than the frame itself.)
+    The descriptor signals edges, so each wake-up reads until ZMQ says nothing is left.
+    """
+
+    def __init__(self, ctx: zmq.Context, address: str, name: str, curve: Curve | None = None) -> None:
+        super().__init__(ctx, address, name, curve)
+        self._on_frame: Callable[[Frame], None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self, on_frame: Callable[[Frame], None]) -> None:
+        self._on_frame, self._loop = on_frame, asyncio.get_running_loop()
+        self._loop.add_reader(self.socket.getsockopt(zmq.FD), self._drain)
+        self._loop.call_soon(self._drain)  # frames that arrived before the reader was added raised no edge
+
+    def _drain(self) -> None:
+        while self.socket.getsockopt(_EVENTS) & _POLLIN:
             try:
                 data = self.socket.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
             frame = self._decode(data)
-            if frame is not None:
-                yield frame
+            if frame is None:
+                continue
+            try:
+                self._on_frame(frame)
+            except Exception:  # one bad frame must not stop the inbox: the edge is consumed, no second call comes
+                log.exception("frame_handler_failed", socket=self.name, frame=type(frame).__name__)
 
     def close(self) -> None:
-        self.socket.close(0)
-
-
-class AsyncInbox(_Receiver):
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, name: str, curve: Curve | None = None) -> None:
-        _prepare_bind(address)
-        self.name = name
-        self.address = address
-        self.socket = ctx.socket(zmq.PULL)
-        self.socket.setsockopt(zmq.RCVHWM, _HWM)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        _secure_server(self.socket, ctx, address, curve)
-        self.socket.bind(address)
-
-    async def recv(self) -> Frame | None:
-        """The next frame; None for one that failed to decode."""
-        return self._decode(await self.socket.recv())
-
-    def close(self) -> None:
-        self.socket.close(0)
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self.socket.getsockopt(zmq.FD))
+        super().close()
 
 
 class Outbox:
@@ -196,12 +216,14 @@ class Outbox:
         self.socket.setsockopt(zmq.LINGER, 0)
         _secure_client(self.socket, curve)
         self.socket.connect(address)
+        self._frames = FRAMES.labels(name, "sent")
+        self._bytes = FRAME_BYTES.labels(name, "sent")
 
     def send(self, frame: Frame) -> None:
         data = encode(frame)
         self.socket.send(data, zmq.NOBLOCK)
-        FRAMES.labels(self.name, "sent").inc()
-        FRAME_BYTES.labels(self.name, "sent").inc(len(data))
+        self._frames.inc()
+        self._bytes.inc(len(data))
 
     def close(self) -> None:
         self.socket.close(0)

@@ -15,7 +15,6 @@ from typing import Protocol
 
 import structlog
 import zmq
-import zmq.asyncio
 
 from services.api.errors import ApiError
 from services.api.metrics import REPLICA_FAILED, REPLICA_IN_FLIGHT, REPLICA_LATENCY, REPLICA_READY, ROUTED
@@ -99,7 +98,7 @@ class EngineClient:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
         self.policy = make_policy(config.router_policy, config.block_size)
-        self.ctx = zmq.asyncio.Context()
+        self.ctx = zmq.Context()  # sends never block (NOBLOCK, high-water marks); the inbox is read from the loop
         curve = Curve.from_file(config.curve_key_file)
         self.inbox = AsyncInbox(self.ctx, config.api_address, "api_inbox", curve)
         self.replicas = {
@@ -118,7 +117,8 @@ class EngineClient:
     # Lifecycle. ------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
+        self.inbox.start(self._on_frame)
+        self._tasks = [asyncio.create_task(self._watch())]
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -232,21 +232,19 @@ class EngineClient:
 
     # Receiving. ------------------------------------------------------------------------
 
-    async def _receive(self) -> None:
-        while True:
-            frame = await self.inbox.recv()
-            if isinstance(frame, TextBatch):
-                for delta in frame.deltas:
-                    queue = self.streams.get(delta.rid)
-                    if queue is not None:
-                        queue.put_nowait(delta)
-            elif isinstance(frame, EngineStatus):
-                self._on_status(frame)
-            elif isinstance(frame, Error):
-                self._fail(list(self.streams) if not frame.rid else [frame.rid], frame)
-            elif frame is not None:
-                log.warning("unexpected_frame", frame=type(frame).__name__)
-                FRAMES_UNEXPECTED.labels(self.inbox.name).inc()
+    def _on_frame(self, frame: object) -> None:
+        if isinstance(frame, TextBatch):
+            for delta in frame.deltas:
+                queue = self.streams.get(delta.rid)
+                if queue is not None:
+                    queue.put_nowait(delta)
+        elif isinstance(frame, EngineStatus):
+            self._on_status(frame)
+        elif isinstance(frame, Error):
+            self._fail(list(self.streams) if not frame.rid else [frame.rid], frame)
+        else:
+            log.warning("unexpected_frame", frame=type(frame).__name__)
+            FRAMES_UNEXPECTED.labels(self.inbox.name).inc()
 
     def _on_status(self, status: EngineStatus) -> None:
         # Until this api's announcement reaches it, a scheduler addresses the configured api with engine "".

@@ -143,17 +143,21 @@ class SchedulerLoop:
         while not self.stopping:
             can_plan = self.ready and len(self.in_flight) < self.config.pipeline_depth and not idle
             timeout_ms = 0 if can_plan else int(self.config.heartbeat_s * 1000)
+            changed = False  # the gauges are set once per pass, after all of its frames and its plan
             for frame in self.inbox.recv(timeout_ms):
-                idle = False
+                idle, changed = False, True
                 self._handle(frame)
             if self.ready and len(self.in_flight) < self.config.pipeline_depth:
                 idle = not self._plan_and_send()
+                changed = changed or not idle
             now = time.monotonic()
             if now >= next_status:
                 self._check_peers()
                 self._send_status()
-                self._update_gauges()
+                changed = True
                 next_status = now + self.config.heartbeat_s
+            if changed:
+                self._update_gauges()
         self.log.info("scheduler_stopping")
 
     def _plan_and_send(self) -> bool:
@@ -177,7 +181,6 @@ class SchedulerLoop:
         self.to_worker.send(plan)
         self.in_flight[plan.step] = (time.monotonic(), [s.rid for s in plan.slices])
         self.next_step += 1
-        self._update_gauges()
         return True
 
     def _handle(self, frame: object) -> None:
@@ -234,7 +237,6 @@ class SchedulerLoop:
         (self.log.warning if rids else self.log.info)("api_lost", address=address, aborted_requests=len(rids))
         for rid in rids:
             self._send(self.core.finish(rid, FinishReason.ABORT))
-        self._update_gauges()
 
     def _on_result(self, result: StepResult) -> None:
         if result.step not in self.in_flight:
@@ -242,7 +244,6 @@ class SchedulerLoop:
         _, rids = self.in_flight.pop(result.step)
         if not result.error:
             self._send(self.core.on_result(result))
-            self._update_gauges()
             return
         self.log.error("step_failed", step=result.step, error=result.error, requests=len(rids))
         self._fail(rids, 500, f"the worker failed the step: {result.error}")
@@ -290,7 +291,6 @@ class SchedulerLoop:
         self.log.error("peer_lost", peer=name, why=why, failed_requests=len(self.core.requests))
         self._send_status()
         self._fail(list(self.core.requests), 503, f"the {name} process was lost ({why}); retry the request")
-        self._update_gauges()
 
     def _fail(self, rids: list[str], status: int, message: str) -> None:
         """Ends these requests with an error to their api replica; the worker and detokenizer drop their state of them."""

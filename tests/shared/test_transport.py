@@ -1,12 +1,14 @@
-"""The inbox survives garbage: it logs and counts the bad frame and delivers the next good one."""
+"""The inboxes survive garbage: they log and count the bad frame and deliver the next good one."""
 
 from __future__ import annotations
+
+import asyncio
 
 import zmq
 
 from shared.frames import Abort
 from shared.metrics import FRAME_DECODE_ERRORS
-from shared.transport import Inbox, Outbox
+from shared.transport import AsyncInbox, Inbox, Outbox
 
 
 def test_garbage_frame_is_counted_and_skipped(tmp_path) -> None:
@@ -26,6 +28,47 @@ def test_garbage_frame_is_counted_and_skipped(tmp_path) -> None:
             break
     assert received == [Abort(rid="r1")]
     assert FRAME_DECODE_ERRORS.labels("test_inbox")._value.get() == before + 1
+    for s in (raw, outbox, inbox):
+        s.close()
+    ctx.term()
+
+
+async def test_the_event_loop_inbox_delivers_early_frames_and_outlives_bad_ones(tmp_path) -> None:
+    """Frames queued before ``start`` arrive (they raised no edge); a garbage frame is counted and a
+    handler that raises is logged, and neither stops the frames after them."""
+    ctx = zmq.Context()
+    address = f"ipc://{tmp_path}/inbox.sock"
+    inbox = AsyncInbox(ctx, address, "test_async_inbox")
+    raw = ctx.socket(zmq.PUSH)
+    raw.connect(address)
+    outbox = Outbox(ctx, address, "test_async_outbox")
+    errors_before = FRAME_DECODE_ERRORS.labels("test_async_inbox")._value.get()
+    outbox.send(Abort(rid="early"))
+    await asyncio.sleep(0.2)  # queued in the inbox before anyone reads it
+    received: list = []
+
+    def on_frame(frame) -> None:
+        received.append(frame)
+        if frame.rid == "raises":
+            raise RuntimeError("a handler bug")
+
+    inbox.start(on_frame)
+    raw.send(b"\xc1 definitely not msgpack")
+    for rid in ("raises", "after"):
+        outbox.send(Abort(rid=rid))
+    for _ in range(50):
+        if len(received) == 3:
+            break
+        await asyncio.sleep(0.05)
+    assert [f.rid for f in received] == ["early", "raises", "after"]
+    assert FRAME_DECODE_ERRORS.labels("test_async_inbox")._value.get() == errors_before + 1
+    for _ in range(3):  # later bursts still wake the loop
+        outbox.send(Abort(rid="later"))
+    for _ in range(50):
+        if len(received) == 6:
+            break
+        await asyncio.sleep(0.05)
+    assert [f.rid for f in received[3:]] == ["later"] * 3
     for s in (raw, outbox, inbox):
         s.close()
     ctx.term()
