@@ -189,11 +189,7 @@ class AsyncInbox(_Receiver):
 
     def _drain(self) -> None:
         while self.socket.getsockopt(_EVENTS) & _POLLIN:
-            try:
-                data = self.socket.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            frame = self._decode(data)
+            frame = self._decode(self.socket.recv(zmq.NOBLOCK))
             if frame is None:
                 continue
             try:
