@@ -149,7 +149,7 @@ class SchedulerLoop:
                 self._handle(frame)
             if self.ready and len(self.in_flight) < self.config.pipeline_depth:
                 idle = not self._plan_and_send()
-                changed = changed or not idle
+                changed = True  # a plan, or preemptions even where the plan came out empty
             now = time.monotonic()
             if now >= next_status:
                 self._check_peers()
