@@ -152,6 +152,14 @@ class _Receiver:
             log.error("frame_decode_error", socket=self.name, error=str(exc))
             return None
 
+    def _queued(self) -> Iterator[Frame]:
+        """Every frame already queued, read without blocking while ZMQ_EVENTS says one is there (cheaper
+        than reading until zmq.Again is raised, and what re-arms an edge-signalling ZMQ_FD)."""
+        while self.socket.getsockopt(_EVENTS) & _POLLIN:
+            frame = self._decode(self.socket.recv(zmq.NOBLOCK))
+            if frame is not None:
+                yield frame
+
     def close(self) -> None:
         self.socket.close(0)
 
@@ -161,12 +169,8 @@ class Inbox(_Receiver):
 
     def recv(self, timeout_ms: int) -> Iterator[Frame]:
         """Waits up to timeout_ms for a frame, then yields every frame already queued."""
-        if not self.socket.poll(timeout_ms):
-            return
-        while self.socket.getsockopt(_EVENTS) & _POLLIN:  # cheaper than reading until zmq.Again is raised
-            frame = self._decode(self.socket.recv(zmq.NOBLOCK))
-            if frame is not None:
-                yield frame
+        if self.socket.poll(timeout_ms):
+            yield from self._queued()
 
 
 class AsyncInbox(_Receiver):
@@ -188,10 +192,7 @@ class AsyncInbox(_Receiver):
         self._loop.call_soon(self._drain)  # frames that arrived before the reader was added raised no edge
 
     def _drain(self) -> None:
-        while self.socket.getsockopt(_EVENTS) & _POLLIN:
-            frame = self._decode(self.socket.recv(zmq.NOBLOCK))
-            if frame is None:
-                continue
+        for frame in self._queued():
             try:
                 self._on_frame(frame)
             except Exception:  # one bad frame must not stop the inbox: the edge is consumed, no second call comes

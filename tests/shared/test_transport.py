@@ -11,13 +11,18 @@ from shared.metrics import FRAME_DECODE_ERRORS
 from shared.transport import AsyncInbox, Inbox, Outbox
 
 
-def test_garbage_frame_is_counted_and_skipped(tmp_path) -> None:
+def _sockets(tmp_path, inbox_type: type[Inbox] | type[AsyncInbox], name: str) -> tuple[zmq.Context, Inbox | AsyncInbox, zmq.Socket, Outbox]:
+    """An inbox of ``inbox_type`` named ``name``, a raw PUSH socket (for garbage) and an outbox, both sending to it."""
     ctx = zmq.Context()
     address = f"ipc://{tmp_path}/inbox.sock"
-    inbox = Inbox(ctx, address, "test_inbox")
+    inbox = inbox_type(ctx, address, name)
     raw = ctx.socket(zmq.PUSH)
     raw.connect(address)
-    outbox = Outbox(ctx, address, "test_outbox")
+    return ctx, inbox, raw, Outbox(ctx, address, f"{name}_outbox")
+
+
+def test_garbage_frame_is_counted_and_skipped(tmp_path) -> None:
+    ctx, inbox, raw, outbox = _sockets(tmp_path, Inbox, "test_inbox")
     before = FRAME_DECODE_ERRORS.labels("test_inbox")._value.get()
     raw.send(b"\xc1 definitely not msgpack")
     outbox.send(Abort(rid="r1"))
@@ -36,12 +41,7 @@ def test_garbage_frame_is_counted_and_skipped(tmp_path) -> None:
 async def test_the_event_loop_inbox_delivers_early_frames_and_outlives_bad_ones(tmp_path) -> None:
     """Frames queued before ``start`` arrive (they raised no edge); a garbage frame is counted and a
     handler that raises is logged, and neither stops the frames after them."""
-    ctx = zmq.Context()
-    address = f"ipc://{tmp_path}/inbox.sock"
-    inbox = AsyncInbox(ctx, address, "test_async_inbox")
-    raw = ctx.socket(zmq.PUSH)
-    raw.connect(address)
-    outbox = Outbox(ctx, address, "test_async_outbox")
+    ctx, inbox, raw, outbox = _sockets(tmp_path, AsyncInbox, "test_async_inbox")
     errors_before = FRAME_DECODE_ERRORS.labels("test_async_inbox")._value.get()
     outbox.send(Abort(rid="early"))
     await asyncio.sleep(0.2)  # queued in the inbox before anyone reads it
