@@ -1,8 +1,9 @@
 """CPU attention kernel benchmark: ``paged_decode_attention`` (``csrc/paged_decode_attention.cpp``, the
 ``cpp`` backend) on the default model's shapes (9 query heads, 3 kv heads, head_dim 64, block size 8,
-fp16 cache), per call, for two steps: a decode batch of 32 requests with contexts of 100-300 tokens, and
-a 512-row prefill chunk of one request (row i attends over positions [0, i + 1)). Block tables are
-shuffled, as a running cache's are. Prints the time per call and GMAC/s, counting 2 * heads * head_dim
+fp16 cache), per call, for three steps: a decode batch of 32 requests with contexts of 100-300 tokens, with
+its cache in L3 (one cache, called again and again) and cold (30 layers' caches called in turn, as a model
+step does: ~150 MB, past any cache), and a 512-row prefill chunk of one request (row i attends over
+positions [0, i + 1)). Block tables are shuffled, as a running cache's are. Prints the time per call (per layer) and GMAC/s, counting 2 * heads * head_dim
 multiply-adds per position per row (q . k and p * v).
 
 To compare against another build of the kernel (say the previous version, compiled under another
@@ -30,9 +31,9 @@ from services.worker.cpu_kernels import cpu_kernels
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 8
 
 
-def step(lens: list[int], tables_from: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [rows, heads, dim], an fp16 cache, block tables and context lengths; row r belongs to request
-    tables_from[r] and attends over lens[r] positions."""
+def step(lens: list[int], tables_from: list[int], layers: int = 1) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """q [rows, heads, dim], ``layers`` fp16 caches, block tables and context lengths; row r belongs to
+    request tables_from[r] and attends over lens[r] positions."""
     requests = max(tables_from) + 1
     longest = [max(n for n, t in zip(lens, tables_from) if t == req) for req in range(requests)]
     blocks = [-(-n // BLOCK) for n in longest]
@@ -42,9 +43,16 @@ def step(lens: list[int], tables_from: list[int]) -> tuple[torch.Tensor, torch.T
     tables = torch.zeros(requests, width, dtype=torch.int32)
     for req, n in enumerate(blocks):
         tables[req, :n] = torch.tensor([free.pop() for _ in range(n)], dtype=torch.int32)
-    cache = torch.randn(sum(blocks) * BLOCK, 2, KV_HEADS, DIM).half()
+    caches = [torch.randn(sum(blocks) * BLOCK, 2, KV_HEADS, DIM).half() for _ in range(layers)]
     q = torch.randn(len(lens), HEADS, DIM)
-    return q, cache, tables[tables_from].contiguous(), torch.tensor(lens, dtype=torch.int32)
+    return q, caches, tables[tables_from].contiguous(), torch.tensor(lens, dtype=torch.int32)
+
+
+def call_layers(kernels: ModuleType, q: torch.Tensor, caches: list[torch.Tensor], tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """The kernel over each layer's cache in turn; the last layer's output."""
+    for cache in caches:
+        out = kernels.paged_decode_attention(q, cache, tables, lens, BLOCK, DIM**-0.5)
+    return out
 
 
 def per_call_s(fn: Callable[[], object], min_s: float) -> float:
@@ -88,13 +96,14 @@ def main() -> None:
     decode_lens = [rng.randint(100, 300) for _ in range(32)]
     shapes = {
         "decode 32 x 100-300": step(decode_lens, list(range(32))),
+        "cold decode 32": step(decode_lens, list(range(32)), layers=30),
         "prefill 512 rows": step(list(range(1, 513)), [0] * 512),
     }
     print(f"attention_kernel: {torch.get_num_threads()} threads, {HEADS} heads / {KV_HEADS} kv heads of {DIM}, block {BLOCK}, fp16 cache")
-    print(f"{'shape':>20} {'kernel':>9} {'ms/call':>9} {'GMAC/s':>7}")
-    for name, (q, cache, tables, lens) in shapes.items():
-        macs = 2 * HEADS * DIM * int(lens.sum())
-        calls = {key: functools.partial(m.paged_decode_attention, q, cache, tables, lens, BLOCK, DIM**-0.5) for key, m in candidates.items()}
+    print(f"{'shape':>20} {'kernel':>9} {'ms/layer':>9} {'GMAC/s':>7}")
+    for name, (q, caches, tables, lens) in shapes.items():
+        macs = 2 * HEADS * DIM * int(lens.sum()) * len(caches)  # a call: every cache (layer) in turn
+        calls = {key: functools.partial(call_layers, m, q, caches, tables, lens) for key, m in candidates.items()}
         results = {key: call() for key, call in calls.items()}
         if "baseline" in results:
             torch.testing.assert_close(results["current"], results["baseline"], rtol=1e-5, atol=1e-5)
@@ -104,7 +113,7 @@ def main() -> None:
                 times[key].append(per_call_s(call, args.min_s))
         for key, ts in times.items():
             best = min(ts)
-            print(f"{name:>20} {key:>9} {best * 1e3:9.3f} {macs / best / 1e9:7.1f}")
+            print(f"{name:>20} {key:>9} {best * 1e3 / len(caches):9.3f} {macs / best / 1e9:7.1f}")
         if "baseline" in times:
             print(f"{name:>20} {'ratio':>9} {min(times['baseline']) / min(times['current']):9.2f}x  (baseline / current, best of {args.repeats})")
 

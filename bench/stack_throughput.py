@@ -1,14 +1,20 @@
-"""Decode throughput through the whole stack against the worker alone, measured in one run.
+"""Decode throughput through the whole stack against the worker alone, interleaved in one run.
 
 Workload: prompts of a few dozen tokens, ``--output-tokens`` each with ignore_eos, greedy;
-once with one stream and once with ``--concurrency`` streams. The same workload is then run
-in-process: the scheduler's state machine driving a ModelRunner directly, with no sockets and
-no processes. The ratio stack / in-process is what the four-process design costs (or, thanks
-to pipelining, saves).
+with one stream and with ``--concurrency`` streams. The same workload also runs in-process:
+the scheduler's state machine driving a ModelRunner directly (the stack's settings), with no
+sockets and no processes. The ratio stack / in-process is what the four-process design costs
+(or, thanks to pipelining, saves).
 
-    python -m bench.stack_throughput [--url http://127.0.0.1:8000] [--output-tokens 128] [--concurrency 8]
+This machine's speed drifts by tens of percent within minutes, so one stack run followed by
+one in-process run measures the drift as much as the design. The two are interleaved instead:
+``--rounds`` rounds, each running both at each stream count, the order reversed every other
+round; the report gives each round's ratio and the median over rounds.
 
-Without --url it starts its own stack on a free port and stops it afterwards.
+    python -m bench.stack_throughput [--url http://127.0.0.1:8000] [--output-tokens 128] [--concurrency 8] [--rounds 3]
+
+Without --url it starts its own stack on a free port and stops it afterwards. The in-process
+runner loads beside the running stack (whose worker idles meanwhile), so both are warm.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from services.scheduler.core import Scheduler
 from services.scheduler.kv_blocks import BlockPool
 from shared.config import DEFAULT_MODEL_DIR, StackConfig
 from shared.frames import SamplingParams, Submit
+from shared.model_info import kv_cache_blocks, load_model_info
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -62,15 +69,14 @@ async def _stack_run(url: str, model: str, concurrency: int, output_tokens: int)
     }
 
 
-def _in_process_run(concurrency: int, output_tokens: int, runner, tokenizer) -> dict:
+def _in_process_run(concurrency: int, output_tokens: int, runner, tokenizer, scheduler: Scheduler, pipeline_depth: int) -> dict:
     """The same workload through the scheduler core and the runner in one process."""
-    scheduler = Scheduler(BlockPool(runner.num_blocks, runner.block_size), 64, 256, 1024)
     submits = []
     for i in range(concurrency):
         text = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], add_generation_prompt=True, tokenize=False)
         prompt_ids = tokenizer.encode(text, add_special_tokens=False)
         submits.append(Submit(rid=f"bench-{i}", prompt_ids=prompt_ids, max_tokens=output_tokens, sampling=SamplingParams(temperature=0), ignore_eos=True))
-    run = InProcessEngine(scheduler, runner).run(submits)
+    run = InProcessEngine(scheduler, runner, pipeline_depth).run(submits)
     return {"output_tokens": run.output_tokens, "wall_s": run.wall_s, "output_tok_s": run.output_tokens / run.wall_s, "steps": run.steps}
 
 
@@ -114,57 +120,95 @@ def _rss_mb(pid: int) -> float:
     return 0.0
 
 
+def _in_process_runner(model: str, flags: list[str]):
+    """A warm ModelRunner and tokenizer with the stack's settings, and a factory of fresh schedulers."""
+    import torch
+
+    from services.worker.runner import ModelRunner  # torch: imported only for the in-process half
+    from shared.tokenizer import load_tokenizer
+
+    config = StackConfig.from_argv(["--model", model, *flags])
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    num_blocks = kv_cache_blocks(load_model_info(model), config.kv_cache_tokens, config.kv_cache_bytes, config.block_size, config.dtype)
+    runner = ModelRunner(
+        model, num_blocks=num_blocks, block_size=config.block_size, dtype=config.dtype, max_num_seqs=config.max_num_seqs,
+        weight_quant=config.weight_quant, kv_cache_dtype=config.kv_cache_dtype,
+    )  # fmt: skip
+    runner.warmup()
+
+    def scheduler() -> Scheduler:
+        return Scheduler(
+            BlockPool(runner.num_blocks, runner.block_size, config.enable_prefix_cache), config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting
+        )
+
+    return runner, load_tokenizer(model), scheduler, config.pipeline_depth
+
+
+def _median(values: list[float]) -> float:
+    return percentile(values, 50)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="", help="an already running stack (default: start one)")
     parser.add_argument("--model", default=DEFAULT_MODEL_DIR)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of stack and in-process runs")
     parser.add_argument("--out", default="bench/results/stack_throughput.json")
     parser.add_argument("--stack-flag", action="append", default=[], help="a flag for the started stack, e.g. --stack-flag=--dtype=bfloat16")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
 
+    levels = (1, args.concurrency)
     results: dict = {
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
         "output_tokens": args.output_tokens,
         "stack_flags": args.stack_flag,
+        "rounds": [],
     }
     with contextlib.ExitStack() as stack:
         url = args.url or stack.enter_context(running_stack(args.model, *args.stack_flag))
         model_id = served_model(url)
         pids = _pids(url)
         results["rss_mb_idle"] = {name: round(_rss_mb(pid), 1) for name, pid in pids.items()}
-        results["stack_1"] = asyncio.run(_stack_run(url, model_id, 1, args.output_tokens))
+        runner, tokenizer, scheduler, depth = _in_process_runner(args.model, args.stack_flag)
         peak = _PeakRss(pids)
-        results[f"stack_{args.concurrency}"] = asyncio.run(_stack_run(url, model_id, args.concurrency, args.output_tokens))
+        for index in range(args.rounds):
+            round_results: dict = {}
+            for n in levels:
+                runs = {
+                    "stack": lambda n=n: asyncio.run(_stack_run(url, model_id, n, args.output_tokens)),
+                    "worker": lambda n=n: _in_process_run(n, args.output_tokens, runner, tokenizer, scheduler(), depth),
+                }
+                for name in ("stack", "worker") if index % 2 == 0 else ("worker", "stack"):
+                    round_results[f"{name}_{n}"] = runs[name]()
+                round_results[f"ratio_{n}"] = round_results[f"stack_{n}"]["output_tok_s"] / round_results[f"worker_{n}"]["output_tok_s"]
+            results["rounds"].append(round_results)
+            print(f"round {index + 1}: " + ", ".join(f"{n} stream(s) stack / worker {round_results[f'ratio_{n}']:.3f}" for n in levels), flush=True)
         results["rss_mb_peak_under_load"] = peak.stop()
 
-    import torch
-
-    from services.worker.runner import ModelRunner  # torch: imported only for the in-process half
-    from shared.tokenizer import load_tokenizer
-
-    stack_config = StackConfig.from_argv(["--model", args.model, *args.stack_flag])  # the in-process run mirrors the stack's settings
-    if stack_config.num_threads:
-        torch.set_num_threads(stack_config.num_threads)
-    runner = ModelRunner(args.model, num_blocks=1024, block_size=stack_config.block_size, dtype=stack_config.dtype, weight_quant=stack_config.weight_quant)
-    runner.warmup()
-    tokenizer = load_tokenizer(args.model)
-    results["worker_1"] = _in_process_run(1, args.output_tokens, runner, tokenizer)
-    results[f"worker_{args.concurrency}"] = _in_process_run(args.concurrency, args.output_tokens, runner, tokenizer)
-
-    print(f"{'workload':<24}{'stack tok/s':>14}{'worker alone tok/s':>22}{'stack / worker':>18}")
-    for n in (1, args.concurrency):
-        stack, worker = results[f"stack_{n}"], results[f"worker_{n}"]
+    rounds = results["rounds"]
+    results["median"] = {
+        f"{name}_{n}_output_tok_s": _median([r[f"{name}_{n}"]["output_tok_s"] for r in rounds]) for n in levels for name in ("stack", "worker")
+    }
+    results["median"].update({f"ratio_{n}": _median([r[f"ratio_{n}"] for r in rounds]) for n in levels})
+    print(f"{'workload':<24}{'stack tok/s':>14}{'worker alone tok/s':>22}{'stack / worker':>18}   (medians of {len(rounds)} rounds)")
+    for n in levels:
+        m = results["median"]
         print(
-            f"{f'{n} stream(s) x {args.output_tokens}':<24}{stack['output_tok_s']:>14.1f}{worker['output_tok_s']:>22.1f}{stack['output_tok_s'] / worker['output_tok_s']:>18.2f}"
+            f"{f'{n} stream(s) x {args.output_tokens}':<24}{m[f'stack_{n}_output_tok_s']:>14.1f}{m[f'worker_{n}_output_tok_s']:>22.1f}{m[f'ratio_{n}']:>18.3f}"
         )
-    for n in (1, args.concurrency):
-        stack = results[f"stack_{n}"]
-        print(f"stack, {n} stream(s): TTFT p50 {stack['ttft_p50_s'] * 1000:.0f} ms, ITL p50 {stack['itl_p50_s'] * 1000:.1f} ms")
-    if results["rss_mb_idle"]:
-        print("RSS idle after load (MB):", results["rss_mb_idle"])
-        print(f"RSS peak under {args.concurrency} streams (MB):", results["rss_mb_peak_under_load"])
+        per_round = ", ".join(f"{r[f'ratio_{n}']:.3f}" for r in rounds)
+        print(f"{'':<24}per round: {per_round}")
+    for n in levels:
+        stacks = [r[f"stack_{n}"] for r in rounds]
+        ttft, itl = _median([s["ttft_p50_s"] for s in stacks]), _median([s["itl_p50_s"] for s in stacks])
+        print(f"stack, {n} stream(s): TTFT p50 {ttft * 1000:.0f} ms, ITL p50 {itl * 1000:.1f} ms (medians over rounds)")
+    print("RSS idle after load (MB):", results["rss_mb_idle"])
+    print("RSS peak under load (MB):", results["rss_mb_peak_under_load"])
     write_results(args.out, results)
 
 

@@ -121,3 +121,27 @@ def test_queries_are_read_in_place_from_the_fused_qkv_rows() -> None:
     ours = kernels.paged_decode_attention(view, cache, tables, lens, 8, 0.125)
     torch.testing.assert_close(ours, kernels.paged_decode_attention(view.contiguous(), cache, tables, lens, 8, 0.125), rtol=0, atol=0)
     torch.testing.assert_close(ours, reference_attention(view.contiguous(), cache, tables, lens, 8, 0.125), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_whole_row_items_answer_to_the_bit_as_one_row_at_a_time_does(dtype: torch.dtype) -> None:
+    """With enough rows per thread a row is one work item: a decode row's context is copied out of its
+    scattered blocks first, a context too long for L2 and the later rows of a prefill chunk are read in
+    place. Each way gives the bits that a call of that row alone (kv-head items, in place) gives."""
+    kernels, _ = cpu_kernels()
+    generator = torch.Generator().manual_seed(7)
+    block_size, width = 8, 90
+    # Six decode rows, a prefill chunk of five rows (positions 36..40 of request 6), and a long row
+    # (700 slots of 1.5 KB in fp32 are past the copy's L2 budget; in fp16 they are copied).
+    lens = [5, 1, 64, 33, 120, 8, 37, 38, 39, 40, 41, 700]
+    requests = [0, 1, 2, 3, 4, 5, 6, 6, 6, 6, 6, 7]
+    assert len(lens) >= 4 * torch.get_num_threads()  # whole rows are the items
+    tables = torch.randperm(8 * width, generator=generator).view(8, width).to(torch.int32)[requests].contiguous()
+    cache = torch.randn(8 * width * block_size, 2, 3, 64, generator=generator).to(dtype)
+    q = torch.randn(len(lens), 9, 64, generator=generator)
+    context = torch.tensor(lens, dtype=torch.int32)
+    together = kernels.paged_decode_attention(q, cache, tables, context, block_size, 0.125)
+    for row in range(len(lens)):
+        alone = kernels.paged_decode_attention(q[row : row + 1], cache, tables[row : row + 1], context[row : row + 1], block_size, 0.125)
+        torch.testing.assert_close(together[row : row + 1], alone, rtol=0, atol=0)
+    torch.testing.assert_close(together, reference_attention(q, cache, tables, context, block_size, 0.125), rtol=1e-5, atol=1e-5)

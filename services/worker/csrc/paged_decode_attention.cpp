@@ -15,6 +15,14 @@
 //      a slice of head_dim at a time so the heads' accumulators stay in registers.
 // Items are taken one at a time by the threads (prefill rows grow 1..len, so equal shares of items
 // would be far from equal work).
+//
+// A decode row's context lies in blocks scattered over the cache, and an item reads 4 of each slot's
+// 12 cache lines (fp16, the default model): read in place, the passes stall on memory. With enough
+// rows for every thread, an item is a whole row instead: its blocks (every kv head's keys and values,
+// one contiguous run each) are first copied into a per-thread buffer, which streams at memory speed,
+// and its kv heads then read the copy from L2. Measured on a 32-row decode step of the default model:
+// 1.2-1.25x for the kernel alone with the cache cold, ~1.15x inside the model. Not copied: a context
+// too long to stay in L2, and the rows of a prefill chunk after its first (they read what it fetched).
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -24,6 +32,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -34,6 +43,16 @@
 namespace {
 
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kRowsPerThreadByRow = 4;  // from this many rows per thread, whole rows are the work items
+constexpr int64_t kCopyMaxBytes = 384 * 1024;  // a row's copied context must stay in L2 (512 KB per core here)
+
+// Per-thread scratch for a row's copied context: the pool's threads persist, so it is allocated once
+// and grown, never per call.
+char* copy_scratch(int64_t bytes) {
+  static thread_local std::vector<char> scratch;
+  if (static_cast<int64_t>(scratch.size()) < bytes) scratch.resize(bytes);
+  return scratch.data();
+}
 
 // One (row, kv head) work item. keys[p] points at position p's key; its value is at keys[p] +
 // value_offset. scores is [group, stride] with stride >= len (a multiple of 8 on the AVX2 path).
@@ -272,29 +291,48 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 
   auto run = [&](const auto* cache_ptr) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(cache_ptr)>>;
-    const int64_t items = batch * kv_heads;
+    const int64_t threads = at::get_num_threads(), slot_bytes = slot_stride * sizeof(T);
+    const bool by_row = batch >= kRowsPerThreadByRow * threads;
+    const int64_t items = by_row ? batch : batch * kv_heads;
+    // A row that continues a prefill chunk: the previous row is the same request one position earlier.
+    auto continues_chunk = [&](int64_t b) { return b > 0 && len_ptr[b] == len_ptr[b - 1] + 1 && table_ptr[b * width] == table_ptr[(b - 1) * width]; };
     std::atomic<int64_t> next{0};
     // One call per thread; each takes items until none is left (nested in another parallel region,
     // one call takes them all).
-    at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    at::parallel_for(0, std::min<int64_t>(items, threads), 1, [&](int64_t, int64_t) {
       // Scratch grown to the longest item met: key pointers and scores padded to a multiple of 8.
       std::vector<const T*> keys;
       std::vector<float> scores, widened(8 * dim), sums(group);
       for (int64_t item; (item = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-        const int64_t b = item / kv_heads, h = item % kv_heads, len = len_ptr[b], stride = (len + 7) / 8 * 8;
+        const int64_t b = by_row ? item : item / kv_heads, len = len_ptr[b], stride = (len + 7) / 8 * 8;
         if (static_cast<int64_t>(keys.size()) < stride) {
           keys.resize(stride);
           scores.resize(group * stride);
         }
-        const T* head_base = cache_ptr + h * dim;
-        for (int64_t start = 0; start < len; start += block_size) {
-          const T* block = head_base + table_ptr[b * width + start / block_size] * block_size * slot_stride;
-          for (int64_t i = 0, n = std::min(block_size, len - start); i < n; ++i) keys[start + i] = block + i * slot_stride;
+        const T* copy = nullptr;  // the row's context, slot after slot, when copied
+        if (by_row && len * slot_bytes <= kCopyMaxBytes && !continues_chunk(b)) {
+          char* to = copy_scratch(len * slot_bytes);
+          for (int64_t start = 0; start < len; start += block_size)
+            std::memcpy(to + start * slot_bytes, cache_ptr + table_ptr[b * width + start / block_size] * block_size * slot_stride,
+                        std::min(block_size, len - start) * slot_bytes);
+          copy = reinterpret_cast<const T*>(to);
         }
-        std::fill(keys.begin() + len, keys.begin() + stride, keys[len - 1]);  // readable padding (scored -inf)
-        const Item<T> it{q_ptr + b * q_row + h * group * dim, keys.data(), scores.data(), out_ptr + (b * heads + h * group) * dim,
-                         len, stride, value_offset, group, dim, fscale};
-        attend_any(it, widened.data(), sums.data());
+        const int64_t first_head = by_row ? 0 : item % kv_heads, end_head = by_row ? kv_heads : first_head + 1;
+        for (int64_t h = first_head; h < end_head; ++h) {
+          if (copy != nullptr) {
+            for (int64_t p = 0; p < len; ++p) keys[p] = copy + p * slot_stride + h * dim;
+          } else {
+            const T* head_base = cache_ptr + h * dim;
+            for (int64_t start = 0; start < len; start += block_size) {
+              const T* block = head_base + table_ptr[b * width + start / block_size] * block_size * slot_stride;
+              for (int64_t i = 0, n = std::min(block_size, len - start); i < n; ++i) keys[start + i] = block + i * slot_stride;
+            }
+          }
+          std::fill(keys.begin() + len, keys.begin() + stride, keys[len - 1]);  // readable padding (scored -inf)
+          const Item<T> it{q_ptr + b * q_row + h * group * dim, keys.data(), scores.data(), out_ptr + (b * heads + h * group) * dim,
+                           len, stride, value_offset, group, dim, fscale};
+          attend_any(it, widened.data(), sums.data());
+        }
       }
     });
   };
