@@ -121,7 +121,8 @@ def _rss_mb(pid: int) -> float:
 
 
 def _in_process_runner(model: str, flags: list[str]):
-    """A warm ModelRunner and tokenizer with the stack's settings, and a factory of fresh schedulers."""
+    """A warm ModelRunner, the tokenizer, and a scheduler core with the stack's settings. The core serves
+    every in-process run, so its prefix cache warms over the rounds as the stack's does."""
     import torch
 
     from services.worker.runner import ModelRunner  # torch: imported only for the in-process half
@@ -137,11 +138,8 @@ def _in_process_runner(model: str, flags: list[str]):
     )  # fmt: skip
     runner.warmup()
 
-    def scheduler() -> Scheduler:
-        return Scheduler(
-            BlockPool(runner.num_blocks, runner.block_size, config.enable_prefix_cache), config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting
-        )
-
+    pool = BlockPool(runner.num_blocks, runner.block_size, config.enable_prefix_cache)
+    scheduler = Scheduler(pool, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting)
     return runner, load_tokenizer(model), scheduler, config.pipeline_depth
 
 
@@ -181,7 +179,7 @@ def main() -> None:
             for n in levels:
                 runs = {
                     "stack": lambda n=n: asyncio.run(_stack_run(url, model_id, n, args.output_tokens)),
-                    "worker": lambda n=n: _in_process_run(n, args.output_tokens, runner, tokenizer, scheduler(), depth),
+                    "worker": lambda n=n: _in_process_run(n, args.output_tokens, runner, tokenizer, scheduler, depth),
                 }
                 for name in ("stack", "worker") if index % 2 == 0 else ("worker", "stack"):
                     round_results[f"{name}_{n}"] = runs[name]()

@@ -4,7 +4,9 @@
         --start-stack --start-peer --out bench/results/serve-run
 
 Per level (a concurrency or a request rate) and per endpoint, alternating which endpoint goes first from one
-level to the next: warm-up requests (recorded, not counted), then measured requests. Writes requests.jsonl
+level to the next: warm-up requests (recorded, not counted), then measured requests. With ``--rounds N`` the
+measured requests go in N rounds, the endpoints taking turns round by round, so that a machine whose speed
+drifts within minutes slows every endpoint alike; throughput then counts the rounds' time only. Writes requests.jsonl
 (one line per request, every chunk's time), summary.json (figures, ratios, provenance, completeness) and
 plot.png under --out. The exit status is 0 for a complete run, 1 when any request failed or a token count
 was off (the files are still written and say so), 2 for bad arguments or a manifest that fails its check.
@@ -14,16 +16,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import sys
 import threading
+import time
 import urllib.request
 from datetime import UTC, datetime
 
 from bench.serve.endpoints import Endpoint, PeerEndpoint, StackEndpoint, UrlEndpoint
-from bench.serve.load import Level, run_level
+from bench.serve.load import Level, run_phase
 from bench.serve.plot import plot_summary
 from bench.serve.provenance import provenance
 from bench.serve.stats import is_complete, level_summary, ratios
@@ -58,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-requests", type=int, default=None, help="measured requests per level (default: 4 x concurrency, at least 8; 32 per rate)")
     parser.add_argument("--warmup-requests", type=int, default=None, help="warm-up requests per level (default: the concurrency; 2 per rate)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the Poisson arrivals (the same for every endpoint)")
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="split each level's measured requests into this many rounds, the endpoints taking turns round by round "
+        "(the first in a round goes last in the next), so that the machine's drift hits every endpoint alike (default: 1)",
+    )  # fmt: skip
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds before one request counts as failed")
     parser.add_argument("--model-name", default=None, help="the request's 'model' field (default: each endpoint's first /v1/models entry)")
     parser.add_argument(
@@ -89,6 +98,10 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error("--max-concurrency must be at least 1")
     if args.num_requests is not None and args.num_requests < 1:
         parser.error("--num-requests must be at least 1")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    if args.num_requests is not None and args.num_requests < args.rounds:
+        parser.error("--num-requests must be at least --rounds (every round measures at least one request)")
     if args.warmup_requests is not None and args.warmup_requests < 0:
         parser.error("--warmup-requests must be 0 or more")
     names = [name for name, _ in args.endpoint] + (["tokenyard"] if args.start_stack else []) + (["llama.cpp"] if args.start_peer else [])
@@ -185,6 +198,53 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)  # unwinds, so a started stack or llama-server is stopped
 
 
+def _round_sizes(measured: int, rounds: int) -> list[int]:
+    """The measured requests split into rounds as evenly as they go (the first rounds take the remainder)."""
+    return [measured // rounds + (1 if i < measured % rounds else 0) for i in range(rounds)]
+
+
+def _run_level(args: argparse.Namespace, workload, endpoints: list[Endpoint], level: Level, position: int) -> list[tuple[Endpoint, list, str | None]]:
+    """One level on every endpoint: each serves the whole level (a peer started for it); warm-ups first,
+    then the measured requests in ``--rounds`` rounds, the endpoints taking turns and the first of one
+    round going last in the next (and the first of a level going last in the next level). Returns, in the
+    order the level began with, each endpoint, its records and why it failed, if it did; a failed endpoint
+    sits out the rest of the level."""
+    warmup, measured = _counts(args, level)
+    order = endpoints if position % 2 == 0 else endpoints[::-1]
+    records: dict[str, list] = {e.name: [] for e in endpoints}
+    failures: dict[str, str | None] = dict.fromkeys(records)
+    serving: dict[str, tuple[str, str]] = {}  # name -> (url, served model)
+    clock_origin = time.perf_counter()
+
+    def attempt(endpoint: Endpoint, phase: str, indices: range, round_index: int) -> None:
+        if failures[endpoint.name] or not indices:
+            return
+        url, model = serving[endpoint.name]
+        try:
+            records[endpoint.name] += asyncio.run(
+                run_phase(url, model, endpoint.name, workload, level, phase, indices, warmup if phase == "measured" else 0, args.seed,
+                          args.request_timeout, clock_origin, round_index)
+            )  # fmt: skip
+        except (OSError, RuntimeError, ValueError, KeyError) as exc:
+            failures[endpoint.name] = f"the endpoint failed during the level: {type(exc).__name__}: {exc}"
+
+    with contextlib.ExitStack() as held:
+        for endpoint in order:
+            try:
+                url = held.enter_context(endpoint.serving(level))
+                serving[endpoint.name] = (url, args.model_name or _served_model(url))
+            except (OSError, RuntimeError, ValueError, KeyError) as exc:
+                failures[endpoint.name] = f"the endpoint could not be served: {type(exc).__name__}: {exc}"
+        for endpoint in order:
+            attempt(endpoint, "warmup", range(warmup), 0)
+        start = 0
+        for round_index, size in enumerate(_round_sizes(measured, args.rounds)):
+            for endpoint in order if round_index % 2 == 0 else order[::-1]:
+                attempt(endpoint, "measured", range(start, start + size), round_index)
+            start += size
+    return [(endpoint, records[endpoint.name], failures[endpoint.name]) for endpoint in order]
+
+
 def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is not threading.main_thread():
         return _main(argv)
@@ -217,6 +277,7 @@ def _main(argv: list[str] | None) -> int:
         "counts": {level.label: dict(zip(("warmup", "measured"), _counts(args, level))) for level in levels},
         "endpoints": [{"name": e.name, "kind": type(e).__name__, **({"url": e.url} if isinstance(e, UrlEndpoint) else {})} for e in endpoints],
         "seed": args.seed,
+        "rounds": args.rounds,
         "request_timeout_s": args.request_timeout,
         "stack_args": args.stack_args if args.start_stack else None,
         "peer_threads": args.peer_threads if args.start_peer else None,
@@ -236,17 +297,7 @@ def _main(argv: list[str] | None) -> int:
     names = [e.name for e in endpoints]
     try:
         for position, level in enumerate(levels):
-            warmup, measured = _counts(args, level)
-            order = endpoints if position % 2 == 0 else endpoints[::-1]  # alternate who goes first, so drift hits both
-            for endpoint in order:
-                try:
-                    with endpoint.serving(level) as url:
-                        model = args.model_name or _served_model(url)
-                        records = asyncio.run(run_level(url, model, endpoint.name, workload, level, warmup, measured, args.seed, args.request_timeout))
-                except (OSError, RuntimeError, ValueError, KeyError) as exc:
-                    records, failure = [], f"the endpoint could not be served: {type(exc).__name__}: {exc}"
-                else:
-                    failure = None
+            for endpoint, records, failure in _run_level(args, workload, endpoints, level, position):
                 level_result = {"endpoint": endpoint.name, "level": level.describe(), "label": level.label, "summary": level_summary(records)}
                 if failure:
                     level_result["summary"]["problems"].append(failure)
@@ -255,9 +306,9 @@ def _main(argv: list[str] | None) -> int:
                     for record in records:
                         f.write(json.dumps(record.to_json()) + "\n")
                 _print_level(level_result)
-                summary["ratios"] = _ratio_rows(summary["results"], names)
-                summary["incomplete_reasons"] = _incomplete_reasons(summary)
-                _write_summary(summary_path, summary)  # partial results survive an interrupted run, labelled incomplete
+            summary["ratios"] = _ratio_rows(summary["results"], names)
+            summary["incomplete_reasons"] = _incomplete_reasons(summary)
+            _write_summary(summary_path, summary)  # partial results survive an interrupted run, labelled incomplete
     finally:
         for endpoint in endpoints:
             endpoint.close()

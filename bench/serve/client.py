@@ -34,6 +34,7 @@ class RequestRecord:
     finish_reason: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    round: int = 0  # which of the level's interleaved rounds sent it (warm-up: 0)
 
     @property
     def ok(self) -> bool:

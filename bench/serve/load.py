@@ -1,15 +1,15 @@
 """The load shapes of one level: a closed loop at fixed concurrency, or Poisson arrivals at a request rate.
 
 Each level first sends its warm-up requests (recorded, not counted) at the level's own load shape, waits for
-them all, then sends the measured ones. The prompt of request i is the workload's prompt i (cycled), the
-same sequence for every endpoint, so two endpoints see identical work.
+them all, then sends the measured ones, in one go or split into rounds that alternate with the other
+endpoints' (``bench.serve.cli``). The prompt of request i is the workload's prompt i (cycled), the same
+sequence for every endpoint, so two endpoints see identical work.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -76,28 +76,29 @@ async def _poisson(rate: float, count: int, max_concurrency: int | None, rng: ra
     await asyncio.gather(*tasks)
 
 
-async def run_level(
-    url: str, model: str, endpoint: str, workload: Workload, level: Level, warmup: int, measured: int, seed: int, request_timeout_s: float
-) -> list[RequestRecord]:
-    """Runs one level against one endpoint; returns the warm-up then the measured records, in index order."""
-    records: list[RequestRecord] = []
-    clock_origin = time.perf_counter()
+async def run_phase(
+    url: str, model: str, endpoint: str, workload: Workload, level: Level, phase: str, indices: range, prompt_offset: int, seed: int,
+    request_timeout_s: float, clock_origin: float, round_index: int = 0,
+) -> list[RequestRecord]:  # fmt: skip
+    """Requests ``indices`` of one phase ("warmup" or "measured") against one endpoint at the level's load
+    shape; returns their records in index order. Request i of the phase gets the workload's prompt
+    ``prompt_offset + i`` (cycled), so every endpoint and every split into rounds sees the same prompts.
+    Send times are relative to ``clock_origin`` (perf_counter seconds)."""
+    records: list[RequestRecord | None] = [None] * len(indices)
     timeout = aiohttp.ClientTimeout(total=request_timeout_s)
     # A fresh connection per request: a server may close an idle keep-alive connection just as a
     # reused one is written to (llama-server does), which would fail a request for the client's sake.
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0, force_close=True)) as session:
-        for phase, count, offset in (("warmup", warmup, 0), ("measured", measured, warmup)):
-            phase_records: list[RequestRecord | None] = [None] * count
 
-            async def send(index: int, phase: str = phase, offset: int = offset, phase_records: list = phase_records) -> None:
-                prompt_index = (offset + index) % len(workload.prompts)
-                path, body = request_body(workload, model, workload.prompts[prompt_index])
-                record = RequestRecord(endpoint, level.describe(), phase, index, prompt_index, workload.output_tokens, workload.ignore_eos)
-                phase_records[index] = await stream_request(session, url, path, body, record, clock_origin)
+        async def send(position: int) -> None:
+            index = indices[position]
+            prompt_index = (prompt_offset + index) % len(workload.prompts)
+            path, body = request_body(workload, model, workload.prompts[prompt_index])
+            record = RequestRecord(endpoint, level.describe(), phase, index, prompt_index, workload.output_tokens, workload.ignore_eos, round=round_index)
+            records[position] = await stream_request(session, url, path, body, record, clock_origin)
 
-            if level.mode == "concurrency":
-                await _closed_loop(int(level.value), count, send)
-            else:
-                await _poisson(level.value, count, level.max_concurrency, random.Random(seed), send)
-            records.extend(r for r in phase_records if r is not None)
-    return records
+        if level.mode == "concurrency":
+            await _closed_loop(int(level.value), len(indices), send)
+        else:
+            await _poisson(level.value, len(indices), level.max_concurrency, random.Random(seed + round_index), send)
+    return [r for r in records if r is not None]

@@ -32,12 +32,12 @@ def level_summary(records: Sequence[RequestRecord]) -> dict:
     problems = [f"{r.phase} request {r.index}: {r.error}" for r in records if not r.ok]
     problems += [f"{r.phase} request {r.index}: {r.count_problem}" for r in records if r.ok and r.count_problem]
     output_tokens = sum(r.completion_tokens or 0 for r in good)
-    if good:
-        first_send = min(r.start_s for r in good)
-        last_end = max(r.start_s + (r.end_s or 0.0) for r in good)
-        duration = last_end - first_send
-    else:
-        duration = 0.0
+    # A level measured in interleaved rounds ran only during its rounds: the duration is their sum, each
+    # from its first send to its last stream's end (one round: the level's whole span).
+    duration = 0.0
+    for round_index in {r.round for r in good}:
+        in_round = [r for r in good if r.round == round_index]
+        duration += max(r.start_s + (r.end_s or 0.0) for r in in_round) - min(r.start_s for r in in_round)
     chunks = sum(len(r.chunk_offsets_s) for r in good)
     return {
         "requests": {
@@ -49,6 +49,7 @@ def level_summary(records: Sequence[RequestRecord]) -> dict:
         },
         "problems": problems,
         "duration_s": duration,
+        "rounds": len({r.round for r in measured}),
         "output_tokens": output_tokens,
         "prompt_tokens": sum(r.prompt_tokens or 0 for r in good),
         "request_throughput": len(good) / duration if duration > 0 else None,

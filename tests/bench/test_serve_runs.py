@@ -134,6 +134,41 @@ def test_two_endpoints_alternate_per_level_and_get_ratios(tmp_path, workload):
     assert [b["messages"] for _, b in first.bodies[:3]] == [b["messages"] for _, b in second.bodies[:3]]
 
 
+def test_rounds_interleave_the_endpoints_and_time_only_their_own_rounds(tmp_path, workload):
+    """--rounds 3 over 5 measured requests: rounds of 2, 2 and 1, the endpoints taking turns (the first of
+    a round goes last in the next); prompts as in one round; each endpoint's throughput counts the time of
+    its own rounds, not the other endpoint's."""
+    with FakeOpenAI() as first, FakeOpenAI() as second:
+        code, summary, rows = run(
+            tmp_path,
+            *("--workload", workload(), "--endpoint", f"ours={first.url}", "--endpoint", f"peer={second.url}"),
+            *("--concurrency", "1", "--num-requests", "5", "--warmup-requests", "1", "--rounds", "3"),
+        )
+    assert code == 0 and summary["complete"] is True
+    assert summary["provenance"]["settings"]["rounds"] == 3
+    measured = [r for r in rows if r["phase"] == "measured"]
+    turns = []  # (endpoint, round) in the order the rounds were sent
+    for row in sorted(measured, key=lambda r: r["start_s"]):
+        if not turns or turns[-1] != (row["endpoint"], row["round"]):
+            turns.append((row["endpoint"], row["round"]))
+    assert turns == [("ours", 0), ("peer", 0), ("peer", 1), ("ours", 1), ("ours", 2), ("peer", 2)]
+    for name in ("ours", "peer"):
+        mine = [r for r in measured if r["endpoint"] == name]
+        assert [(r["index"], r["round"], r["prompt_index"]) for r in mine] == [(0, 0, 1), (1, 0, 2), (2, 1, 0), (3, 1, 1), (4, 2, 2)]
+        result = next(r["summary"] for r in summary["results"] if r["endpoint"] == name)
+        assert result["requests"]["measured"] == 5 and result["rounds"] == 3
+        spans = [max(r["start_s"] + r["end_s"] for r in mine if r["round"] == k) - min(r["start_s"] for r in mine if r["round"] == k) for k in range(3)]
+        assert result["duration_s"] == pytest.approx(sum(spans))
+        assert result["duration_s"] < max(r["start_s"] + r["end_s"] for r in mine) - min(r["start_s"] for r in mine)
+
+
+def test_rounds_beyond_the_measured_requests_are_refused(tmp_path, workload, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--workload", workload(), "--endpoint", "x=http://127.0.0.1:9", "--num-requests", "2", "--rounds", "3", "--out", str(tmp_path / "o")])
+    assert exit_info.value.code == 2
+    assert "--num-requests must be at least --rounds" in capsys.readouterr().err
+
+
 def test_poisson_arrivals_send_the_asked_count_on_the_completions_route(tmp_path, workload):
     with FakeOpenAI() as server:
         args = [
