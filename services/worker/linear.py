@@ -45,7 +45,7 @@ from services.worker.cpu_kernels import cpu_kernels
 
 SPLIT_MAX_ROWS = 8  # measured: the split wins up to 8 rows, plain GEMM beyond
 INT8_ACTIVATION_BLOCK = 32  # features per activation scale in csrc/int8_linear.cpp
-BLOCK_QUANT_MAX_ROWS = 4  # "few rows": int4-a8 keeps int16 activations, the dense decoder runs all layers in one call
+BLOCK_QUANT_MAX_ROWS = 4  # "few rows": int4-a8 keeps int16 activations (and the dense decoder may run all layers in one call)
 
 
 def _slices(size: int, threads: int) -> int:
@@ -150,13 +150,13 @@ class Linear:
         more than ``BLOCK_QUANT_MAX_ROWS`` rows (the float weight and the rows are dropped)."""
         in_features = blocks.shape[1] // block_quant.BLOCK_BYTES["q4_1"] * block_quant.BLOCK
         self.panels, self._gemm_kernel = block_quant.to_panels(blocks), cpu_kernels()[0].block_quant_gemm
-        self._activation_bits = 8 if int8_activations else 16
+        self.activation_bits = 8 if int8_activations else 16  # in steps of more than BLOCK_QUANT_MAX_ROWS rows
         self.weight, self.split, self._sliced = _packed_placeholder(blocks.shape[0], in_features), False, None
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
         if self.panels is not None:  # int4 runs only fp32 models on the CPU
-            bits = 16 if rows <= BLOCK_QUANT_MAX_ROWS else self._activation_bits
+            bits = 16 if rows <= BLOCK_QUANT_MAX_ROWS else self.activation_bits
             return self._gemm_kernel(x, self.panels, self.weight.shape[0], self.bias, residual, bits)
         if self.packed is not None:
             out = torch.ops.quantized.linear_dynamic_fp16(x, self.packed)  # the bias is in the pack

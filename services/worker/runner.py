@@ -128,7 +128,7 @@ class ModelRunner:
             self.weight_quant, self.quantized_linears = convert_weights(self.model, weight_quant) if weight_quant != "none" else ("none", 0)
             if tp is not None:  # after quantization, which finds the layers' linears unwrapped
                 parallelize(self.model, tp)
-            if hasattr(self.model, "bind_dense_decoder"):  # weights final: few-row steps may run all layers in one call
+            if hasattr(self.model, "bind_dense_decoder"):  # weights final: steps may run all layers in one call
                 self.model.bind_dense_decoder()
             self._attention_backend = getattr(self.model, "attention_backend", "torch")
             # One GDN state slot per request the scheduler may run at once; it hands out ids 0..max_num_seqs-1.

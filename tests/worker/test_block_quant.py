@@ -219,13 +219,14 @@ def test_int4_a8_costs_what_int8_activations_cost_in_many_row_steps_and_nothing_
 
 
 @kernels
-def test_a_few_row_step_runs_all_layers_in_one_call_with_the_per_layer_paths_own_results(tiny_llamas: dict[str, Checkpoint], tmp_path: Path) -> None:
-    """``dense_decoder_layers`` is the fused forward's own kernel sequence: logits of decode steps
-    (and of a short prefill) through it equal the per-layer Python path's, bit for bit."""
+def test_a_step_runs_all_layers_in_one_call_with_the_per_layer_paths_own_results(tiny_llamas: dict[str, Checkpoint], tmp_path: Path) -> None:
+    """``dense_decoder_layers`` is the fused forward's own kernel sequence: after prefills of few and of
+    many rows through it, logits of decode steps equal the per-layer Python path's, bit for bit. Under
+    int4-a8, whose many-row steps round activations to int8, only few-row steps take it."""
     _snap_to_blocks(tiny_llamas["untied"].path, tmp_path / "snapped")
-    runners = [ModelRunner(str(tmp_path / "snapped"), num_blocks=16, block_size=4, weight_quant="int4") for _ in range(2)]
-    one_call, per_layer = runners
-    assert one_call.model._dense_decoder is not None  # bound at load: the weights are int4, the family dense
+    runners = [ModelRunner(str(tmp_path / "snapped"), num_blocks=24, block_size=4, weight_quant=quant) for quant in ("int4", "int4", "int4-a8")]
+    one_call, per_layer, a8 = runners
+    assert one_call.model._dense_decoder is not None and a8.model._dense_decoder is not None  # bound at load: int4 weights, a dense family
     per_layer.model._dense_decoder = None  # the per-layer path, as for a family the kernel does not cover
     calls = []
     kernels = cpu_kernels()[0]
@@ -235,7 +236,7 @@ def test_a_few_row_step_runs_all_layers_in_one_call_with_the_per_layer_paths_own
             return getattr(kernels, name)
 
         def dense_decoder_layers(self, *args: object, **kwargs: object) -> torch.Tensor:
-            calls.append(1)
+            calls.append(args[0].shape[0])  # the step's rows
             return kernels.dense_decoder_layers(*args, **kwargs)
 
     import services.worker.models.decoder as decoder
@@ -244,14 +245,18 @@ def test_a_few_row_step_runs_all_layers_in_one_call_with_the_per_layer_paths_own
     decoder.cpu_kernels = lambda: (Spy(), "")
     try:
         prompts = [prompt_of(3, 3), prompt_of(4, 9)]
-        for i, prompt in enumerate(prompts):  # 3 rows: one call; 9 rows: the per-layer path (the panels)
+        for i, prompt in enumerate(prompts):  # 3 rows and 9 rows (more than BLOCK_QUANT_MAX_ROWS)
             plan = StepPlan(0, [Slice(f"r{i}", 0, len(prompt), prompt, list(range(8 * i, 8 * i + 8)), sampling=GREEDY)])
             assert one_call.execute(plan).sampled[0].token_id == per_layer.execute(plan).sampled[0].token_id
-        for step in range(4):  # both requests decode together: 2 rows
+        for step in range(4):  # both requests decode together (2 rows), over the keys and values the prefills wrote
             plan = StepPlan(1 + step, [Slice(f"r{i}", len(prompt) + step, 1) for i, prompt in enumerate(prompts)])
             theirs, ours = per_layer.logits(plan), one_call.logits(plan)
             for rid in theirs:
                 torch.testing.assert_close(ours[rid], theirs[rid], rtol=0, atol=0)
+        assert calls == [3, 9, 2, 2, 2, 2]  # every step of the int4 model
+        calls.clear()
+        for i, prompt in enumerate(prompts):
+            a8.execute(StepPlan(0, [Slice(f"r{i}", 0, len(prompt), prompt, list(range(8 * i, 8 * i + 8)), sampling=GREEDY)]))
+        assert calls == [3]  # the 9-row prefill took the per-layer path and its int8 activations
     finally:
         decoder.cpu_kernels = original
-    assert len(calls) == 1 + 4  # the 3-row prefill and every decode step; the 9-row prefill took the per-layer path
