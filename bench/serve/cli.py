@@ -6,9 +6,9 @@
 Per level (a concurrency or a request rate) and per endpoint, alternating which endpoint goes first from one
 level to the next: warm-up requests (recorded, not counted), then measured requests. With ``--rounds N`` the
 measured requests go in N rounds, the endpoints taking turns round by round, so that a machine whose speed
-drifts within minutes slows every endpoint alike; throughput then counts the rounds' time only. Writes requests.jsonl
-(one line per request, every chunk's time), summary.json (figures, ratios, provenance, completeness) and
-plot.png under --out. The exit status is 0 for a complete run, 1 when any request failed or a token count
+drifts within minutes slows every endpoint alike; throughput then counts the rounds' time only. Writes
+requests.jsonl (one line per request, every chunk's time), summary.json (figures, ratios, provenance,
+completeness) and plot.png under --out. The exit status is 0 for a complete run, 1 when any request failed or a token count
 was off (the files are still written and say so), 2 for bad arguments or a manifest that fails its check.
 """
 
@@ -31,7 +31,7 @@ from bench.serve.load import Level, run_phase
 from bench.serve.plot import plot_summary
 from bench.serve.provenance import provenance
 from bench.serve.stats import is_complete, level_summary, ratios
-from bench.serve.workload import WorkloadError, load_workload
+from bench.serve.workload import Workload, WorkloadError, load_workload
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_WORKLOAD = os.path.join(REPO, "bench", "workloads", "chat-128.json")
@@ -203,7 +203,7 @@ def _round_sizes(measured: int, rounds: int) -> list[int]:
     return [measured // rounds + (1 if i < measured % rounds else 0) for i in range(rounds)]
 
 
-def _run_level(args: argparse.Namespace, workload, endpoints: list[Endpoint], level: Level, position: int) -> list[tuple[Endpoint, list, str | None]]:
+def _run_level(args: argparse.Namespace, workload: Workload, endpoints: list[Endpoint], level: Level, position: int) -> list[tuple[Endpoint, list, str | None]]:
     """One level on every endpoint: each serves the whole level (a peer started for it); warm-ups first,
     then the measured requests in ``--rounds`` rounds, the endpoints taking turns and the first of one
     round going last in the next (and the first of a level going last in the next level). Returns, in the
