@@ -45,7 +45,7 @@ from services.worker.cpu_kernels import cpu_kernels
 
 SPLIT_MAX_ROWS = 8  # measured: the split wins up to 8 rows, plain GEMM beyond
 INT8_ACTIVATION_BLOCK = 32  # features per activation scale in csrc/int8_linear.cpp
-BLOCK_QUANT_MAX_ROWS = 4  # "few rows": int4-a8 keeps int16 activations (and the dense decoder may run all layers in one call)
+BLOCK_QUANT_MAX_ROWS = 4  # "few rows": int4-a8 keeps int16 activations (and so may run all layers in one C++ call)
 
 
 def _slices(size: int, threads: int) -> int:
