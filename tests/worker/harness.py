@@ -33,6 +33,16 @@ from shared.frames import SamplingParams, Slice, StepPlan
 GREEDY = SamplingParams(temperature=0.0)
 MAX_NEW = 32
 
+def kernel_rounded(x: torch.Tensor, max_code: int) -> torch.Tensor:
+    """``x`` as the activation-quantizing kernels multiply it: per block of 32 features, codes
+    round(x * (max_code / amax)) times amax / max_code, dequantized. ``max_code / amax`` is a true float32
+    division, as in the kernels: torch's ``number / tensor`` multiplies by the reciprocal instead, which is an
+    ulp off now and then and moves a product that lands near .5 to the other code."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    return (torch.round(blocks * (torch.full_like(amax, max_code) / amax)) * (amax / max_code)).view(x.shape)
+
+
 # model_type -> transformers' config and model classes, and the tiny sizes that family adds.
 FAMILIES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[str, object]]] = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),

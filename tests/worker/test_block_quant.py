@@ -18,7 +18,7 @@ from services.worker.linear import BLOCK_QUANT_MAX_ROWS, Linear, RowSplitLinear
 from services.worker.runner import ModelRunner
 from shared.frames import Slice, StepPlan
 
-from .harness import GREEDY, Checkpoint, prompt_of
+from .harness import GREEDY, Checkpoint, kernel_rounded, prompt_of
 
 kernels = pytest.mark.skipif(cpu_kernels()[0] is None, reason=f"CPU kernels unavailable: {cpu_kernels()[1]}")
 
@@ -38,24 +38,10 @@ def test_codec_error_is_at_most_half_a_step_and_a_second_pass_is_exact(fmt: str,
         block_quant.quantize(torch.randn(4, 40), fmt)
 
 
-def _int16_rounded(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as the kernel multiplies it: int16 codes per block of 32 features, dequantized."""
-    blocks = x.reshape(x.shape[0], -1, 32)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    return (torch.round(blocks * (32767 / amax)) * (amax / 32767)).view(x.shape)  # the kernel's own roundings
-
-
-def _int8_rounded(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as int4-a8's many-row steps multiply it: int8 codes per block of 32 features, dequantized."""
-    blocks = x.reshape(x.shape[0], -1, 32)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    return (torch.round(blocks * (127 / amax)) * (amax / 127)).view(x.shape)
-
-
 def _kernel_reference(x: torch.Tensor, packed: torch.Tensor, fmt: str, bits: int = 16) -> torch.Tensor:
     """The kernel's arithmetic in torch: the codes times rounded ``x``, q4_1's minimums times the block
     sums of ``x`` itself (the minimums alone are what the blocks hold with every code zeroed)."""
-    dense, rounded = block_quant.dequantize(packed, fmt), _int8_rounded(x) if bits == 8 else _int16_rounded(x)
+    dense, rounded = block_quant.dequantize(packed, fmt), kernel_rounded(x, 127 if bits == 8 else 32767)
     if fmt == "q8_0":
         return rounded @ dense.T
     minimums_only = packed.clone()

@@ -12,7 +12,7 @@ from services.worker.runner import ModelRunner
 from shared.frames import Slice, StepPlan
 from shared.model_info import resolve_kv_cache_dtype
 
-from .harness import GREEDY, Checkpoint, prompt_of
+from .harness import GREEDY, Checkpoint, kernel_rounded, prompt_of
 
 
 def test_codec_error_is_at_most_half_a_step_per_element() -> None:
@@ -20,13 +20,6 @@ def test_codec_error_is_at_most_half_a_step_per_element() -> None:
     q, scales = int8_per_channel(w)
     assert q.dtype == torch.int8 and int(q.abs().max()) <= 127
     assert torch.all((q.float() * scales[:, None] - w).abs() <= scales[:, None] / 2 + 1e-7)
-
-
-def _block_quantized(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as the int8 kernel sees it: int8 per block of 32 features, dequantized."""
-    blocks = x.view(x.shape[0], -1, 32)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    return (torch.round(blocks * (127 / amax)) * (amax / 127)).view(x.shape)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 33])
@@ -41,11 +34,11 @@ def test_int8_products_equal_block_quantized_activations_times_the_dequantized_w
     linear.quantize_int8()
     ours = linear(x, residual=residual.clone())
     # Integer block products are exact; only fp32 summation order differs from this reference.
-    torch.testing.assert_close(ours, _block_quantized(x) @ dequantized.T + bias + residual, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours, kernel_rounded(x, 127) @ dequantized.T + bias + residual, rtol=1e-5, atol=1e-5)
     assert (ours - (x @ dequantized.T + bias + residual)).abs().max() > 1e-6  # activations really are quantized
     head = RowSplitLinear(w.clone(), threads=2)
     head.quantize_int8()
-    torch.testing.assert_close(head(x), _block_quantized(x) @ dequantized.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(head(x), kernel_rounded(x, 127) @ dequantized.T, rtol=1e-5, atol=1e-5)
 
 
 def test_int8_products_are_exact_for_activations_on_the_int8_grid() -> None:
