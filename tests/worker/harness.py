@@ -33,6 +33,7 @@ from shared.frames import SamplingParams, Slice, StepPlan
 GREEDY = SamplingParams(temperature=0.0)
 MAX_NEW = 32
 
+
 def kernel_rounded(x: torch.Tensor, max_code: int) -> torch.Tensor:
     """``x`` as the activation-quantizing kernels multiply it: per block of 32 features, codes
     round(x * (max_code / amax)) times amax / max_code, dequantized. ``max_code / amax`` is a true float32
