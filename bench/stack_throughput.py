@@ -28,6 +28,7 @@ import platform
 import threading
 import time
 import urllib.request
+from statistics import median
 
 import aiohttp
 
@@ -143,10 +144,6 @@ def _in_process_runner(model: str, flags: list[str]):
     return runner, load_tokenizer(model), scheduler, config.pipeline_depth
 
 
-def _median(values: list[float]) -> float:
-    return percentile(values, 50)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="", help="an already running stack (default: start one)")
@@ -189,10 +186,8 @@ def main() -> None:
         results["rss_mb_peak_under_load"] = peak.stop()
 
     rounds = results["rounds"]
-    results["median"] = {
-        f"{name}_{n}_output_tok_s": _median([r[f"{name}_{n}"]["output_tok_s"] for r in rounds]) for n in levels for name in ("stack", "worker")
-    }
-    results["median"].update({f"ratio_{n}": _median([r[f"ratio_{n}"] for r in rounds]) for n in levels})
+    results["median"] = {f"{name}_{n}_output_tok_s": median([r[f"{name}_{n}"]["output_tok_s"] for r in rounds]) for n in levels for name in ("stack", "worker")}
+    results["median"].update({f"ratio_{n}": median([r[f"ratio_{n}"] for r in rounds]) for n in levels})
     print(f"{'workload':<24}{'stack tok/s':>14}{'worker alone tok/s':>22}{'stack / worker':>18}   (medians of {len(rounds)} rounds)")
     for n in levels:
         m = results["median"]
@@ -203,7 +198,7 @@ def main() -> None:
         print(f"{'':<24}per round: {per_round}")
     for n in levels:
         stacks = [r[f"stack_{n}"] for r in rounds]
-        ttft, itl = _median([s["ttft_p50_s"] for s in stacks]), _median([s["itl_p50_s"] for s in stacks])
+        ttft, itl = median([s["ttft_p50_s"] for s in stacks]), median([s["itl_p50_s"] for s in stacks])
         print(f"stack, {n} stream(s): TTFT p50 {ttft * 1000:.0f} ms, ITL p50 {itl * 1000:.1f} ms (medians over rounds)")
     print("RSS idle after load (MB):", results["rss_mb_idle"])
     print("RSS peak under load (MB):", results["rss_mb_peak_under_load"])
