@@ -117,6 +117,27 @@ def test_gemm_kernel_equals_rounded_activations_times_the_dequantized_weight(row
 
 
 @kernels
+@pytest.mark.parametrize("rows", [1, 33])
+def test_gemm_results_do_not_depend_on_how_the_threads_share_the_panels(rows: int) -> None:
+    # 299 channels: 38 panels (the last of 3 channels) in groups, each thread starting on its own share and
+    # then taking the others' remaining groups from their ends; whichever thread computes a channel, the
+    # arithmetic is the same, so every bit must be.
+    generator = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(299, 192, generator=generator), torch.randn(rows, 192, generator=generator)
+    panels, kernel = block_quant.to_panels(block_quant.quantize(w, "q4_1")), cpu_kernels()[0].block_quant_gemm
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = kernel(x, panels, 299, None, None, 16)
+        for count in (2, 3, 5):
+            torch.set_num_threads(count)
+            for _ in range(20):  # threads start and finish at varying times: varying groups change hands
+                assert torch.equal(kernel(x, panels, 299, None, None, 16), alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@kernels
 @pytest.mark.parametrize("int8_activations", [False, True])
 def test_int4_linears_take_the_panels_with_int16_activations_for_few_rows_and_their_own_beyond(int8_activations: bool) -> None:
     w, bias = torch.randn(40, 64), torch.randn(40)

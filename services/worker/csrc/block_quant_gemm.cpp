@@ -16,12 +16,14 @@
 // Activations: x ~= qx * dx per (row, block); sx = the block's sum of the unrounded x.
 //   out[m, n] = sum_b d[n, b] * dx[m, b] * <q[n, b], qx[m, b]> (+ m[n, b] * sx[m, b])  (+ bias) (+ residual)
 // Each output lane is a channel, so no horizontal sums: a tile of rows keeps one accumulator per row.
-// Threads split the panels; each panel meets a chunk of rows while its weights are in L1.
+// Threads share the panels in groups (shared_items.h); each panel meets a chunk of rows while its
+// weights are in L1.
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include "activation_quant.h"
+#include "shared_items.h"
 
 #include <algorithm>
 #include <cmath>
@@ -42,6 +44,8 @@ constexpr int64_t BLOCK = activation_quant::BLOCK;  // input features per block 
 constexpr int64_t PANEL = 8;                         // output channels per panel
 constexpr int64_t ROW_TILE = 4;                      // rows per register tile: 4 block sums + 4 accumulators + weights fit 16 registers
 constexpr int64_t ROW_CHUNK = 64;                    // rows a panel meets before the next panel (their activations stay in L2)
+constexpr int64_t ITEMS_PER_THREAD = 8;              // panel groups per thread (shared_items.h)
+constexpr int64_t MAX_PANELS_PER_ITEM = 32;          // a group of q8_0 panels stays well inside L2 (lm_head: 192 groups)
 
 // The two record formats: their size, where the scales start, whether minimums follow them.
 struct Q4_1Panels {
@@ -210,7 +214,7 @@ template <typename F, typename T>
 void run(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out_features, const float* bias, const float* residual, float* out) {
   const QuantizedRows<T> a = quantize_rows<T>(x, rows, k);
   const int64_t blocks = k / BLOCK, panel_count = (out_features + PANEL - 1) / PANEL;
-  at::parallel_for(0, panel_count, 1, [&](int64_t begin, int64_t end) {
+  auto panels_times_rows = [&](int64_t begin, int64_t end) {
     float sums[ROW_TILE * PANEL];
     for (int64_t chunk = 0; chunk < rows; chunk += ROW_CHUNK)
       for (int64_t p = begin; p < end; ++p) {
@@ -225,7 +229,10 @@ void run(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out_
             }
         }
       }
-  });
+  };
+  // Items of a few panels, several per thread, so that one preempted thread's share can be taken over.
+  const int64_t per_item = std::clamp<int64_t>(panel_count / (ITEMS_PER_THREAD * at::get_num_threads()), 1, MAX_PANELS_PER_ITEM);
+  share_items((panel_count + per_item - 1) / per_item, [&](int64_t item) { panels_times_rows(item * per_item, std::min(panel_count, (item + 1) * per_item)); });
 }
 
 // The optional bias [out] and residual [rows, out] added to a product, checked and made contiguous.

@@ -1,0 +1,52 @@
+// Work split over the thread pool so that no thread waits for a preempted one.
+//
+// The stack's other processes share the worker's cores. When the OS preempts one of the pool's threads
+// for a moment, an equal split up front holds the whole call up until that thread is back. Here each
+// thread still starts on its own equal share of the items and walks it front to back (consecutive items
+// are consecutive memory, so the hardware prefetcher keeps one stream per thread), but a thread that
+// finishes takes the remaining items of the others' shares from their back ends, one at a time.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <vector>
+
+namespace shared_items {
+
+// One thread's share [front, back), both ends in one word so that owner and thief never take the same item.
+struct alignas(64) Share {
+  std::atomic<uint64_t> span{0};
+
+  static uint64_t pack(int64_t front, int64_t back) { return static_cast<uint64_t>(back) << 32 | static_cast<uint32_t>(front); }
+  void assign(int64_t front, int64_t back) { span.store(pack(front, back), std::memory_order_relaxed); }
+  // The item at one end, or -1 when none is left.
+  int64_t take(bool from_front) {
+    uint64_t now = span.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t front = static_cast<uint32_t>(now), back = static_cast<int64_t>(now >> 32);
+      if (front >= back) return -1;
+      const uint64_t next = from_front ? pack(front + 1, back) : pack(front, back - 1);
+      if (span.compare_exchange_weak(now, next, std::memory_order_relaxed)) return from_front ? front : back - 1;
+    }
+  }
+};
+
+}  // namespace shared_items
+
+// Calls body(item) once for each of 0 .. items-1 (fewer than 2^31), on the pool's threads as above; nested
+// in another parallel region, one thread calls it for all of them in order.
+template <typename Body>
+void share_items(int64_t items, const Body& body) {
+  const int64_t threads = std::min<int64_t>(items, at::get_num_threads());
+  std::vector<shared_items::Share> shares(threads);
+  for (int64_t t = 0; t < threads; ++t) shares[t].assign(items * t / threads, items * (t + 1) / threads);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t item; (item = shares[t].take(true)) >= 0;) body(item);
+    for (int64_t other = 1; other < threads; ++other)
+      for (int64_t item; (item = shares[(begin + other) % threads].take(false)) >= 0;) body(item);
+  });
+}
