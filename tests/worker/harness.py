@@ -6,6 +6,7 @@ real one does, and the parity checks every family must pass against transformers
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from unittest import mock
 
@@ -42,6 +43,23 @@ def kernel_rounded(x: torch.Tensor, max_code: int) -> torch.Tensor:
     blocks = x.reshape(x.shape[0], -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
     return (torch.round(blocks * (torch.full_like(amax, max_code) / amax)) * (amax / max_code)).view(x.shape)
+
+
+def check_same_bits_at_every_thread_count(product: Callable[[], torch.Tensor]) -> None:
+    """A product kernel whose threads share groups of output channels (csrc/shared_items.h): each thread
+    starts on its own share, then takes the others' remaining groups from their ends. Whichever thread
+    computes a channel the arithmetic is the same, so every bit must be, at any thread count and however
+    the groups changed hands (threads start and finish at varying times, so repeated calls vary that)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = product()
+        for count in (2, 3, 5):
+            torch.set_num_threads(count)
+            for _ in range(20):
+                assert torch.equal(product(), alone)
+    finally:
+        torch.set_num_threads(threads)
 
 
 # model_type -> transformers' config and model classes, and the tiny sizes that family adds.

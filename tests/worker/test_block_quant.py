@@ -18,7 +18,7 @@ from services.worker.linear import BLOCK_QUANT_MAX_ROWS, Linear, RowSplitLinear
 from services.worker.runner import ModelRunner
 from shared.frames import Slice, StepPlan
 
-from .harness import GREEDY, Checkpoint, kernel_rounded, prompt_of
+from .harness import GREEDY, Checkpoint, check_same_bits_at_every_thread_count, kernel_rounded, prompt_of
 
 kernels = pytest.mark.skipif(cpu_kernels()[0] is None, reason=f"CPU kernels unavailable: {cpu_kernels()[1]}")
 
@@ -119,22 +119,10 @@ def test_gemm_kernel_equals_rounded_activations_times_the_dequantized_weight(row
 @kernels
 @pytest.mark.parametrize("rows", [1, 33])
 def test_gemm_results_do_not_depend_on_how_the_threads_share_the_panels(rows: int) -> None:
-    # 299 channels: 38 panels (the last of 3 channels) in groups, each thread starting on its own share and
-    # then taking the others' remaining groups from their ends; whichever thread computes a channel, the
-    # arithmetic is the same, so every bit must be.
     generator = torch.Generator().manual_seed(rows)
     w, x = torch.randn(299, 192, generator=generator), torch.randn(rows, 192, generator=generator)
-    panels, kernel = block_quant.to_panels(block_quant.quantize(w, "q4_1")), cpu_kernels()[0].block_quant_gemm
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = kernel(x, panels, 299, None, None, 16)
-        for count in (2, 3, 5):
-            torch.set_num_threads(count)
-            for _ in range(20):  # threads start and finish at varying times: varying groups change hands
-                assert torch.equal(kernel(x, panels, 299, None, None, 16), alone)
-    finally:
-        torch.set_num_threads(threads)
+    panels = block_quant.to_panels(block_quant.quantize(w, "q4_1"))  # 38 panels, the last of 3 channels
+    check_same_bits_at_every_thread_count(lambda: cpu_kernels()[0].block_quant_gemm(x, panels, 299, None, None, 16))
 
 
 @kernels

@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.worker.cpu_kernels import cpu_kernels
 from services.worker.linear import Linear, RowSplitLinear, int8_per_channel, resolve_weight_quant
 from services.worker.runner import ModelRunner
 from shared.frames import Slice, StepPlan
 from shared.model_info import resolve_kv_cache_dtype
 
-from .harness import GREEDY, Checkpoint, kernel_rounded, prompt_of
+from .harness import GREEDY, Checkpoint, check_same_bits_at_every_thread_count, kernel_rounded, prompt_of
 
 
 def test_codec_error_is_at_most_half_a_step_per_element() -> None:
@@ -39,6 +40,15 @@ def test_int8_products_equal_block_quantized_activations_times_the_dequantized_w
     head = RowSplitLinear(w.clone(), threads=2)
     head.quantize_int8()
     torch.testing.assert_close(head(x), kernel_rounded(x, 127) @ dequantized.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(cpu_kernels()[0] is None, reason=f"CPU kernels unavailable: {cpu_kernels()[1]}")
+@pytest.mark.parametrize("rows", [1, 33])
+def test_int8_products_do_not_depend_on_how_the_threads_share_the_channels(rows: int) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(299, 64, generator=generator), torch.randn(rows, 64, generator=generator)
+    q, scales = int8_per_channel(w)  # 75 tiles of 4 channels: 10 groups
+    check_same_bits_at_every_thread_count(lambda: cpu_kernels()[0].int8_linear(x, q, scales, None))
 
 
 def test_int8_products_are_exact_for_activations_on_the_int8_grid() -> None:

@@ -5,14 +5,15 @@
 //   out[m, n] = wscale[n] * sum_blocks xscale[m, blk] * sum_{i in blk} xq[m, i] * wq[n, i]  (+ bias[n])
 //
 // The inner 32-element products are exact in int32 (AVX2 maddubs/madd: |w| as unsigned bytes times x
-// carrying w's sign; 2 * 127 * 127 fits int16), the block sums accumulate in fp32. Threads split
-// the output channels; each thread meets every row with a weight tile while that tile is in L1.
+// carrying w's sign; 2 * 127 * 127 fits int16), the block sums accumulate in fp32. Threads share
+// the output channels in groups of tiles (shared_items.h); each tile meets every row while it is in L1.
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include "activation_quant.h"
 #include "avx2_sum.h"
+#include "shared_items.h"
 
 #include <algorithm>
 #include <cmath>
@@ -27,6 +28,8 @@ namespace {
 constexpr int64_t BLOCK = activation_quant::BLOCK;  // activation features per scale
 constexpr int64_t TILE = 4;    // output channels per tile
 constexpr int64_t PREFETCH_TILES = 4;
+constexpr int64_t ITEMS_PER_THREAD = 8;    // tile groups per thread (shared_items.h)
+constexpr int64_t TILES_PER_ITEM_MIN = 8;  // a group streams at least 8 tiles
 
 // The same arithmetic in plain loops: tiles the vector kernels do not take, and CPUs without AVX2.
 void tile_generic(const int8_t* xq, const float* xscale, const int8_t* w, int64_t rows, int64_t cols, int64_t k, float* sums) {
@@ -113,14 +116,15 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& weight, c
   const float* b_ptr = bc.has_value() ? bc->data_ptr<float>() : nullptr;
   float* o_ptr = out.data_ptr<float>();
   constexpr int64_t MR = 4;
-  at::parallel_for(0, (out_features + TILE - 1) / TILE, 8, [&](int64_t begin, int64_t end) {
+  const int64_t tile_count = (out_features + TILE - 1) / TILE;
+  auto tiles_times_rows = [&](int64_t begin, int64_t end) {
     float sums[MR * TILE];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * TILE, cols = std::min(TILE, out_features - n0);
 #if defined(__AVX2__) && defined(__FMA__)
       // A few rows of a step are too little work per tile for the hardware prefetcher to stay ahead
-      // of: ask for the tile PREFETCH_TILES ahead while this one computes.
-      if (t + PREFETCH_TILES < end) {
+      // of: ask for the tile PREFETCH_TILES ahead while this one computes (a thread walks its share forward).
+      if (t + PREFETCH_TILES < tile_count) {
         const int8_t* ahead = w_ptr + (n0 + PREFETCH_TILES * TILE) * k;
         for (int64_t byte = 0; byte < TILE * k; byte += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + byte), _MM_HINT_T0);
       }
@@ -133,6 +137,9 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& weight, c
             o_ptr[(m0 + m) * out_features + n0 + n] = sums[m * TILE + n] * s_ptr[n0 + n] + (b_ptr ? b_ptr[n0 + n] : 0.f);
       }
     }
-  });
+  };
+  // Items of several tiles, several per thread, so that one preempted thread's share can be taken over.
+  const int64_t per_item = std::max<int64_t>(TILES_PER_ITEM_MIN, tile_count / (ITEMS_PER_THREAD * at::get_num_threads()));
+  share_items((tile_count + per_item - 1) / per_item, [&](int64_t item) { tiles_times_rows(item * per_item, std::min(tile_count, (item + 1) * per_item)); });
   return out;
 }
