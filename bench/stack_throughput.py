@@ -15,6 +15,10 @@ round; the report gives each round's ratio and the median over rounds.
 
 Without --url it starts its own stack on a free port and stops it afterwards. The in-process
 runner loads beside the running stack (whose worker idles meanwhile), so both are warm.
+
+Where the stack's difference goes: each stack run also records the CPU time per output token of
+every process (all its threads, ZMQ's included) and of the benchmark itself (the client, which
+shares the machine's cores with the stack but not with the in-process runner).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import json
 import os
 import platform
@@ -40,6 +45,8 @@ from shared.config import DEFAULT_MODEL_DIR, StackConfig
 from shared.frames import SamplingParams, Submit
 from shared.model_info import kv_cache_blocks, load_model_info
 
+_libc = ctypes.CDLL(None)  # clock_getcpuclockid, which the time module does not wrap
+
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain how a refrigerator works to a ten year old.",
@@ -52,19 +59,22 @@ PROMPTS = [
 ]
 
 
-async def _stack_run(url: str, model: str, concurrency: int, output_tokens: int) -> dict:
+async def _stack_run(url: str, model: str, concurrency: int, output_tokens: int, pids: dict[str, int]) -> dict:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
         await stream_chat(session, url, model, [{"role": "user", "content": "Hello"}], 8)  # warm-up, not counted
+        cpu_before = _cpu_seconds(pids)
         started = time.perf_counter()
         runs = await asyncio.gather(
             *(stream_chat(session, url, model, [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], output_tokens) for i in range(concurrency))
         )
         wall = time.perf_counter() - started
+        cpu_after = _cpu_seconds(pids)
     tokens = sum(r["usage"].get("completion_tokens", 0) for r in runs)
     return {
         "output_tokens": tokens,
         "wall_s": wall,
         "output_tok_s": tokens / wall,
+        "cpu_ms_per_token": {name: 1000 * (cpu_after[name] - cpu_before[name]) / max(tokens, 1) for name in cpu_before},
         "ttft_p50_s": percentile([r["stamps"][0] - r["start"] for r in runs if r["stamps"]], 50),
         "itl_p50_s": percentile([b - a for r in runs for a, b in zip(r["stamps"], r["stamps"][1:])], 50),
     }
@@ -79,6 +89,23 @@ def _in_process_run(concurrency: int, output_tokens: int, runner, tokenizer, sch
         submits.append(Submit(rid=f"bench-{i}", prompt_ids=prompt_ids, max_tokens=output_tokens, sampling=SamplingParams(temperature=0), ignore_eos=True))
     run = InProcessEngine(scheduler, runner, pipeline_depth).run(submits)
     return {"output_tokens": run.output_tokens, "wall_s": run.wall_s, "output_tok_s": run.output_tokens / run.wall_s, "steps": run.steps}
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """CPU time of a process so far, every thread included, ended ones too: its POSIX CPU-time clock, in
+    nanoseconds (``/proc/PID/stat`` counts 10 ms ticks, too coarse for a run of a second; summing
+    ``/proc/PID/task/*/schedstat`` loses the threads that ended)."""
+    clock = ctypes.c_int()
+    error = _libc.clock_getcpuclockid(pid, ctypes.byref(clock))
+    if error:
+        raise OSError(error, f"no CPU clock for process {pid}: {os.strerror(error)}")
+    return time.clock_gettime(clock.value)
+
+
+def _cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """Each stack process's CPU time, and this process's as "client": during a stack run this process
+    only drives the requests (the in-process runner's threads wait)."""
+    return {**{name: process_cpu_seconds(pid) for name, pid in pids.items()}, "client": process_cpu_seconds(os.getpid())}
 
 
 def _pids(url: str) -> dict[str, int]:
@@ -175,7 +202,7 @@ def main() -> None:
             round_results: dict = {}
             for n in levels:
                 runs = {
-                    "stack": lambda n=n: asyncio.run(_stack_run(url, model_id, n, args.output_tokens)),
+                    "stack": lambda n=n: asyncio.run(_stack_run(url, model_id, n, args.output_tokens, pids)),
                     "worker": lambda n=n: _in_process_run(n, args.output_tokens, runner, tokenizer, scheduler, depth),
                 }
                 for name in ("stack", "worker") if index % 2 == 0 else ("worker", "stack"):
@@ -200,6 +227,9 @@ def main() -> None:
         stacks = [r[f"stack_{n}"] for r in rounds]
         ttft, itl = median([s["ttft_p50_s"] for s in stacks]), median([s["itl_p50_s"] for s in stacks])
         print(f"stack, {n} stream(s): TTFT p50 {ttft * 1000:.0f} ms, ITL p50 {itl * 1000:.1f} ms (medians over rounds)")
+        cpu = {name: median([s["cpu_ms_per_token"][name] for s in stacks]) for name in stacks[0]["cpu_ms_per_token"]}
+        results["median"][f"stack_{n}_cpu_ms_per_token"] = cpu
+        print(f"stack, {n} stream(s): CPU ms per output token (medians over rounds):", ", ".join(f"{name} {ms:.3f}" for name, ms in cpu.items()))
     print("RSS idle after load (MB):", results["rss_mb_idle"])
     print("RSS peak under load (MB):", results["rss_mb_peak_under_load"])
     write_results(args.out, results)

@@ -1,0 +1,48 @@
+"""bench.stack_throughput's CPU accounting: a process's CPU time over all its threads, ended ones too."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from bench.stack_throughput import process_cpu_seconds
+
+SPIN = "import time\nend = time.thread_time() + {seconds}\nwhile time.thread_time() < end:\n    pass\n"
+
+
+def _spin(seconds: float) -> None:
+    exec(SPIN.format(seconds=seconds))
+
+
+def test_cpu_time_counts_threads_that_have_ended_and_not_waiting():
+    before = process_cpu_seconds(os.getpid())
+    worker = threading.Thread(target=_spin, args=(0.15,))
+    worker.start()
+    worker.join()  # its time must stay counted after it is gone
+    time.sleep(0.2)  # waiting costs nothing
+    spent = process_cpu_seconds(os.getpid()) - before
+    assert 0.14 <= spent < 0.3, spent
+
+
+def test_cpu_time_of_another_process():
+    child = subprocess.Popen([sys.executable, "-c", SPIN.format(seconds=0.3) + "import sys\nsys.stdin.read()\n"], stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while process_cpu_seconds(child.pid) < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)  # now blocked on stdin
+        assert 0.3 <= process_cpu_seconds(child.pid) < 0.3 + 0.5  # the interpreter's start-up is counted too
+    finally:
+        child.communicate(b"")
+
+
+def test_a_process_that_is_gone_is_a_clear_error():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    with pytest.raises(OSError, match=f"no CPU clock for process {child.pid}"):
+        process_cpu_seconds(child.pid)
