@@ -44,8 +44,7 @@ constexpr int64_t BLOCK = activation_quant::BLOCK;  // input features per block 
 constexpr int64_t PANEL = 8;                         // output channels per panel
 constexpr int64_t ROW_TILE = 4;                      // rows per register tile: 4 block sums + 4 accumulators + weights fit 16 registers
 constexpr int64_t ROW_CHUNK = 64;                    // rows a panel meets before the next panel (their activations stay in L2)
-constexpr int64_t ITEMS_PER_THREAD = 8;              // panel groups per thread (shared_items.h)
-constexpr int64_t MAX_PANELS_PER_ITEM = 32;          // a group of q8_0 panels stays well inside L2 (lm_head: 192 groups)
+constexpr int64_t MAX_PANELS_PER_RANGE = 32;          // panels a thread takes at a time: q8_0's stay well inside L2 (lm_head: 192 groups)
 
 // The two record formats: their size, where the scales start, whether minimums follow them.
 struct Q4_1Panels {
@@ -230,9 +229,7 @@ void run(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out_
         }
       }
   };
-  // Items of a few panels, several per thread, so that one preempted thread's share can be taken over.
-  const int64_t per_item = std::clamp<int64_t>(panel_count / (ITEMS_PER_THREAD * at::get_num_threads()), 1, MAX_PANELS_PER_ITEM);
-  share_items((panel_count + per_item - 1) / per_item, [&](int64_t item) { panels_times_rows(item * per_item, std::min(panel_count, (item + 1) * per_item)); });
+  share_ranges(panel_count, 1, MAX_PANELS_PER_RANGE, panels_times_rows);
 }
 
 // The optional bias [out] and residual [rows, out] added to a product, checked and made contiguous.

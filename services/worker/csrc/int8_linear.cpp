@@ -28,8 +28,7 @@ namespace {
 constexpr int64_t BLOCK = activation_quant::BLOCK;  // activation features per scale
 constexpr int64_t TILE = 4;    // output channels per tile
 constexpr int64_t PREFETCH_TILES = 4;
-constexpr int64_t ITEMS_PER_THREAD = 8;    // tile groups per thread (shared_items.h)
-constexpr int64_t TILES_PER_ITEM_MIN = 8;  // a group streams at least 8 tiles
+constexpr int64_t MIN_TILES_PER_RANGE = 8;  // tiles a thread takes at a time, at least (shared_items.h share_ranges)
 
 // The same arithmetic in plain loops: tiles the vector kernels do not take, and CPUs without AVX2.
 void tile_generic(const int8_t* xq, const float* xscale, const int8_t* w, int64_t rows, int64_t cols, int64_t k, float* sums) {
@@ -138,8 +137,6 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& weight, c
       }
     }
   };
-  // Items of several tiles, several per thread, so that one preempted thread's share can be taken over.
-  const int64_t per_item = std::max<int64_t>(TILES_PER_ITEM_MIN, tile_count / (ITEMS_PER_THREAD * at::get_num_threads()));
-  share_items((tile_count + per_item - 1) / per_item, [&](int64_t item) { tiles_times_rows(item * per_item, std::min(tile_count, (item + 1) * per_item)); });
+  share_ranges(tile_count, MIN_TILES_PER_RANGE, tiles_times_rows);
   return out;
 }

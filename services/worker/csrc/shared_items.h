@@ -1,7 +1,9 @@
-// Work split over the thread pool so that no thread waits for a preempted one.
+// Work split over the thread pool so that a thread that finishes early takes over what the others have left.
 //
-// The stack's other processes share the worker's cores. When the OS preempts one of the pool's threads
-// for a moment, an equal split up front holds the whole call up until that thread is back. Here each
+// The stack's other processes share the worker's cores, and the two cores do not run equally fast. With
+// an equal split up front, a call waits for the slower share, or for all that is left of a preempted
+// thread's share (here, only for the item that thread is on: a call shorter than the preemption still
+// waits for it). Each
 // thread still starts on its own equal share of the items and walks it front to back (consecutive items
 // are consecutive memory, so the hardware prefetcher keeps one stream per thread), but a thread that
 // finishes takes the remaining items of the others' shares from their back ends, one at a time.
@@ -12,9 +14,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 namespace shared_items {
+
+constexpr int64_t RANGES_PER_THREAD = 8;  // share_ranges: enough for a preempted thread's rest to be taken over
 
 // One thread's share [front, back), both ends in one word so that owner and thief never take the same item.
 struct alignas(64) Share {
@@ -49,4 +54,18 @@ void share_items(int64_t items, const Body& body) {
     for (int64_t other = 1; other < threads; ++other)
       for (int64_t item; (item = shares[(begin + other) % threads].take(false)) >= 0;) body(item);
   });
+}
+
+// Calls body(begin, end) over consecutive ranges that cover 0 .. count-1, shared as share_items shares
+// its items: about RANGES_PER_THREAD ranges per thread, each of min_size .. max_size elements.
+template <typename Body>
+void share_ranges(int64_t count, int64_t min_size, int64_t max_size, const Body& body) {
+  const int64_t size = std::clamp<int64_t>(count / (shared_items::RANGES_PER_THREAD * at::get_num_threads()), min_size, max_size);
+  share_items((count + size - 1) / size, [&](int64_t item) { body(item * size, std::min(count, (item + 1) * size)); });
+}
+
+// share_ranges with no upper bound on a range's size.
+template <typename Body>
+void share_ranges(int64_t count, int64_t min_size, const Body& body) {
+  share_ranges(count, min_size, std::numeric_limits<int64_t>::max(), body);
 }
