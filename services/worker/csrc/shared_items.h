@@ -3,10 +3,10 @@
 // The stack's other processes share the worker's cores, and the two cores do not run equally fast. With
 // an equal split up front, a call waits for the slower share, or for all that is left of a preempted
 // thread's share (here, only for the item that thread is on: a call shorter than the preemption still
-// waits for it). Each
-// thread still starts on its own equal share of the items and walks it front to back (consecutive items
-// are consecutive memory, so the hardware prefetcher keeps one stream per thread), but a thread that
-// finishes takes the remaining items of the others' shares from their back ends, one at a time.
+// waits for it). Each thread still starts on its own equal share of the items and walks it front to
+// back (consecutive items are consecutive memory, so the hardware prefetcher keeps one stream per
+// thread), but a thread that finishes takes the remaining items of the others' shares from their back
+// ends, one at a time.
 #pragma once
 
 #include <ATen/Parallel.h>
