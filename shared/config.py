@@ -74,6 +74,11 @@ class StackConfig:
         0.9, "fraction of the GPU the worker may use; the KV cache gets what the weights leave (0: size it by kv_cache_tokens/bytes)"
     )
     num_threads: int = _opt(0, "torch threads of the worker (0: all cores)")
+    worker_core: str = _opt(
+        "auto",
+        "CPU placement where the worker computes on the CPU: auto (its main thread keeps the first allowed CPU to itself once warm, "
+        "and every other thread of the stack runs on the rest; one worker per host only), a CPU number instead of the first, or off",
+    )
     tensor_parallel_size: int = _opt(1, "worker ranks each step is split across (torch.distributed: gloo on CPU, NCCL on GPU)")
     tensor_parallel_rank: int = _opt(0, "this worker process's rank; rank 0 talks to the scheduler (the launcher starts the others)")
     tensor_parallel_addr: str = _opt("", "rendezvous of the worker ranks, a torch.distributed init method (default: tcp://127.0.0.1:<port + 90>)")

@@ -27,6 +27,7 @@ from services.api.state import API_STATE, ApiState
 from services.api.templating import PromptBuilder
 from services.api.tokenize_routes import routes as tokenize_routes
 from shared.config import StackConfig
+from shared.cpu_placement import keep_off_worker_core
 from shared.metrics import PROCESS_UP, exposition
 from shared.model_info import load_model_info
 
@@ -192,5 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         raise SystemExit(f"tokenyard api: {exc}") from None
     setup_logging("api", config.log_level, config.log_format)
+    if (cpus := keep_off_worker_core(config)) is not None:
+        log.info("cpu_placement", cpus=sorted(cpus))
     log.info("api_starting", listen=f"http://{config.host}:{config.port}", model=config.model, api_keys=len(config.api_keys))
     asyncio.run(serve(config))

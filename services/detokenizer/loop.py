@@ -17,6 +17,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from services.detokenizer.request import RequestDetokState
 from services.detokenizer.token_texts import TokenTexts
 from shared.config import StackConfig
+from shared.cpu_placement import keep_off_worker_core
 from shared.frames import DetokOpen, Finish, FinishReason, Heartbeat, TextBatch, TextDelta, TextLogprobs, TokenBatch, TokenLogprobs, TokenText
 from shared.metrics import FRAMES_UNEXPECTED, PREFIX, PROCESS_UP, start_metrics_server
 from shared.tokenizer import load_tokenizer
@@ -155,6 +156,8 @@ def main(argv: list[str] | None = None) -> None:
 
     config = StackConfig.from_argv(argv, "tokenyard detokenizer")
     log = setup_logging("detokenizer", config.log_level, config.log_format)
+    if (cpus := keep_off_worker_core(config)) is not None:
+        log.info("cpu_placement", cpus=sorted(cpus))
     loop = DetokenizerLoop(config, log)
     start_metrics_server(config.metrics_host, config.metrics_port("detokenizer"), loop.instrumentation, loop.health, config.metric_labels)
     log.info("detokenizer_started", inbox=loop.inbox.address)

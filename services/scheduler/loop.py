@@ -18,6 +18,7 @@ from services.scheduler.core import AdmissionError, Outcome, Scheduler
 from services.scheduler.kv_blocks import BlockPool
 from services.scheduler.state_slots import SlotPool
 from shared.config import StackConfig
+from shared.cpu_placement import keep_off_worker_core
 from shared.frames import (
     Abort,
     ApiAnnounce,
@@ -373,6 +374,8 @@ def main(argv: list[str] | None = None) -> None:
 
     config = StackConfig.from_argv(argv, "tokenyard scheduler")
     log = setup_logging("scheduler", config.log_level, config.log_format)
+    if (cpus := keep_off_worker_core(config)) is not None:
+        log.info("cpu_placement", cpus=sorted(cpus))
     loop = SchedulerLoop(config, log)
     start_metrics_server(config.metrics_host, config.metrics_port("scheduler"), loop.instrumentation, loop.health, config.metric_labels)
     PROCESS_UP.labels("scheduler").set(1)

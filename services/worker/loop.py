@@ -26,6 +26,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from services.worker.device import cpu_name, describe_device, device_memory, resolve_device, resolve_dtype
 from services.worker.device_memory import GRAPH_POOL_RESERVE, ActivationProfile, MemoryPlan, gdn_bytes_per_slot, plan_memory
 from shared.config import StackConfig
+from shared.cpu_placement import take_worker_core
 from shared.frames import Heartbeat, Release, SamplingParams, Slice, StepPlan, StepResult
 from shared.metrics import FRAMES_UNEXPECTED, PREFIX, PROCESS_UP, start_metrics_server
 from shared.model_info import kv_cache_blocks, load_model_info, resolve_kv_cache_dtype
@@ -80,6 +81,7 @@ class WorkerLoop:
         self.memory_plan: MemoryPlan | None = None
         self.tp = None  # the tensor-parallel group, when this is rank 0 of several
         self.rank_lost = ""  # why the group broke, once a rank is gone
+        self.worker_core: int | None = None  # the CPU the main thread keeps to itself (shared/cpu_placement.py)
 
     def _heartbeat(self) -> Heartbeat:
         return Heartbeat(process="worker", pid=os.getpid(), state=self.state, detail=self.detail, progress=self.progress, kv_blocks=self.num_blocks)
@@ -156,6 +158,10 @@ class WorkerLoop:
                 self.runner.graphs = None
             if self.stopping:
                 return
+        if device.type == "cpu" and tp is None:
+            self.worker_core = take_worker_core(self.config)  # once warm: every helper thread exists now
+            if self.worker_core is not None:
+                self.log.info("cpu_placement", worker_core=self.worker_core)
         self.log.info("worker_ready", load_s=round(loaded - started, 2), warmup_s=round(time.perf_counter() - loaded, 2), kv_blocks=self.num_blocks)
         self.state, self.detail, self.progress = "ready", "", 1.0
         PROCESS_UP.labels("worker").set(1)
@@ -278,6 +284,7 @@ class WorkerLoop:
             "device": {**self.device_info, **(device_memory(self.device) if self.device is not None else {})},
             "memory_plan": None if self.memory_plan is None else self.memory_plan.describe(),
             "torch_threads": torch.get_num_threads(),
+            "worker_core": self.worker_core,
             "torch_version": torch.__version__,
             "kv_blocks_total": self.num_blocks,
             "block_size": self.config.block_size,

@@ -130,6 +130,9 @@ class ModelRunner:
                 parallelize(self.model, tp)
             if hasattr(self.model, "bind_dense_decoder"):  # weights final: steps may run all layers in one call
                 self.model.bind_dense_decoder()
+            if self.device.type == "cpu" and cpu_kernels()[0] is not None:
+                # Few-row steps on the takeover pool (csrc/takeover_pool.h) where all their parallel kernels run on it.
+                cpu_kernels()[0].set_takeover_pool(getattr(self.model, "runs_dense_decoder", False))
             self._attention_backend = getattr(self.model, "attention_backend", "torch")
             # One GDN state slot per request the scheduler may run at once; it hands out ids 0..max_num_seqs-1.
             # With graphs, slot max_num_seqs past them is the dummy slot that padding rows run in.
@@ -411,6 +414,8 @@ class ModelRunner:
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "attention_backend": getattr(self.model, "attention_backend", "torch"),
             **({"cpu_kernels": cpu_kernels()[1] or "built"} if self.device.type == "cpu" else {}),
+            # few-row calls' pool (csrc/takeover_pool.h): items taken over from a helper that was not running
+            **({"takeover_pool": cpu_kernels()[0].takeover_pool_stats()} if self.device.type == "cpu" and cpu_kernels()[0] is not None else {}),
             "fusion_kernels": getattr(getattr(self.model, "fusions", None), "names", None),
             "sampler": self.sampler,
             "cuda_graphs": None if self.graphs is None else self.graphs.describe(),

@@ -255,3 +255,23 @@ def test_a_step_runs_all_layers_in_one_call_with_the_per_layer_paths_own_results
         assert calls == [3]  # the 9-row prefill took the per-layer path and its int8 activations
     finally:
         decoder.cpu_kernels = original
+
+
+@kernels
+def test_few_row_steps_run_on_the_takeover_pool_where_the_model_runs_its_layers_in_one_call(tiny_llamas: dict[str, Checkpoint], tmp_path: Path) -> None:
+    """The runner turns csrc/takeover_pool.h on for the int4 dense decoder (every parallel kernel of its few-row
+    steps runs on it) and off for a model whose steps also run on OpenMP's threads."""
+    _snap_to_blocks(tiny_llamas["untied"].path, tmp_path / "snapped")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for quant, pooled in (("int4", True), ("none", False)):
+            runner = ModelRunner(str(tmp_path / "snapped"), num_blocks=24, block_size=4, weight_quant=quant)
+            assert runner.model.runs_dense_decoder is pooled
+            prompt = prompt_of(3, 3)
+            runner.execute(StepPlan(0, [Slice("r", 0, len(prompt), prompt, list(range(8)), sampling=GREEDY)]))
+            before = cpu_kernels()[0].takeover_pool_stats()["jobs"]
+            runner.execute(StepPlan(1, [Slice("r", len(prompt), 1)]))  # one row
+            assert (cpu_kernels()[0].takeover_pool_stats()["jobs"] > before) is pooled
+    finally:
+        torch.set_num_threads(threads)

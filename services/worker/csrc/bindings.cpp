@@ -1,6 +1,7 @@
 // The CPU worker's C++ kernels as one Python extension module (services/worker/cpu_kernels.py).
 
 #include "kernels.h"
+#include "takeover_pool.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (fp32, CPU)");
@@ -11,5 +12,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(h) * weight, h) with h = x + residual written over x (fp32, CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] rows (fp32, CPU)");
   m.def("dense_decoder_layers", &dense_decoder_layers, "a dense decoder's layers over int4 weights for a step of few rows, one call (fp32, CPU)");
+  m.def(
+      "takeover_pool_stats",
+      [] {
+        auto& s = takeover_pool::stats();
+        return std::map<std::string, uint64_t>{{"jobs", s.jobs.load()}, {"items", s.items.load()}, {"taken_over", s.taken_over.load()}};
+      },
+      "what the pool of few-row calls has run: jobs, their items, and the items taken over from a helper that was not running");
+  m.def(
+      "set_takeover_pool", [](bool on) { takeover_pool::enabled().store(on); },
+      "few-row products and attention on the takeover pool (on) or on OpenMP's threads (off, the default)");
+  m.def(
+      "set_takeover_helper_stall_us", [](int64_t us) { takeover_pool::stats().helper_stall_us.store(us); },
+      "tests: each pool helper stalls this long before committing an item (0: never), as a preemption would");
   m.def("rotary_", &rotary_, "rotate x [tokens, heads, rotary_dim] in place by cos/sin [tokens, 1, rotary_dim] (fp32, CPU)");
 }

@@ -24,6 +24,7 @@
 
 #include "activation_quant.h"
 #include "shared_items.h"
+#include "takeover_pool.h"
 
 #include <algorithm>
 #include <cmath>
@@ -209,8 +210,61 @@ void run_tile(const uint8_t* panel, const QuantizedRows<T>& a, int64_t m0, int64
 #endif
 }
 
+// A few rows' product as a takeover_pool job: an item is a range of panels, computed into scratch
+// [panel, row, channel] and committed into the output. The job owns the rounded activations (a helper
+// that was taken over still reads them after the call has returned).
+static_assert(takeover_pool::MAX_ROWS <= ROW_TILE, "a few-row job computes its rows as one register tile");
+
 template <typename F, typename T>
-void run(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out_features, const float* bias, const float* residual, float* out) {
+struct FewRowsJob : takeover_pool::Job {
+  QuantizedRows<T> a;
+  const uint8_t* w;
+  int64_t rows, out_features, blocks, panels_per_item, panel_count;
+  const float *bias, *residual;  // held by the caller until every item is committed: read by compute only before a commit
+  torch::Tensor bias_owner, residual_owner;  // ... and, for a helper taken over, alive until it leaves the job
+  float* out;
+
+  int64_t scratch_floats() const override { return panels_per_item * rows * PANEL; }
+  void compute(int64_t item, float* scratch) const override {
+    const int64_t begin = item * panels_per_item, end = std::min(panel_count, begin + panels_per_item);
+    float sums[ROW_TILE * PANEL];
+    for (int64_t p = begin; p < end; ++p) {
+      run_tile<F>(w + p * blocks * F::RECORD, a, 0, rows, sums);
+      const int64_t n0 = p * PANEL, cols = std::min(PANEL, out_features - n0);
+      float* to = scratch + (p - begin) * rows * PANEL;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c) to[r * PANEL + c] = sums[r * PANEL + c] + (bias ? bias[n0 + c] : 0.f) + (residual ? residual[r * out_features + n0 + c] : 0.f);
+    }
+  }
+  void commit(int64_t item, const float* scratch) const override {
+    const int64_t begin = item * panels_per_item, end = std::min(panel_count, begin + panels_per_item);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * PANEL, cols = std::min(PANEL, out_features - n0);
+      for (int64_t r = 0; r < rows; ++r) std::memcpy(out + r * out_features + n0, scratch + ((p - begin) * rows + r) * PANEL, cols * sizeof(float));
+    }
+  }
+};
+
+template <typename F, typename T>
+void run(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out_features, const float* bias, const float* residual, float* out,
+         const torch::Tensor& bias_owner, const torch::Tensor& residual_owner) {
+  if (rows <= takeover_pool::MAX_ROWS && takeover_pool::enabled().load(std::memory_order_relaxed) && at::get_num_threads() > 1) {
+    auto job = std::make_shared<FewRowsJob<F, T>>();
+    job->a = quantize_rows<T>(x, rows, k);
+    job->w = w;
+    job->rows = rows;
+    job->out_features = out_features;
+    job->blocks = k / BLOCK;
+    job->panel_count = (out_features + PANEL - 1) / PANEL;
+    job->panels_per_item = std::clamp<int64_t>(job->panel_count / (shared_items::RANGES_PER_THREAD * at::get_num_threads()), 1, MAX_PANELS_PER_RANGE);
+    job->bias = bias;
+    job->residual = residual;
+    job->bias_owner = bias_owner;
+    job->residual_owner = residual_owner;
+    job->out = out;
+    takeover_pool::run(job, (job->panel_count + job->panels_per_item - 1) / job->panels_per_item);
+    return;
+  }
   const QuantizedRows<T> a = quantize_rows<T>(x, rows, k);
   const int64_t blocks = k / BLOCK, panel_count = (out_features + PANEL - 1) / PANEL;
   auto panels_times_rows = [&](int64_t begin, int64_t end) {
@@ -273,11 +327,12 @@ torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& pane
   const float *x_ptr = xc.data_ptr<float>(), *b_ptr = epilogue.bias_ptr(), *r_ptr = epilogue.residual_ptr();
   const uint8_t* w_ptr = panels.data_ptr<uint8_t>();
   float* o_ptr = out.data_ptr<float>();
+  const torch::Tensor bias_owner = epilogue.bias.value_or(torch::Tensor()), residual_owner = epilogue.residual.value_or(torch::Tensor());
   if (record == Q8_0Panels::RECORD)
-    run<Q8_0Panels, int16_t>(x_ptr, rows, k, w_ptr, out_features, b_ptr, r_ptr, o_ptr);
+    run<Q8_0Panels, int16_t>(x_ptr, rows, k, w_ptr, out_features, b_ptr, r_ptr, o_ptr, bias_owner, residual_owner);
   else if (activation_bits == 8)
-    run<Q4_1Panels, int8_t>(x_ptr, rows, k, w_ptr, out_features, b_ptr, r_ptr, o_ptr);
+    run<Q4_1Panels, int8_t>(x_ptr, rows, k, w_ptr, out_features, b_ptr, r_ptr, o_ptr, bias_owner, residual_owner);
   else
-    run<Q4_1Panels, int16_t>(x_ptr, rows, k, w_ptr, out_features, b_ptr, r_ptr, o_ptr);
+    run<Q4_1Panels, int16_t>(x_ptr, rows, k, w_ptr, out_features, b_ptr, r_ptr, o_ptr, bias_owner, residual_owner);
   return out;
 }

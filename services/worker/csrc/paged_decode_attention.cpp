@@ -29,6 +29,7 @@
 #include <torch/extension.h>
 
 #include "avx2_exp.h"
+#include "takeover_pool.h"
 
 #include <algorithm>
 #include <atomic>
@@ -253,6 +254,47 @@ void attend_any(const Item<T>& it, [[maybe_unused]] float* widened, [[maybe_unus
   attend_generic(it);
 }
 
+// keys[p] = position p's key of one kv head (head_base: the cache offset by that head), in place.
+template <typename T>
+void point_at_cache(const T** keys, const T* head_base, const int32_t* table_row, int64_t len, int64_t block_size, int64_t slot_stride) {
+  for (int64_t start = 0; start < len; start += block_size) {
+    const T* block = head_base + table_row[start / block_size] * block_size * slot_stride;
+    for (int64_t i = 0, n = std::min(block_size, len - start); i < n; ++i) keys[start + i] = block + i * slot_stride;
+  }
+}
+
+// A step of few rows as a takeover_pool job: an item is a (row, kv head), read in place; its group's
+// output goes to scratch, then into the output. The job holds the tensors it reads.
+template <typename T>
+struct FewRowsAttention : takeover_pool::Job {
+  torch::Tensor q_owner, cache_owner, tables_owner, lens_owner;
+  const float* q_ptr;
+  const T* cache_ptr;
+  const int32_t *table_ptr, *len_ptr;
+  float* out_ptr;
+  int64_t q_row, width, block_size, slot_stride, value_offset, kv_heads, heads, group, dim;
+  float scale;
+
+  int64_t scratch_floats() const override { return group * dim; }
+  void compute(int64_t item, float* scratch) const override {
+    static thread_local std::vector<const T*> keys;
+    static thread_local std::vector<float> scores, widened, sums;
+    const int64_t b = item / kv_heads, h = item % kv_heads, len = len_ptr[b], stride = (len + 7) / 8 * 8;
+    if (static_cast<int64_t>(keys.size()) < stride) keys.resize(stride);
+    if (static_cast<int64_t>(scores.size()) < group * stride) scores.resize(group * stride);
+    widened.resize(8 * dim);
+    sums.resize(group);
+    point_at_cache(keys.data(), cache_ptr + h * dim, table_ptr + b * width, len, block_size, slot_stride);
+    std::fill(keys.begin() + len, keys.begin() + stride, keys[len - 1]);  // readable padding (scored -inf)
+    const Item<T> it{q_ptr + b * q_row + h * group * dim, keys.data(), scores.data(), scratch, len, stride, value_offset, group, dim, scale};
+    attend_any(it, widened.data(), sums.data());
+  }
+  void commit(int64_t item, const float* scratch) const override {
+    const int64_t b = item / kv_heads, h = item % kv_heads;
+    std::memcpy(out_ptr + (b * heads + h * group) * dim, scratch, group * dim * sizeof(float));
+  }
+};
+
 }  // namespace
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& block_tables,
@@ -292,6 +334,30 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 
   auto run = [&](const auto* cache_ptr) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(cache_ptr)>>;
+    if (batch <= takeover_pool::MAX_ROWS && takeover_pool::enabled().load(std::memory_order_relaxed) && at::get_num_threads() > 1) {
+      auto job = std::make_shared<FewRowsAttention<T>>();
+      job->q_owner = qc;
+      job->cache_owner = cache;
+      job->tables_owner = tables;
+      job->lens_owner = lens;
+      job->q_ptr = q_ptr;
+      job->cache_ptr = cache_ptr;
+      job->table_ptr = table_ptr;
+      job->len_ptr = len_ptr;
+      job->out_ptr = out_ptr;
+      job->q_row = q_row;
+      job->width = width;
+      job->block_size = block_size;
+      job->slot_stride = slot_stride;
+      job->value_offset = value_offset;
+      job->kv_heads = kv_heads;
+      job->heads = heads;
+      job->group = group;
+      job->dim = dim;
+      job->scale = fscale;
+      takeover_pool::run(job, batch * kv_heads);
+      return;
+    }
     const int64_t threads = at::get_num_threads(), slot_bytes = slot_stride * sizeof(T);
     const bool by_row = batch >= kRowsPerThreadByRow * threads;
     const int64_t items = by_row ? batch : batch * kv_heads;
@@ -323,11 +389,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
           if (copy != nullptr) {
             for (int64_t p = 0; p < len; ++p) keys[p] = copy + p * slot_stride + h * dim;
           } else {
-            const T* head_base = cache_ptr + h * dim;
-            for (int64_t start = 0; start < len; start += block_size) {
-              const T* block = head_base + table_ptr[b * width + start / block_size] * block_size * slot_stride;
-              for (int64_t i = 0, n = std::min(block_size, len - start); i < n; ++i) keys[start + i] = block + i * slot_stride;
-            }
+            point_at_cache(keys.data(), cache_ptr + h * dim, table_ptr + b * width, len, block_size, slot_stride);
           }
           std::fill(keys.begin() + len, keys.begin() + stride, keys[len - 1]);  // readable padding (scored -inf)
           const Item<T> it{q_ptr + b * q_row + h * group * dim, keys.data(), scores.data(), out_ptr + (b * heads + h * group) * dim,

@@ -249,6 +249,11 @@ class DecoderForCausalLM:
             projections = [p for layer in self.layers for p in (layer.attn.qkv, layer.attn.o_proj, layer.mlp.gate_up, layer.mlp.down)]
             self._dense_decoder_max_rows = sys.maxsize if all(p.activation_bits == 16 for p in projections) else BLOCK_QUANT_MAX_ROWS
 
+    @property
+    def runs_dense_decoder(self) -> bool:
+        """Whether few-row steps run all layers in one ``dense_decoder_layers`` call (bind_dense_decoder's choice)."""
+        return self._dense_decoder is not None
+
     def _dense_decoder_weights(self) -> tuple[list, ...] | None:
         """The per-layer tensors ``dense_decoder_layers`` reads, for a dense family without q/k norms
         on the CPU kernels (attention, fusions) with int4 weights, not sharded. None elsewhere."""

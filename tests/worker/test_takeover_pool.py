@@ -1,0 +1,111 @@
+"""The pool that runs few-row products and attention (csrc/takeover_pool.h): the caller takes over the
+items of a helper that is not running, and a helper taken over never writes into the output afterwards."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from services.worker import block_quant
+from services.worker.cpu_kernels import cpu_kernels
+
+pytestmark = pytest.mark.skipif(cpu_kernels()[0] is None, reason="the CPU kernels did not build here")
+
+STALL_US = 20_000  # each helper item: far longer than the caller's patience, so every one is taken over
+
+
+def kernels():
+    return cpu_kernels()[0]
+
+
+def few_row_calls(rows: int) -> list:
+    """A product over q4_1 panels (with a bias), one over q8_0 panels (lm_head's), and attention over a
+    paged cache: each long enough (~0.1-1 ms) for a helper to take items before the caller is done."""
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(4099, 1536, generator=generator)
+    q4 = block_quant.to_panels(block_quant.quantize(weight, "q4_1"))
+    q8 = block_quant.to_panels(block_quant.quantize(weight, "q8_0"), "q8_0")
+    x, bias = torch.randn(rows, 1536, generator=generator), torch.randn(4099, generator=generator)
+    cache = torch.randn(1200 * 16, 2, 3, 64, generator=generator)
+    q = torch.randn(rows, 9, 64, generator=generator)
+    tables = torch.randperm(1200, generator=generator, dtype=torch.int32)[: rows * 256].view(rows, 256)
+    lens = torch.randint(2048, 256 * 16, (rows,), generator=generator, dtype=torch.int32)
+    return [
+        lambda: kernels().block_quant_gemm(x, q4, 4099, bias, None, 16),
+        lambda: kernels().block_quant_gemm(x, q8, 4099, None, None, 16),
+        lambda: kernels().paged_decode_attention(q, cache, tables, lens, 16, 0.125),
+    ]
+
+
+def taken_over() -> int:
+    return kernels().takeover_pool_stats()["taken_over"]
+
+
+def call_until_taken_over(call, expected: torch.Tensor | None = None) -> torch.Tensor:
+    """Calls until one call had an item taken over (a helper must be running to take one first), checking
+    each result against ``expected``; returns that call's result."""
+    for _ in range(100):
+        before = taken_over()
+        out = call()
+        if expected is not None:
+            assert torch.equal(out, expected)
+        if taken_over() > before:
+            return out
+        time.sleep(1.5 * STALL_US / 1e6)  # the stalled helper is back, spinning for the next call
+    raise AssertionError("no item was taken over in 100 calls")
+
+
+@pytest.fixture(autouse=True)
+def takeover_pool():
+    """The pool on, as the runner turns it on for the dense decoder; off again afterwards."""
+    kernels().set_takeover_pool(True)
+    yield
+    kernels().set_takeover_pool(False)
+
+
+@pytest.fixture
+def stalled_helpers():
+    """Every pool helper stalls before committing an item, as if preempted there; two threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    kernels().set_takeover_helper_stall_us(STALL_US)
+    try:
+        yield
+    finally:
+        kernels().set_takeover_helper_stall_us(0)
+        time.sleep(2 * STALL_US / 1e6)  # the last stalled helpers leave their jobs
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_items_taken_over_from_a_stalled_helper_give_the_results_of_one_thread(rows: int, stalled_helpers) -> None:
+    calls = few_row_calls(rows)
+    torch.set_num_threads(1)
+    alone = [call() for call in calls]
+    torch.set_num_threads(2)
+    for call, expected in zip(calls, alone):
+        call_until_taken_over(call, expected)
+
+
+def test_a_helper_taken_over_never_writes_into_the_output_after_the_call_returned(stalled_helpers) -> None:
+    for call in few_row_calls(1):
+        out = call_until_taken_over(call)
+        out.fill_(7.0)  # the caller's next kernel writes over it (add_rms_norm does, in place)
+        time.sleep(3 * STALL_US / 1e6)  # the stalled helper has woken and tried to commit by now
+        assert bool((out == 7.0).all())
+
+
+def test_few_row_calls_give_the_same_bits_at_every_thread_count_unstalled() -> None:
+    threads = torch.get_num_threads()
+    try:
+        for call in few_row_calls(3):
+            torch.set_num_threads(1)
+            alone = call()
+            for count in (2, 3, 5):
+                torch.set_num_threads(count)
+                for _ in range(20):
+                    assert torch.equal(call(), alone)
+    finally:
+        torch.set_num_threads(threads)
