@@ -220,8 +220,8 @@ struct FewRowsJob : takeover_pool::Job {
   QuantizedRows<T> a;
   const uint8_t* w;
   int64_t rows, out_features, blocks, panels_per_item, panel_count;
-  const float *bias, *residual;  // held by the caller until every item is committed: read by compute only before a commit
-  torch::Tensor bias_owner, residual_owner;  // ... and, for a helper taken over, alive until it leaves the job
+  const float *bias, *residual;              // or nullptr
+  torch::Tensor bias_owner, residual_owner;  // theirs: alive while a helper that was taken over still reads them
   float* out;
 
   int64_t scratch_floats() const override { return panels_per_item * rows * PANEL; }
