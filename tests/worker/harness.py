@@ -47,10 +47,10 @@ def kernel_rounded(x: torch.Tensor, max_code: int) -> torch.Tensor:
 
 def check_same_bits_at_every_thread_count(product: Callable[[], torch.Tensor]) -> None:
     """Asserts that ``product`` gives the same bits at 2, 3 and 5 threads as at 1. Its kernel's threads share
-    groups of output channels (csrc/shared_items.h): each starts on its own share, then takes the others'
-    remaining groups from their ends. Whichever thread computes a channel, the arithmetic is the same, so
-    every bit must be, however the groups changed hands (threads start and finish at varying times, so
-    repeated calls vary that)."""
+    groups of output channels (csrc/shared_items.h, and few-row calls on csrc/takeover_pool.h): each starts on
+    its own share, then takes the others' remaining groups from their ends. Whichever thread computes a
+    channel, the arithmetic is the same, so every bit must be, however the groups changed hands (threads
+    start and finish at varying times, so repeated calls vary that)."""
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -11,6 +11,8 @@ import torch
 from services.worker import block_quant
 from services.worker.cpu_kernels import cpu_kernels
 
+from .harness import check_same_bits_at_every_thread_count
+
 pytestmark = pytest.mark.skipif(cpu_kernels()[0] is None, reason="the CPU kernels did not build here")
 
 STALL_US = 20_000  # each helper item: far longer than the caller's patience, so every one is taken over
@@ -98,14 +100,5 @@ def test_a_helper_taken_over_never_writes_into_the_output_after_the_call_returne
 
 
 def test_few_row_calls_give_the_same_bits_at_every_thread_count_unstalled() -> None:
-    threads = torch.get_num_threads()
-    try:
-        for call in few_row_calls(3):
-            torch.set_num_threads(1)
-            alone = call()
-            for count in (2, 3, 5):
-                torch.set_num_threads(count)
-                for _ in range(20):
-                    assert torch.equal(call(), alone)
-    finally:
-        torch.set_num_threads(threads)
+    for call in few_row_calls(3):
+        check_same_bits_at_every_thread_count(call)
