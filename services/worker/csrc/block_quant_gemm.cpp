@@ -256,7 +256,7 @@ void run(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out_
     job->out_features = out_features;
     job->blocks = k / BLOCK;
     job->panel_count = (out_features + PANEL - 1) / PANEL;
-    job->panels_per_item = std::clamp<int64_t>(job->panel_count / (shared_items::RANGES_PER_THREAD * at::get_num_threads()), 1, MAX_PANELS_PER_RANGE);
+    job->panels_per_item = shared_items::range_size(job->panel_count, at::get_num_threads(), 1, MAX_PANELS_PER_RANGE);
     job->bias = bias;
     job->residual = residual;
     job->bias_owner = bias_owner;

@@ -39,6 +39,26 @@ struct alignas(64) Share {
   }
 };
 
+// Threads' equal shares of items 0 .. count-1, consecutive ranges in thread order.
+inline std::vector<Share> equal_shares(int64_t count, int64_t threads) {
+  std::vector<Share> shares(threads);
+  for (int64_t t = 0; t < threads; ++t) shares[t].assign(count * t / threads, count * (t + 1) / threads);
+  return shares;
+}
+
+// Thread t's next item: the front of its own share, then the back of the others'; -1 when none is left.
+inline int64_t take_next(std::vector<Share>& shares, int64_t t) {
+  const int64_t threads = static_cast<int64_t>(shares.size());
+  int64_t item = shares[t].take(true);
+  for (int64_t other = 1; item < 0 && other < threads; ++other) item = shares[(t + other) % threads].take(false);
+  return item;
+}
+
+// Elements per range when count elements are cut into about RANGES_PER_THREAD ranges per thread.
+inline int64_t range_size(int64_t count, int64_t threads, int64_t min_size, int64_t max_size) {
+  return std::clamp<int64_t>(count / (RANGES_PER_THREAD * threads), min_size, max_size);
+}
+
 }  // namespace shared_items
 
 // Calls body(item) once for each of 0 .. items-1 (fewer than 2^31), on the pool's threads as above; nested
@@ -46,13 +66,11 @@ struct alignas(64) Share {
 template <typename Body>
 void share_items(int64_t items, const Body& body) {
   const int64_t threads = std::min<int64_t>(items, at::get_num_threads());
-  std::vector<shared_items::Share> shares(threads);
-  for (int64_t t = 0; t < threads; ++t) shares[t].assign(items * t / threads, items * (t + 1) / threads);
+  auto shares = shared_items::equal_shares(items, threads);
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t item; (item = shares[t].take(true)) >= 0;) body(item);
-    for (int64_t other = 1; other < threads; ++other)
-      for (int64_t item; (item = shares[(begin + other) % threads].take(false)) >= 0;) body(item);
+    for (int64_t item; (item = shared_items::take_next(shares, begin)) >= 0;) body(item);  // the others' leftovers
   });
 }
 
@@ -60,7 +78,7 @@ void share_items(int64_t items, const Body& body) {
 // its items: about RANGES_PER_THREAD ranges per thread, each of min_size .. max_size elements.
 template <typename Body>
 void share_ranges(int64_t count, int64_t min_size, int64_t max_size, const Body& body) {
-  const int64_t size = std::clamp<int64_t>(count / (shared_items::RANGES_PER_THREAD * at::get_num_threads()), min_size, max_size);
+  const int64_t size = shared_items::range_size(count, at::get_num_threads(), min_size, max_size);
   share_items((count + size - 1) / size, [&](int64_t item) { body(item * size, std::min(count, (item + 1) * size)); });
 }
 

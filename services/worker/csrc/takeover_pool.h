@@ -89,19 +89,12 @@ struct Job {
 
   void prepare(int64_t count, int64_t threads) {
     items = count;
-    shares = std::vector<shared_items::Share>(threads);
-    for (int64_t t = 0; t < threads; ++t) shares[t].assign(count * t / threads, count * (t + 1) / threads);
+    shares = shared_items::equal_shares(count, threads);
     state.reset(new std::atomic<uint32_t>[count]);
     for (int64_t i = 0; i < count; ++i) state[i].store(RUNNING, std::memory_order_relaxed);
   }
 
-  // The next item for thread t: its own share's front, then the others' backs; -1 when none is left.
-  int64_t take(int64_t t) {
-    const int64_t threads = static_cast<int64_t>(shares.size());
-    int64_t item = shares[t].take(true);
-    for (int64_t other = 1; item < 0 && other < threads; ++other) item = shares[(t + other) % threads].take(false);
-    return item;
-  }
+  int64_t take(int64_t t) { return shared_items::take_next(shares, t); }
 
   // A helper's item: into its scratch, then into the output unless the caller took it over meanwhile.
   void run_as_helper(int64_t item, float* scratch) {
