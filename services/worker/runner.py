@@ -13,6 +13,7 @@ the largest step size runs first, through scratch blocks and slots, to measure t
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -340,8 +341,13 @@ class ModelRunner:
         to_sample = [j for j, s in enumerate(ordered) if s.sample]
         if not to_sample:
             return [], [], None
-        last_rows = (torch.tensor(lens).cumsum(0) - 1)[to_sample]
-        logits = self.model.compute_logits(hidden[last_rows.to(self.device)])
+        if len(to_sample) == hidden.shape[0]:  # a decode step: every row is a request's last
+            logits = self.model.compute_logits(hidden)
+        else:
+            # index_select, not hidden[rows]: torch's advanced indexing wakes OpenMP's threads even for a few rows
+            ends = list(itertools.accumulate(lens))
+            last_rows = torch.tensor([ends[j] - 1 for j in to_sample], device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, last_rows))
         return [ordered[j].rid for j in to_sample], [requests[j] for j in to_sample], logits
 
     def _validate(self, slices: list[Slice]) -> None:

@@ -23,22 +23,28 @@ def kernels():
 
 
 def few_row_calls(rows: int) -> list:
-    """A product over q4_1 panels (with a bias), one over q8_0 panels (lm_head's), and attention over a
-    paged cache: each long enough (~0.1-1 ms) for a helper to take items before the caller is done."""
+    """A product over q4_1 panels (with a bias), one over q8_0 panels (lm_head's), attention over a paged
+    cache (long contexts read in place; short ones, from 8 rows on 2 threads, copied row by row) and
+    greedy sampling's argmax (an item per row: from 2 rows): each long enough for a helper to take items
+    before the caller is done."""
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(4099, 1536, generator=generator)
     q4 = block_quant.to_panels(block_quant.quantize(weight, "q4_1"))
     q8 = block_quant.to_panels(block_quant.quantize(weight, "q8_0"), "q8_0")
     x, bias = torch.randn(rows, 1536, generator=generator), torch.randn(4099, generator=generator)
-    cache = torch.randn(1200 * 16, 2, 3, 64, generator=generator)
+    cache = torch.randn(2400 * 16, 2, 3, 64, generator=generator)
     q = torch.randn(rows, 9, 64, generator=generator)
-    tables = torch.randperm(1200, generator=generator, dtype=torch.int32)[: rows * 256].view(rows, 256)
+    tables = torch.randperm(2400, generator=generator, dtype=torch.int32)[: rows * 256].view(rows, 256)
     lens = torch.randint(2048, 256 * 16, (rows,), generator=generator, dtype=torch.int32)
+    half_cache = cache.half()
+    short_lens = torch.randint(100, 240, (rows,), generator=generator, dtype=torch.int32)
+    logits = torch.randn(rows, 500_000, generator=generator)
     return [
         lambda: kernels().block_quant_gemm(x, q4, 4099, bias, None, 16),
         lambda: kernels().block_quant_gemm(x, q8, 4099, None, None, 16),
         lambda: kernels().paged_decode_attention(q, cache, tables, lens, 16, 0.125),
-    ]
+        lambda: kernels().paged_decode_attention(q, half_cache, tables, short_lens, 16, 0.125),
+    ] + ([lambda: kernels().argmax_rows(logits)] if rows > 1 else [])
 
 
 def taken_over() -> int:
@@ -81,7 +87,7 @@ def stalled_helpers():
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8])
 def test_items_taken_over_from_a_stalled_helper_give_the_results_of_one_thread(rows: int, stalled_helpers) -> None:
     calls = few_row_calls(rows)
     torch.set_num_threads(1)
@@ -99,6 +105,7 @@ def test_a_helper_taken_over_never_writes_into_the_output_after_the_call_returne
         assert bool((out == 7.0).all())
 
 
-def test_few_row_calls_give_the_same_bits_at_every_thread_count_unstalled() -> None:
-    for call in few_row_calls(3):
+@pytest.mark.parametrize("rows", [3, 8])
+def test_few_row_calls_give_the_same_bits_at_every_thread_count_unstalled(rows: int) -> None:
+    for call in few_row_calls(rows):
         check_same_bits_at_every_thread_count(call)

@@ -7,12 +7,14 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 #include "kernels.h"
+#include "takeover_pool.h"
 
 namespace {
 
@@ -57,6 +59,23 @@ int64_t argmax_row(const float* x, int64_t n) {
   return best;
 }
 
+// A few rows' argmax as a takeover_pool job (a step whose other kernels run on the pool must not wake
+// OpenMP's threads, whose spinning would then compete with the pool's helpers): an item is a row, its
+// index passed through scratch.
+struct FewRowsArgmax : takeover_pool::Job {
+  torch::Tensor logits_owner;
+  const float* src;
+  int64_t n;
+  int64_t* dst;
+
+  int64_t scratch_floats() const override { return sizeof(int64_t) / sizeof(float); }
+  void compute(int64_t item, float* scratch) const override {
+    const int64_t best = argmax_row(src + item * n, n);
+    std::memcpy(scratch, &best, sizeof best);
+  }
+  void commit(int64_t item, const float* scratch) const override { std::memcpy(dst + item, scratch, sizeof(int64_t)); }
+};
+
 }  // namespace
 
 torch::Tensor argmax_rows(const torch::Tensor& logits) {
@@ -67,6 +86,15 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
   auto out = torch::empty({rows}, logits.options().dtype(torch::kLong));
   const float* src = x.data_ptr<float>();
   int64_t* dst = out.data_ptr<int64_t>();
+  if (rows <= takeover_pool::MAX_ROWS && takeover_pool::enabled().load(std::memory_order_relaxed) && at::get_num_threads() > 1) {
+    auto job = std::make_shared<FewRowsArgmax>();
+    job->logits_owner = x;
+    job->src = src;
+    job->n = n;
+    job->dst = dst;
+    takeover_pool::run(job, rows);
+    return out;
+  }
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) dst[r] = argmax_row(src + r * n, n);
   });

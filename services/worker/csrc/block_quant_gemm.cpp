@@ -213,7 +213,7 @@ void run_tile(const uint8_t* panel, const QuantizedRows<T>& a, int64_t m0, int64
 // A few rows' product as a takeover_pool job: an item is a range of panels, computed into scratch
 // [panel, row, channel] and committed into the output. The job owns the rounded activations (a helper
 // that was taken over still reads them after the call has returned).
-static_assert(takeover_pool::MAX_ROWS <= ROW_TILE, "a few-row job computes its rows as one register tile");
+static_assert(takeover_pool::MAX_ROWS <= ROW_CHUNK, "a few-row job's rows meet a panel together");
 
 template <typename F, typename T>
 struct FewRowsJob : takeover_pool::Job {
@@ -229,11 +229,15 @@ struct FewRowsJob : takeover_pool::Job {
     const int64_t begin = item * panels_per_item, end = std::min(panel_count, begin + panels_per_item);
     float sums[ROW_TILE * PANEL];
     for (int64_t p = begin; p < end; ++p) {
-      run_tile<F>(w + p * blocks * F::RECORD, a, 0, rows, sums);
       const int64_t n0 = p * PANEL, cols = std::min(PANEL, out_features - n0);
       float* to = scratch + (p - begin) * rows * PANEL;
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c = 0; c < cols; ++c) to[r * PANEL + c] = sums[r * PANEL + c] + (bias ? bias[n0 + c] : 0.f) + (residual ? residual[r * out_features + n0 + c] : 0.f);
+      for (int64_t m0 = 0; m0 < rows; m0 += ROW_TILE) {
+        const int64_t tile_rows = std::min(ROW_TILE, rows - m0);
+        run_tile<F>(w + p * blocks * F::RECORD, a, m0, tile_rows, sums);
+        for (int64_t r = 0; r < tile_rows; ++r)
+          for (int64_t c = 0; c < cols; ++c)
+            to[(m0 + r) * PANEL + c] = sums[r * PANEL + c] + (bias ? bias[n0 + c] : 0.f) + (residual ? residual[(m0 + r) * out_features + n0 + c] : 0.f);
+      }
     }
   }
   void commit(int64_t item, const float* scratch) const override {

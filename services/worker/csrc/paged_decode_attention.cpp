@@ -263,35 +263,72 @@ void point_at_cache(const T** keys, const T* head_base, const int32_t* table_row
   }
 }
 
-// A step of few rows as a takeover_pool job: an item is a (row, kv head), read in place; its group's
-// output goes to scratch, then into the output. The job holds the tensors it reads.
+// What every work item of one call reads: the step's queries, the cache and each row's block table.
 template <typename T>
-struct FewRowsAttention : takeover_pool::Job {
-  torch::Tensor q_owner, cache_owner, tables_owner, lens_owner;
+struct Step {
   const float* q_ptr;
   const T* cache_ptr;
   const int32_t *table_ptr, *len_ptr;
-  float* out_ptr;
   int64_t q_row, width, block_size, slot_stride, value_offset, kv_heads, heads, group, dim;
   float scale;
 
-  int64_t scratch_floats() const override { return group * dim; }
-  void compute(int64_t item, float* scratch) const override {
-    static thread_local std::vector<const T*> keys;
+  // Whether whole rows are the work items: enough rows for every thread (see the file's comment).
+  bool by_row(int64_t batch, int64_t threads) const { return batch >= kRowsPerThreadByRow * threads; }
+
+  // A row that continues a prefill chunk: the previous row is the same request one position earlier.
+  bool continues_chunk(int64_t b) const { return b > 0 && len_ptr[b] == len_ptr[b - 1] + 1 && table_ptr[b * width] == table_ptr[(b - 1) * width]; }
+
+  // Row b's kv heads [first_head, end_head) into out (their groups' outputs, one after another). With
+  // copy, the row's context is first copied, slot after slot, into this thread's scratch.
+  void attend_heads(int64_t b, int64_t first_head, int64_t end_head, bool copy, float* out) const {
+    static thread_local std::vector<const T*> keys;  // scratch grown to the longest item met, padded to a multiple of 8
     static thread_local std::vector<float> scores, widened, sums;
-    const int64_t b = item / kv_heads, h = item % kv_heads, len = len_ptr[b], stride = (len + 7) / 8 * 8;
+    const int64_t len = len_ptr[b], stride = (len + 7) / 8 * 8, slot_bytes = slot_stride * sizeof(T);
     if (static_cast<int64_t>(keys.size()) < stride) keys.resize(stride);
     if (static_cast<int64_t>(scores.size()) < group * stride) scores.resize(group * stride);
     widened.resize(8 * dim);
     sums.resize(group);
-    point_at_cache(keys.data(), cache_ptr + h * dim, table_ptr + b * width, len, block_size, slot_stride);
-    std::fill(keys.begin() + len, keys.begin() + stride, keys[len - 1]);  // readable padding (scored -inf)
-    const Item<T> it{q_ptr + b * q_row + h * group * dim, keys.data(), scores.data(), scratch, len, stride, value_offset, group, dim, scale};
-    attend_any(it, widened.data(), sums.data());
+    const T* copied = nullptr;
+    if (copy && len * slot_bytes <= kCopyMaxBytes && !continues_chunk(b)) {
+      char* to = copy_scratch(len * slot_bytes);
+      for (int64_t start = 0; start < len; start += block_size)
+        std::memcpy(to + start * slot_bytes, cache_ptr + table_ptr[b * width + start / block_size] * block_size * slot_stride,
+                    std::min(block_size, len - start) * slot_bytes);
+      copied = reinterpret_cast<const T*>(to);
+    }
+    for (int64_t h = first_head; h < end_head; ++h) {
+      if (copied != nullptr) {
+        for (int64_t p = 0; p < len; ++p) keys[p] = copied + p * slot_stride + h * dim;
+      } else {
+        point_at_cache(keys.data(), cache_ptr + h * dim, table_ptr + b * width, len, block_size, slot_stride);
+      }
+      std::fill(keys.begin() + len, keys.begin() + stride, keys[len - 1]);  // readable padding (scored -inf)
+      const Item<T> it{q_ptr + b * q_row + h * group * dim, keys.data(), scores.data(), out + (h - first_head) * group * dim,
+                       len, stride, value_offset, group, dim, scale};
+      attend_any(it, widened.data(), sums.data());
+    }
+  }
+};
+
+// A step of few rows as a takeover_pool job: an item is a (row, kv head) read in place, or a whole row
+// over its copied context (by_row); its output goes to scratch, then into the output. The job holds the
+// tensors it reads.
+template <typename T>
+struct FewRowsAttention : takeover_pool::Job {
+  torch::Tensor q_owner, cache_owner, tables_owner, lens_owner;
+  Step<T> step;
+  float* out_ptr;
+  bool whole_rows;
+
+  int64_t heads_per_item() const { return whole_rows ? step.kv_heads : 1; }
+  int64_t scratch_floats() const override { return heads_per_item() * step.group * step.dim; }
+  void compute(int64_t item, float* scratch) const override {
+    const int64_t per = heads_per_item(), b = item * per / step.kv_heads, h = item * per % step.kv_heads;
+    step.attend_heads(b, h, h + per, whole_rows, scratch);
   }
   void commit(int64_t item, const float* scratch) const override {
-    const int64_t b = item / kv_heads, h = item % kv_heads;
-    std::memcpy(out_ptr + (b * heads + h * group) * dim, scratch, group * dim * sizeof(float));
+    const int64_t per = heads_per_item(), b = item * per / step.kv_heads, h = item * per % step.kv_heads;
+    std::memcpy(out_ptr + (b * step.heads + h * step.group) * step.dim, scratch, scratch_floats() * sizeof(float));
   }
 };
 
@@ -334,68 +371,29 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 
   auto run = [&](const auto* cache_ptr) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(cache_ptr)>>;
-    if (batch <= takeover_pool::MAX_ROWS && takeover_pool::enabled().load(std::memory_order_relaxed) && at::get_num_threads() > 1) {
+    const Step<T> step{q_ptr, cache_ptr, table_ptr, len_ptr, q_row, width, block_size, slot_stride, value_offset, kv_heads, heads, group, dim, fscale};
+    const int64_t threads = at::get_num_threads();
+    const bool by_row = step.by_row(batch, threads);
+    if (batch <= takeover_pool::MAX_ROWS && takeover_pool::enabled().load(std::memory_order_relaxed) && threads > 1) {
       auto job = std::make_shared<FewRowsAttention<T>>();
       job->q_owner = qc;
       job->cache_owner = cache;
       job->tables_owner = tables;
       job->lens_owner = lens;
-      job->q_ptr = q_ptr;
-      job->cache_ptr = cache_ptr;
-      job->table_ptr = table_ptr;
-      job->len_ptr = len_ptr;
+      job->step = step;
       job->out_ptr = out_ptr;
-      job->q_row = q_row;
-      job->width = width;
-      job->block_size = block_size;
-      job->slot_stride = slot_stride;
-      job->value_offset = value_offset;
-      job->kv_heads = kv_heads;
-      job->heads = heads;
-      job->group = group;
-      job->dim = dim;
-      job->scale = fscale;
-      takeover_pool::run(job, batch * kv_heads);
+      job->whole_rows = by_row;
+      takeover_pool::run(job, by_row ? batch : batch * kv_heads);
       return;
     }
-    const int64_t threads = at::get_num_threads(), slot_bytes = slot_stride * sizeof(T);
-    const bool by_row = batch >= kRowsPerThreadByRow * threads;
     const int64_t items = by_row ? batch : batch * kv_heads;
-    // A row that continues a prefill chunk: the previous row is the same request one position earlier.
-    auto continues_chunk = [&](int64_t b) { return b > 0 && len_ptr[b] == len_ptr[b - 1] + 1 && table_ptr[b * width] == table_ptr[(b - 1) * width]; };
     std::atomic<int64_t> next{0};
     // One call per thread; each takes items until none is left (nested in another parallel region,
     // one call takes them all).
     at::parallel_for(0, std::min<int64_t>(items, threads), 1, [&](int64_t, int64_t) {
-      // Scratch grown to the longest item met: key pointers and scores padded to a multiple of 8.
-      std::vector<const T*> keys;
-      std::vector<float> scores, widened(8 * dim), sums(group);
       for (int64_t item; (item = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-        const int64_t b = by_row ? item : item / kv_heads, len = len_ptr[b], stride = (len + 7) / 8 * 8;
-        if (static_cast<int64_t>(keys.size()) < stride) {
-          keys.resize(stride);
-          scores.resize(group * stride);
-        }
-        const T* copy = nullptr;  // the row's context, slot after slot, when copied
-        if (by_row && len * slot_bytes <= kCopyMaxBytes && !continues_chunk(b)) {
-          char* to = copy_scratch(len * slot_bytes);
-          for (int64_t start = 0; start < len; start += block_size)
-            std::memcpy(to + start * slot_bytes, cache_ptr + table_ptr[b * width + start / block_size] * block_size * slot_stride,
-                        std::min(block_size, len - start) * slot_bytes);
-          copy = reinterpret_cast<const T*>(to);
-        }
-        const int64_t first_head = by_row ? 0 : item % kv_heads, end_head = by_row ? kv_heads : first_head + 1;
-        for (int64_t h = first_head; h < end_head; ++h) {
-          if (copy != nullptr) {
-            for (int64_t p = 0; p < len; ++p) keys[p] = copy + p * slot_stride + h * dim;
-          } else {
-            point_at_cache(keys.data(), cache_ptr + h * dim, table_ptr + b * width, len, block_size, slot_stride);
-          }
-          std::fill(keys.begin() + len, keys.begin() + stride, keys[len - 1]);  // readable padding (scored -inf)
-          const Item<T> it{q_ptr + b * q_row + h * group * dim, keys.data(), scores.data(), out_ptr + (b * heads + h * group) * dim,
-                           len, stride, value_offset, group, dim, fscale};
-          attend_any(it, widened.data(), sums.data());
-        }
+        const int64_t b = by_row ? item : item / kv_heads, first_head = by_row ? 0 : item % kv_heads;
+        step.attend_heads(b, first_head, by_row ? kv_heads : first_head + 1, by_row, out_ptr + (b * heads + first_head * group) * dim);
       }
     });
   };

@@ -1,5 +1,5 @@
-// A thread pool for the few-row calls of a decode step (products, attention), whose caller never waits on
-// a helper that is not running.
+// A thread pool for the few-row calls of a decode step (products, attention, greedy sampling's argmax),
+// whose caller never waits on a helper that is not running.
 //
 // The worker's threads share their cores with the stack's other processes. When a service wakes, the
 // kernel preempts one of the worker's threads for ~0.1-0.3 ms. In an OpenMP region the calling thread
@@ -51,7 +51,10 @@ inline void spin_pause() {
 #endif
 }
 
-constexpr int64_t MAX_ROWS = 4;  // calls of up to this many rows use the pool: decode steps of a few streams
+// Calls of up to this many rows use the pool: decode steps of a few streams. Such a step must wake no
+// OpenMP region either (runner.py keeps torch's indexing out of it): OpenMP's threads spin for a while
+// after a region, on the cores the pool's helpers need.
+constexpr int64_t MAX_ROWS = 8;
 
 // An item's state; an item is taken by exactly one thread through its share.
 enum : uint32_t { RUNNING = 0, TAKEN_OVER = 1, COMMITTING = 2, DONE = 3 };
