@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from services.worker import sampling
 from services.worker.cpu_kernels import cpu_kernels
 from services.worker.sampling import LogitBias, TokenHistory, process_logits, row_argmax, sample, token_logprobs
 from shared.frames import SamplingParams
@@ -206,3 +207,48 @@ def test_row_argmax_answers_ties_infinities_and_nan_as_torch_does() -> None:
     assert torch.equal(row_argmax(scores), scores.argmax(dim=-1))
     short = torch.tensor([[1.0, float("nan"), 3.0], [2.0, 2.0, 1.0]])
     assert torch.equal(row_argmax(short), short.argmax(dim=-1))
+
+
+def _peaked_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Logits as a language model's: a few tokens hold most of the mass, a long tail the rest."""
+    generator = torch.Generator().manual_seed(seed)
+    ranks = torch.arange(1, vocab + 1, dtype=torch.float32)
+    return (
+        torch.stack([(-1.5 * ranks.log())[torch.randperm(vocab, generator=generator)] for _ in range(rows)])
+        + torch.rand(rows, vocab, generator=generator) * 0.01
+    )
+
+
+FILTERS = [(0, 0.95), (40, 1.0), (0, 1.0), (50, 0.5), (1000, 0.9), (0, 0.3), (1, 1.0), (0, 0.9)]  # (top_k, top_p) per row
+
+
+def _masks(scaled: torch.Tensor, filters: list[tuple[int, float]], monkeypatch) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """_filter_mask's, the full sort's, and how many times _filter_mask sorted whole rows."""
+    vocab = scaled.shape[-1]
+    top_k = torch.tensor([k if 0 < k < vocab else vocab for k, _ in filters])
+    top_p = torch.tensor([p for _, p in filters])
+    expected = scaled >= sampling._cut_logits_sorted(scaled, top_k, top_p)
+    sorts = []
+    full_sort = sampling._cut_logits_sorted
+    monkeypatch.setattr(sampling, "_cut_logits_sorted", lambda *args: sorts.append(1) or full_sort(*args))
+    keep = sampling._filter_mask(scaled, [SamplingParams(top_k=k, top_p=p) for k, p in filters])
+    monkeypatch.setattr(sampling, "_cut_logits_sorted", full_sort)
+    return keep, expected, len(sorts)
+
+
+@pytest.mark.parametrize("peaked", [True, False])
+def test_the_cut_among_the_largest_logits_keeps_what_a_full_sort_keeps(peaked: bool, monkeypatch) -> None:
+    """The cut is looked for among the largest FILTER_CANDIDATES logits, the whole row sorted only when it may lie past them
+    (a flat row's top-p): either way each row keeps the tokens that the full sort's cut keeps."""
+    scaled = _peaked_logits(len(FILTERS), 49152, seed=3) if peaked else _logits(len(FILTERS), 49152, seed=3)
+    keep, expected, sorts = _masks(scaled, FILTERS, monkeypatch)
+    assert torch.equal(keep, expected)
+    assert keep[2].all() and int(keep[6].sum()) == 1 and int(keep[1].sum()) == 40  # no filter; top-k 1; top-k 40
+    assert sorts == (0 if peaked else 1)
+
+
+def test_a_top_k_beyond_the_candidates_sorts_the_whole_row(monkeypatch) -> None:
+    scaled = _peaked_logits(2, 49152, seed=4)
+    keep, expected, sorts = _masks(scaled, [(0, 0.9), (sampling.FILTER_CANDIDATES + 500, 1.0)], monkeypatch)
+    assert torch.equal(keep, expected) and int(keep[1].sum()) == sampling.FILTER_CANDIDATES + 500
+    assert sorts == 1
