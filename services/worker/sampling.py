@@ -164,15 +164,15 @@ def _filter_mask(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torc
     return keep
 
 
-def _cut_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _cut_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, candidates: int = FILTER_CANDIDATES) -> torch.Tensor:
     """[N, 1]: each row's smallest kept logit under top-k, then top-p of the top-k renormalised.
 
-    The kept set is a prefix of the row's descending order. It is looked for among the
-    ``FILTER_CANDIDATES`` largest logits (a partial selection), and the whole row is sorted only
-    when a row's cut may lie beyond them: a top-k larger than that, or a top-p that they do not
+    The kept set is a prefix of the row's descending order. It is looked for among the ``candidates``
+    largest logits (a partial selection); the whole row is sorted (``candidates`` = the vocabulary)
+    only when a row's cut may lie beyond them: a top-k larger than that, or a top-p that they do not
     hold enough probability for."""
     vocab = scaled.shape[-1]
-    candidates = min(vocab, FILTER_CANDIDATES)
+    candidates = min(vocab, candidates)
     ordered = scaled.topk(candidates, dim=-1).values if candidates < vocab else scaled.sort(dim=-1, descending=True).values
     ordered.masked_fill_(torch.arange(candidates) >= top_k[:, None], float("-inf"))
     # Renormalised over the top-k when they are all candidates, else over the whole row.
@@ -181,21 +181,10 @@ def _cut_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     probs = (ordered - log_total[:, None]).exp()
     mass = probs.cumsum(dim=-1)
     if not bool((within_candidates | ((top_k >= vocab) & ((top_p >= 1) | (mass[:, -1] >= top_p)))).all()):
-        return _cut_logits_sorted(scaled, top_k, top_p)
-    # A token stays while the mass ranked above it is below top_p (the first always stays).
+        return _cut_logits(scaled, top_k, top_p, candidates=vocab)
+    # A token stays while the mass ranked above it is below top_p (the first always stays). Rows
+    # without top-p keep exactly top_k: a cumsum rounded past 1.0 must not trim them.
     within_p = ((mass - probs) < top_p[:, None]).sum(dim=-1).clamp_(1, None)
     count = torch.where(top_p < 1, within_p.minimum(top_k), top_k)
     cut = ordered.gather(1, (count.clamp(max=candidates) - 1)[:, None])
     return cut.masked_fill_((count > candidates)[:, None], float("-inf"))  # no top-k and no top-p: every token stays
-
-
-def _cut_logits_sorted(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """_cut_logits over the whole sorted row."""
-    vocab = scaled.shape[-1]
-    ordered = scaled.sort(dim=-1, descending=True).values
-    ordered.masked_fill_(torch.arange(vocab) >= top_k[:, None], float("-inf"))
-    probs = torch.softmax(ordered, dim=-1)
-    # Rows without top-p keep exactly top_k: a cumsum rounded past 1.0 must not trim them.
-    within_p = ((probs.cumsum(dim=-1) - probs) < top_p[:, None]).sum(dim=-1).clamp_(1, None)
-    count = torch.where(top_p < 1, within_p.minimum(top_k), top_k)
-    return ordered.gather(1, (count - 1)[:, None])

@@ -227,12 +227,17 @@ def _masks(scaled: torch.Tensor, filters: list[tuple[int, float]], monkeypatch) 
     vocab = scaled.shape[-1]
     top_k = torch.tensor([k if 0 < k < vocab else vocab for k, _ in filters])
     top_p = torch.tensor([p for _, p in filters])
-    expected = scaled >= sampling._cut_logits_sorted(scaled, top_k, top_p)
+    expected = scaled >= sampling._cut_logits(scaled, top_k, top_p, candidates=vocab)
     sorts = []
-    full_sort = sampling._cut_logits_sorted
-    monkeypatch.setattr(sampling, "_cut_logits_sorted", lambda *args: sorts.append(1) or full_sort(*args))
+    cut = sampling._cut_logits
+
+    def counted(*args, candidates: int = sampling.FILTER_CANDIDATES):
+        sorts.extend([1] if candidates >= vocab else [])
+        return cut(*args, candidates=candidates)
+
+    monkeypatch.setattr(sampling, "_cut_logits", counted)
     keep = sampling._filter_mask(scaled, [SamplingParams(top_k=k, top_p=p) for k, p in filters])
-    monkeypatch.setattr(sampling, "_cut_logits_sorted", full_sort)
+    monkeypatch.setattr(sampling, "_cut_logits", cut)
     return keep, expected, len(sorts)
 
 
