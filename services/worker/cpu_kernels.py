@@ -30,7 +30,7 @@ SOURCES = [
         "block_quant_gemm.cpp",
         "decoder_fusions.cpp",
         "dense_decoder.cpp",
-        "argmax_rows.cpp",
+        "sample_rows.cpp",
     )
 ]
 # csrc/*.h are included by these; ninja's dependency files rebuild the module when one changes.

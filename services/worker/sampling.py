@@ -2,8 +2,11 @@
 top-k, top-p, min-p and seed, and the logprobs a request asks for.
 
 Each row's result depends only on its own logits, history and generator, never on the other
-rows, so a seeded request draws the same tokens whatever batch it shares. A draw is an
-exponential race (``argmax(p / E)`` with ``E ~ Exp(1)`` per token), which samples exactly from ``p``.
+rows, so a seeded request draws the same tokens whatever batch it shares. A draw takes one uniform
+``u`` in [0, 1) from the row's generator and answers, in vocabulary order, the first kept token whose
+running probability exceeds ``u`` (the inverse of the distribution's CDF: exactly a sample of it). On
+the CPU the compiled ``sample_rows`` kernel does the whole of it for every row, with no sort and
+~0.1 ms a row; the torch path here is its reference and its fallback.
 
 Logprobs are "processed" ones: the log-softmax of the logits after ``logit_bias`` and the
 penalties, before temperature and the top-k / top-p / min-p filters (so they are finite and
@@ -105,25 +108,46 @@ def row_argmax(scores: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """One token id per row of ``logits`` [N, V] (already processed); ``generators[i]`` is row i's rng (None: the global one)."""
+    if all(p.temperature <= 0 for p in params):
+        return row_argmax(logits)
+    uniform = _uniforms(params, generators)
+    kernels, _ = cpu_kernels()
+    if kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
+        top_k = [p.top_k if p.top_k > 0 else logits.shape[-1] for p in params]
+        return kernels.sample_rows(logits, [p.temperature for p in params], top_k, [p.top_p for p in params], [p.min_p for p in params], uniform)
+    return _sample_with_torch(logits, params, uniform)
+
+
+def _uniforms(params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]) -> list[float]:
+    """Each sampling row's draw in [0, 1), from its own generator or, for the rows without
+    one, the global generator (one call for them all); 0 for greedy rows, which draw nothing."""
+    unseeded = [i for i, p in enumerate(params) if p.temperature > 0 and generators[i] is None]
+    shared = iter(torch.rand(len(unseeded), dtype=torch.float64).tolist() if unseeded else [])
+    draws = [0.0] * len(params)
+    for i, p in enumerate(params):
+        if p.temperature > 0:
+            generator = generators[i]
+            draws[i] = next(shared) if generator is None else torch.rand(1, generator=generator, dtype=torch.float64).item()
+    return draws
+
+
+def _sample_with_torch(logits: torch.Tensor, params: Sequence[SamplingParams], uniform: list[float]) -> torch.Tensor:
+    """``sample`` in torch ops: the compiled kernel's reference, and its fallback off the CPU or without it."""
     greedy = row_argmax(logits)
     random_rows = [i for i, p in enumerate(params) if p.temperature > 0]
-    if not random_rows:
-        return greedy
-    rows = torch.tensor(random_rows)
+    rows = torch.tensor(random_rows, device=logits.device)
     chosen = [params[i] for i in random_rows]
-    scaled = logits[rows].float() / torch.tensor([p.temperature for p in chosen])[:, None]
+    scaled = logits[rows].float() / torch.tensor([p.temperature for p in chosen], device=logits.device)[:, None]
+    drawable = torch.isfinite(scaled.max(dim=-1).values)  # else NaN, +inf or only -inf: the row answers as greedy does
     keep = _filter_mask(scaled, chosen)
     if keep is not None:
         scaled.masked_fill_(~keep, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    race = torch.empty_like(probs)
-    if any(generators[i] is None for i in random_rows):
-        race.exponential_()
-    for j, i in enumerate(random_rows):
-        if (generator := generators[i]) is not None:
-            race[j].exponential_(generator=generator)
-    drawn = row_argmax(probs.div_(race.clamp_min_(1e-30)))
-    return greedy.index_copy_(0, rows, drawn)
+    running = torch.softmax(scaled.double(), dim=-1).cumsum(dim=-1)
+    target = torch.tensor([uniform[i] for i in random_rows], dtype=torch.float64, device=logits.device) * running[:, -1]
+    drawn = torch.searchsorted(running, target[:, None], right=True).squeeze(1)
+    # Rounding may leave a target unmet: the row's last kept token then.
+    last_kept = scaled.shape[-1] - 1 - torch.isfinite(scaled).flip(-1).int().argmax(dim=-1)
+    return greedy.index_copy_(0, rows, torch.where(drawable, drawn.minimum(last_kept), greedy[rows]))
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams]) -> list[TokenLogprobs | None]:

@@ -1,6 +1,8 @@
 """Batched sampling: greedy is exact argmax, filters keep the right tokens, draws follow the
 distribution, a seeded row draws the same tokens whatever batch it shares; penalties and
-logit bias move exactly the logits they should, and logprobs are those of the processed logits."""
+logit bias move exactly the logits they should, and logprobs are those of the processed logits.
+The draws are checked through both samplers: the compiled kernel (csrc/sample_rows.cpp), which the
+CPU worker uses, and the torch path, its fallback."""
 
 from __future__ import annotations
 
@@ -17,9 +19,28 @@ from shared.frames import SamplingParams
 PROBS = [0.5, 0.3, 0.15, 0.05]
 
 
-def _frequencies(params: SamplingParams, n: int = 20000) -> list[float]:
-    logits = torch.tensor([math.log(p) for p in PROBS]).repeat(n, 1)
-    tokens = sample(logits, [params] * n, [None] * n)
+@pytest.fixture(params=["kernel", "torch"])
+def sampler(request, monkeypatch) -> str:
+    """``sample`` through the compiled kernel, or through its torch fallback (as without the kernels)."""
+    if request.param == "kernel":
+        assert cpu_kernels()[0] is not None, "the kernel under test is not built"
+    else:
+        monkeypatch.setattr(sampling, "cpu_kernels", lambda: (None, "disabled by the test"))
+    return request.param
+
+
+# Where PROBS's tokens sit in a longer row (the rest -inf): in the kernel's blocks of eight and in its tail.
+SPREAD = {3: 0, 9: 1, 16: 2, 20: 3}
+
+
+def _frequencies(params: SamplingParams, spread: bool, n: int = 20000) -> list[float]:
+    row = torch.tensor([math.log(p) for p in PROBS])
+    if spread:
+        row = torch.full((21,), float("-inf")).index_copy_(0, torch.tensor(list(SPREAD)), row)
+    tokens = sample(row.repeat(n, 1), [params] * n, [None] * n)
+    if spread:
+        assert set(tokens.unique().tolist()) <= set(SPREAD)
+        tokens = torch.tensor([SPREAD[t] for t in tokens.tolist()])
     return (torch.bincount(tokens, minlength=len(PROBS)).double() / n).tolist()
 
 
@@ -38,9 +59,10 @@ def _normalised(weights: list[float]) -> list[float]:
         (SamplingParams(temperature=1.0, top_k=3, top_p=0.7), _normalised([0.5 / 0.95, 0.3 / 0.95, 0, 0])),
     ],
 )
-def test_draws_follow_the_filtered_distribution(params: SamplingParams, expected: list[float]) -> None:
+@pytest.mark.parametrize("spread", [False, True])
+def test_draws_follow_the_filtered_distribution(params: SamplingParams, expected: list[float], spread: bool, sampler: str) -> None:
     torch.manual_seed(0)
-    for got, want in zip(_frequencies(params), expected):
+    for got, want in zip(_frequencies(params, spread), expected):
         assert got == pytest.approx(want, abs=0.015)
 
 
@@ -48,7 +70,7 @@ def _logits(rows: int, vocab: int = 1000, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-def test_temperature_zero_top_k_one_and_tiny_top_p_are_argmax() -> None:
+def test_temperature_zero_top_k_one_and_tiny_top_p_are_argmax(sampler: str) -> None:
     logits = _logits(6)
     greedy = logits.argmax(dim=-1)
     params = [
@@ -63,7 +85,7 @@ def test_temperature_zero_top_k_one_and_tiny_top_p_are_argmax() -> None:
         assert torch.equal(sample(logits, params, [None] * 6), greedy)
 
 
-def test_seeded_row_draws_the_same_tokens_in_any_batch() -> None:
+def test_seeded_row_draws_the_same_tokens_in_any_batch(sampler: str) -> None:
     logits = _logits(4)
     seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=42)
 
@@ -257,3 +279,101 @@ def test_a_top_k_beyond_the_candidates_sorts_the_whole_row(monkeypatch) -> None:
     keep, expected, sorts = _masks(scaled, [(0, 0.9), (sampling.FILTER_CANDIDATES + 500, 1.0)], monkeypatch)
     assert torch.equal(keep, expected) and int(keep[1].sum()) == sampling.FILTER_CANDIDATES + 500
     assert sorts == 1
+
+
+# The compiled sampler's cut and draw, against a float64 full sort. -------------------------------------
+
+THRESHOLD_FILTERS = [  # (temperature, top_k, top_p, min_p) per row
+    (1.0, 0, 1.0, 0.0),
+    (0.7, 40, 1.0, 0.0),
+    (0.8, 0, 0.95, 0.0),
+    (1.0, 50, 0.5, 0.0),
+    (1.2, 1000, 0.9, 0.0),
+    (1.0, 0, 0.3, 0.0),
+    (1.0, 1, 1.0, 0.0),
+    (1.0, 0, 0.9, 0.05),
+    (1.0, 5000, 1.0, 0.0),
+    (1.5, 0, 0.999, 0.0),
+]
+
+
+def _rows(kind: str, vocab: int) -> torch.Tensor:
+    """One row per filter: a language model's spread (the cut among the largest few), a flat row
+    (the cut among all of them), or small integers (ties at every cut)."""
+    generator = torch.Generator().manual_seed(vocab)
+    rows = len(THRESHOLD_FILTERS)
+    if kind == "peaked":
+        ranks = torch.arange(1, vocab + 1, dtype=torch.float32)
+        return torch.stack([(-4.0 * ranks.log())[torch.randperm(vocab, generator=generator)] for _ in range(rows)])
+    if kind == "flat":
+        return torch.randn(rows, vocab, generator=generator) * 0.5
+    return torch.randint(0, 6, (rows, vocab), generator=generator).float()
+
+
+def _reference_keep(row: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """The tokens sampling keeps, from a float64 sort: top-k, then top-p of the top-k renormalised, then min-p."""
+    scaled = row / torch.tensor(temperature, dtype=torch.float32)  # float32 division, as the kernel's
+    ordered = scaled.double().sort(descending=True).values
+    vocab = len(ordered)
+    k = top_k if 0 < top_k < vocab else vocab
+    top_p = float(torch.tensor(top_p, dtype=torch.float32))
+    probs = torch.softmax(ordered[:k], dim=0)
+    count = k if top_p >= 1 else min(max(int(((probs.cumsum(0) - probs) < top_p).sum()), 1), k)
+    keep = scaled >= ordered[count - 1].float() if (k < vocab or top_p < 1) else torch.ones(vocab, dtype=torch.bool)
+    if min_p > 0:
+        keep &= scaled >= scaled.max() + torch.log(torch.tensor(min_p, dtype=torch.float32))
+    return keep
+
+
+def _kernel_args(filters: list[tuple[float, int, float, float]]) -> tuple[list, list, list, list]:
+    return [f[0] for f in filters], [f[1] for f in filters], [f[2] for f in filters], [f[3] for f in filters]
+
+
+@pytest.mark.parametrize("kind", ["peaked", "flat", "ties"])
+@pytest.mark.parametrize("vocab", [1003, 49152])
+def test_the_kernel_keeps_what_a_full_sort_keeps(kind: str, vocab: int) -> None:
+    kernels = cpu_kernels()[0]
+    assert kernels is not None, "the kernel under test is not built"
+    logits = _rows(kind, vocab)
+    thresholds = kernels.sampling_thresholds(logits, *_kernel_args(THRESHOLD_FILTERS))
+    for row, threshold, filters in zip(logits, thresholds, THRESHOLD_FILTERS):
+        kept = row / torch.tensor(filters[0], dtype=torch.float32) >= threshold
+        assert torch.equal(kept, _reference_keep(row, *filters)), (kind, filters, int(kept.sum()), int(_reference_keep(row, *filters).sum()))
+
+
+@pytest.mark.parametrize("kind", ["peaked", "flat"])
+def test_the_kernel_draws_the_token_whose_cdf_interval_holds_the_uniform(kind: str) -> None:
+    """Each row drawn at 101 uniforms (0 and just below 1 among them): the token answered is kept, and u x the
+    kept total lies in its interval of the kept tokens' running weight (float64, up to rounding)."""
+    kernels = cpu_kernels()[0]
+    assert kernels is not None, "the kernel under test is not built"
+    logits = _rows(kind, 1003)
+    uniforms = [i / 100 for i in range(100)] + [1 - 1e-12]
+    for row, filters in zip(logits, THRESHOLD_FILTERS):
+        n = len(uniforms)
+        tokens = kernels.sample_rows(row.repeat(n, 1), *[[value] * n for value in filters], uniforms)
+        scaled = (row / torch.tensor(filters[0], dtype=torch.float32)).double()
+        weights = torch.where(_reference_keep(row, *filters), (scaled - scaled.max()).exp(), 0.0)
+        running = weights.cumsum(0)
+        total = float(running[-1])
+        for u, token in zip(uniforms, tokens.tolist()):
+            assert weights[token] > 0, (filters, u, token)
+            before = float(running[token] - weights[token])
+            assert before - 1e-6 * total <= u * total <= float(running[token]) + 1e-6 * total, (filters, u, token)
+
+
+def test_rows_without_a_distribution_answer_as_greedy(sampler: str) -> None:
+    """NaN, +inf, or every token banned: the draw is argmax's answer; a row with one finite logit draws it."""
+    logits = torch.zeros(4, 40)
+    logits[0, 17] = float("nan")
+    logits[1, 5] = float("inf")
+    logits[2] = float("-inf")
+    logits[3] = float("-inf")
+    logits[3, 33] = 1.0
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.5, top_k=3),
+        SamplingParams(temperature=1.0),
+    ]
+    assert sample(logits, params, [None] * 4).tolist() == [17, 5, 0, 33]

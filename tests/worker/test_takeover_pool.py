@@ -25,7 +25,7 @@ def kernels():
 def few_row_calls(rows: int) -> list:
     """A product over q4_1 panels (with a bias), one over q8_0 panels (lm_head's), attention over a paged
     cache (long contexts read in place; short ones, from 8 rows on 2 threads, copied row by row) and
-    greedy sampling's argmax (an item per row: from 2 rows): each long enough for a helper to take items
+    sampling (argmax, and draws under each filter; an item per row: from 2 rows): each long enough for a helper to take items
     before the caller is done."""
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(4099, 1536, generator=generator)
@@ -39,12 +39,15 @@ def few_row_calls(rows: int) -> list:
     half_cache = cache.half()
     short_lens = torch.randint(100, 240, (rows,), generator=generator, dtype=torch.int32)
     logits = torch.randn(rows, 500_000, generator=generator)
+    # temperature, top_k, top_p, min_p and the uniform draw per row: greedy, plain, top-k, top-p, min-p rows
+    filters = [[(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.7, 50, 1.0, 0.0), (1.2, 0, 0.9, 0.0), (1.0, 0, 1.0, 0.1)][r % 5] for r in range(rows)]
+    filters = [list(values) for values in zip(*filters)] + [torch.rand(rows, generator=generator, dtype=torch.float64).tolist()]
     return [
         lambda: kernels().block_quant_gemm(x, q4, 4099, bias, None, 16),
         lambda: kernels().block_quant_gemm(x, q8, 4099, None, None, 16),
         lambda: kernels().paged_decode_attention(q, cache, tables, lens, 16, 0.125),
         lambda: kernels().paged_decode_attention(q, half_cache, tables, short_lens, 16, 0.125),
-    ] + ([lambda: kernels().argmax_rows(logits)] if rows > 1 else [])
+    ] + ([lambda: kernels().argmax_rows(logits), lambda: kernels().sample_rows(logits, *filters)] if rows > 1 else [])
 
 
 def taken_over() -> int:
@@ -53,16 +56,20 @@ def taken_over() -> int:
 
 def call_until_taken_over(call, expected: torch.Tensor | None = None) -> torch.Tensor:
     """Calls until one call had an item taken over (a helper must be running to take one first), checking
-    each result against ``expected``; returns that call's result."""
-    for _ in range(100):
+    each result against ``expected``; returns that call's result.
+
+    The calls follow one another at once: a helper asleep when one starts may wake after the caller has
+    taken every item, and it then spins for the next job, which the next call gives it; a helper still
+    stalled in an earlier call's item takes new ones once it is back."""
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
         before = taken_over()
         out = call()
         if expected is not None:
             assert torch.equal(out, expected)
         if taken_over() > before:
             return out
-        time.sleep(1.5 * STALL_US / 1e6)  # the stalled helper is back, spinning for the next call
-    raise AssertionError("no item was taken over in 100 calls")
+    raise AssertionError("no item was taken over in 10 s of calls")
 
 
 @pytest.fixture(autouse=True)

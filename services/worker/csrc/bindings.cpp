@@ -7,6 +7,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (fp32, CPU)");
   m.def("store_kv_", &store_kv_, "write each token's keys and values [tokens, 2, kv_heads, head_dim] into its cache slot (fp32 or fp16 cache, CPU)");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, dim=-1) of [rows, vocab] float32 logits (CPU)");
+  m.def("sample_rows", &sample_rows,
+        "a token per row of [rows, vocab] float32 logits: argmax at temperature 0, else top-k, top-p, min-p and an inverse-CDF draw "
+        "with the row's uniform (CPU)");
+  m.def("sampling_thresholds", &sampling_thresholds,
+        "tests: each row's smallest kept logit / temperature under top-k, top-p and min-p (-inf: all kept; NaN: greedy or no distribution)");
   m.def("block_quant_gemm", &block_quant_gemm, "x @ dequantized(q4_1 or q8_0 panels).T (+ bias) (+ residual), x rounded to int16 or int8 per block of 32 (CPU)");
   m.def("int8_linear", &int8_linear, "x @ (int8 weight * per-channel scale).T (+ bias), fp32 arithmetic (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(h) * weight, h) with h = x + residual written over x (fp32, CPU)");
