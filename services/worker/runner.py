@@ -302,7 +302,7 @@ class ModelRunner:
             if request is None:
                 params = s.sampling or SamplingParams()
                 generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
-                history = TokenHistory(self.model.vocab_size, params) if params.penalised else None
+                history = TokenHistory(params) if params.penalised else None
                 request = self._requests[s.rid] = _Request(params, generator, history, LogitBias.of(params.logit_bias), s.prompt_len or ALL_PROMPT)
                 request.noise_seed = random.getrandbits(62) if params.seed is None else params.seed
                 request.record_prefill(0, s.prefix_ids)

@@ -116,7 +116,7 @@ LOGITS = torch.tensor([[2.0, -1.0, 0.5, -3.0, 1.0, 0.0]])
 
 
 def _history(params: SamplingParams, prompt: list[int], outputs: list[int]) -> TokenHistory:
-    history = TokenHistory(LOGITS.shape[-1], params)
+    history = TokenHistory(params)
     history.add_prompt(prompt)
     history.add_outputs(outputs)
     return history
@@ -183,6 +183,33 @@ def test_logprobs_are_the_log_softmax_of_the_processed_logits() -> None:
     assert out[2].logprob == pytest.approx(expected[2, tokens[2]].item()) and out[2].top_ids == []
 
 
+def test_penalties_read_and_write_only_each_rows_distinct_tokens_as_a_dense_pass_would() -> None:
+    """The sparse history against the penalties' dense definition, on the default model's vocabulary:
+    rows mixing the three penalties, repeated output tokens, prompt tokens and rows without penalties."""
+    vocab = 49152
+    generator = torch.Generator().manual_seed(9)
+    logits = torch.randn(4, vocab, generator=generator) * 4
+    params = [
+        SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.25),
+        SamplingParams(),
+        SamplingParams(frequency_penalty=-0.5),
+        SamplingParams(repetition_penalty=0.8),
+    ]
+    prompts = [torch.randint(0, vocab, (300,), generator=generator).tolist() for _ in params]
+    outputs = [torch.randint(0, 500, (400,), generator=generator).tolist() for _ in params]  # many repeats
+    histories = [_history(p, prompt, output) if p.penalised else None for p, prompt, output in zip(params, prompts, outputs)]
+    expected = logits.clone()
+    for row, p in enumerate(params):
+        counts = torch.bincount(torch.tensor(outputs[row]), minlength=vocab).float()
+        seen = counts > 0
+        if p.repetition_penalty != 1:
+            seen[prompts[row]] = True
+            values = expected[row]
+            expected[row] = torch.where(seen, torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty), values)
+        expected[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    assert torch.equal(process_logits(logits.clone(), params, histories), expected)
+
+
 def test_seeded_penalised_row_draws_the_same_tokens_in_any_batch() -> None:
     logits = _logits(3, vocab=200)
     seeded = SamplingParams(temperature=1.0, seed=11, presence_penalty=1.5, repetition_penalty=1.2, logit_bias={4: 2.0})
@@ -190,13 +217,13 @@ def test_seeded_penalised_row_draws_the_same_tokens_in_any_batch() -> None:
     def draws(batch: list[int]) -> list[int]:
         row = batch.index(0)
         gen = torch.Generator().manual_seed(11)
-        history = TokenHistory(200, seeded)
+        history = TokenHistory(seeded)
         history.add_prompt([4, 9])
         others = SamplingParams(temperature=0.9, frequency_penalty=0.5)
         params = [seeded if i == 0 else others for i in batch]
         out = []
         for _ in range(12):
-            histories = [history if i == 0 else TokenHistory(200, others) for i in batch]
+            histories = [history if i == 0 else TokenHistory(others) for i in batch]
             biases = [LogitBias.of(p.logit_bias) for p in params]
             processed = process_logits(logits[batch].clone(), params, histories, biases)
             token = sample(processed, params, [gen if i == 0 else None for i in batch])[row].item()
