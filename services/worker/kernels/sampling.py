@@ -1,5 +1,6 @@
-"""Token sampling on the device: the GPU path of ``services.worker.sampling`` (same semantics: greedy is
-argmax; top-k, then top-p of the top-k renormalised, then min-p; one exponential race per row).
+"""Token sampling on the device: the GPU path of ``services.worker.sampling`` (the same distribution:
+greedy is argmax; top-k, then top-p of the top-k renormalised, then min-p), drawn by an exponential race
+per row (``argmax(p / E)`` with ``E ~ Exp(1)`` per token) where the CPU path inverts the CDF.
 
 Everything is batched tensor work with no host round-trip and no per-row Python loop. The race's
 noise comes from a counter-based hash of (request seed, draw index, token id) rather than a
