@@ -18,7 +18,9 @@ runner loads beside the running stack (whose worker idles meanwhile), so both ar
 
 Where the stack's difference goes: each stack run also records the CPU time per output token of
 every process (all its threads, ZMQ's included) and of the benchmark itself (the client, which
-shares the machine's cores with the stack but not with the in-process runner).
+shares the machine's cores with the stack but not with the in-process runner). Where the worker
+alone fills every core (a CPU worker at one stream), the others' CPU comes out of the worker's, so
+stack / worker tends to the worker's share of the total, which the report prints beside it.
 """
 
 from __future__ import annotations
@@ -230,6 +232,8 @@ def main() -> None:
         cpu = {name: median([s["cpu_ms_per_token"][name] for s in stacks]) for name in stacks[0]["cpu_ms_per_token"]}
         results["median"][f"stack_{n}_cpu_ms_per_token"] = cpu
         print(f"stack, {n} stream(s): CPU ms per output token (medians over rounds):", ", ".join(f"{name} {ms:.3f}" for name, ms in cpu.items()))
+        share = results["median"][f"stack_{n}_worker_cpu_share"] = cpu["worker"] / sum(cpu.values())
+        print(f"stack, {n} stream(s): the worker's share of that CPU {share:.3f} (where the worker fills the cores, the ratio it leaves)")
     print("RSS idle after load (MB):", results["rss_mb_idle"])
     print("RSS peak under load (MB):", results["rss_mb_peak_under_load"])
     write_results(args.out, results)
