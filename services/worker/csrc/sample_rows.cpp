@@ -311,38 +311,41 @@ int64_t sample_row(const float* x, int64_t n, const RowFilter& f) {
   return draw_token(row.s, row.w, n, row.keep_from, f.uniform * kept);
 }
 
-// A few rows' argmax as a takeover_pool job (a step whose other kernels run on the pool must not wake
-// OpenMP's threads, whose spinning would then compete with the pool's helpers): an item is a row, its
-// index passed through scratch.
-struct FewRowsArgmax : takeover_pool::Job {
+// A token per row, row_token(row) each, as a takeover_pool job for a few rows (a step whose other kernels
+// run on the pool must not wake OpenMP's threads, whose spinning would then compete with the pool's
+// helpers): an item is a row, its token passed through scratch. The job owns the logits and row_token's
+// captures, which a helper taken over may still read after the call returned.
+template <typename RowToken>
+struct FewRowsTokens : takeover_pool::Job {
+  FewRowsTokens(torch::Tensor logits, RowToken row_token, int64_t* dst) : logits_owner(std::move(logits)), row_token(std::move(row_token)), dst(dst) {}
+
   torch::Tensor logits_owner;
-  const float* src;
-  int64_t n;
+  RowToken row_token;
   int64_t* dst;
 
   int64_t scratch_floats() const override { return sizeof(int64_t) / sizeof(float); }
   void compute(int64_t item, float* scratch) const override {
-    const int64_t best = argmax_row(src + item * n, n);
-    std::memcpy(scratch, &best, sizeof best);
-  }
-  void commit(int64_t item, const float* scratch) const override { std::memcpy(dst + item, scratch, sizeof(int64_t)); }
-};
-
-// A few rows' draws as a takeover_pool job, as FewRowsArgmax: an item is a row.
-struct FewRowsSample : takeover_pool::Job {
-  torch::Tensor logits_owner;
-  const float* src;
-  int64_t n;
-  std::vector<RowFilter> filters;
-  int64_t* dst;
-
-  int64_t scratch_floats() const override { return sizeof(int64_t) / sizeof(float); }
-  void compute(int64_t item, float* scratch) const override {
-    const int64_t token = sample_row(src + item * n, n, filters[item]);
+    const int64_t token = row_token(item);
     std::memcpy(scratch, &token, sizeof token);
   }
   void commit(int64_t item, const float* scratch) const override { std::memcpy(dst + item, scratch, sizeof(int64_t)); }
 };
+
+// [rows] int64: row_token(row) for each row of x, on the pool for a few rows, else on OpenMP's threads.
+template <typename RowToken>
+torch::Tensor tokens_of_rows(const torch::Tensor& x, RowToken row_token) {
+  const int64_t rows = x.size(0);
+  auto out = torch::empty({rows}, x.options().dtype(torch::kLong));
+  int64_t* dst = out.data_ptr<int64_t>();
+  if (rows <= takeover_pool::MAX_ROWS && takeover_pool::enabled().load(std::memory_order_relaxed) && at::get_num_threads() > 1) {
+    takeover_pool::run(std::make_shared<FewRowsTokens<RowToken>>(x, std::move(row_token), dst), rows);
+    return out;
+  }
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) dst[r] = row_token(r);
+  });
+  return out;
+}
 
 }  // namespace
 
@@ -350,23 +353,7 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.size(1) >= 1, "logits must be [rows, vocab] float32");
   TORCH_CHECK(logits.size(1) <= std::numeric_limits<int32_t>::max(), "a vocabulary of at most 2^31 - 1 entries");
   const auto x = logits.contiguous();
-  const int64_t rows = x.size(0), n = x.size(1);
-  auto out = torch::empty({rows}, logits.options().dtype(torch::kLong));
-  const float* src = x.data_ptr<float>();
-  int64_t* dst = out.data_ptr<int64_t>();
-  if (rows <= takeover_pool::MAX_ROWS && takeover_pool::enabled().load(std::memory_order_relaxed) && at::get_num_threads() > 1) {
-    auto job = std::make_shared<FewRowsArgmax>();
-    job->logits_owner = x;
-    job->src = src;
-    job->n = n;
-    job->dst = dst;
-    takeover_pool::run(job, rows);
-    return out;
-  }
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) dst[r] = argmax_row(src + r * n, n);
-  });
-  return out;
+  return tokens_of_rows(x, [src = x.data_ptr<float>(), n = x.size(1)](int64_t r) { return argmax_row(src + r * n, n); });
 }
 
 namespace {
@@ -391,25 +378,8 @@ std::vector<RowFilter> row_filters(const torch::Tensor& logits, const std::vecto
 torch::Tensor sample_rows(const torch::Tensor& logits, const std::vector<double>& temperature, const std::vector<int64_t>& top_k,
                           const std::vector<double>& top_p, const std::vector<double>& min_p, const std::vector<double>& uniform) {
   std::vector<RowFilter> filters = row_filters(logits, temperature, top_k, top_p, min_p, uniform);
-  const int64_t rows = logits.size(0), n = logits.size(1);
   const auto x = logits.contiguous();
-  auto out = torch::empty({rows}, logits.options().dtype(torch::kLong));
-  const float* src = x.data_ptr<float>();
-  int64_t* dst = out.data_ptr<int64_t>();
-  if (rows <= takeover_pool::MAX_ROWS && takeover_pool::enabled().load(std::memory_order_relaxed) && at::get_num_threads() > 1) {
-    auto job = std::make_shared<FewRowsSample>();
-    job->logits_owner = x;
-    job->src = src;
-    job->n = n;
-    job->filters = std::move(filters);
-    job->dst = dst;
-    takeover_pool::run(job, rows);
-    return out;
-  }
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) dst[r] = sample_row(src + r * n, n, filters[r]);
-  });
-  return out;
+  return tokens_of_rows(x, [src = x.data_ptr<float>(), n = x.size(1), filters = std::move(filters)](int64_t r) { return sample_row(src + r * n, n, filters[r]); });
 }
 
 torch::Tensor sampling_thresholds(const torch::Tensor& logits, const std::vector<double>& temperature, const std::vector<int64_t>& top_k,
