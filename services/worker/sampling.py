@@ -133,8 +133,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
     uniform = _uniforms(params, generators)
     kernels, _ = cpu_kernels()
     if kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
-        top_k = [p.top_k if p.top_k > 0 else logits.shape[-1] for p in params]
-        return kernels.sample_rows(logits, [p.temperature for p in params], top_k, [p.top_p for p in params], [p.min_p for p in params], uniform)
+        filters = ([p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params])
+        return kernels.sample_rows(logits, *filters, uniform)  # a top_k of 0 is the whole vocabulary there too
     return _sample_with_torch(logits, params, uniform)
 
 

@@ -201,8 +201,9 @@ float top_p_cut(Candidate* c, int64_t count, double target) {
       hi = greater;
       continue;
     }
-    if (above + greater_mass + weight_of(c, greater, less) >= target) return pivot;  // the prefix ends among the ties
-    above += greater_mass + weight_of(c, greater, less);
+    const double through_ties = above + greater_mass + weight_of(c, greater, less);
+    if (through_ties >= target) return pivot;  // the prefix ends among the ties
+    above = through_ties;
     smallest_kept = pivot;
     lo = less;
   }
