@@ -321,6 +321,10 @@ THRESHOLD_FILTERS = [  # (temperature, top_k, top_p, min_p) per row
     (1.0, 0, 0.9, 0.05),
     (1.0, 5000, 1.0, 0.0),
     (1.5, 0, 0.999, 0.0),
+    (0.8, 40, 0.95, 0.05),  # llama.cpp's defaults
+    (1.0, 0, 1.0, 0.1),  # min-p alone: the kept set among candidates, with no cut
+    (0.7, 200, 1.0, 0.2),
+    (0.013, 7, 0.9, 0.3),  # logits far apart once scaled
 ]
 
 

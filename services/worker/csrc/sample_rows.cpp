@@ -6,11 +6,13 @@
 // 49152-token vocabulary), this ~5x faster (0.16 ms).
 //
 // Temperature: one row in a few passes over its vocabulary, no sort. The scaled logits s = logits / T
-// and their weights w = exp(s - max); the cut (top-k, then top-p of the top-k renormalised) is selected
-// among the tokens within a span of the largest scaled logit, widened until they hold the cut; then one
-// uniform draw u picks, in vocabulary order, the first kept token whose running weight exceeds u times
-// the kept total (an inverse-CDF draw: exactly the distribution, with one random number per row). torch's ops took ~2.2 ms a row at temperature 1 (its exponential_ over the whole
-// vocabulary) and ~3.5 ms with top-p; this takes ~0.1 ms.
+// and their weights w = exp(s - max). A row without a cut (top-k, top-p, min-p) draws over every token;
+// a row with one finds it among candidates, the tokens within a span of the largest s (widened until
+// they hold it), reading the whole row only to compare logits, and to weigh it for top-p without top-k.
+// One uniform draw u then picks, in vocabulary order, the first kept token whose running weight exceeds
+// u times the kept total (an inverse-CDF draw: exactly the distribution, with one random number per
+// row). torch's ops took ~2.2 ms a row at temperature 1 (its exponential_ over the whole vocabulary) and
+// ~3.5 ms with top-p; this takes 0.03-0.1 ms.
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -73,11 +75,17 @@ int64_t argmax_row(const float* x, int64_t n) {
 }
 
 // Temperature sampling. ----------------------------------------------------------------------------
-
-// The cut is first looked for among the tokens whose scaled logit lies within this many nats of the
-// largest, then twice as many, up to the widest span; then among all tokens (a flat row: selecting among
-// the whole vocabulary costs ~0.5 ms).
-constexpr float CANDIDATE_SPAN = 16.0f, MAX_CANDIDATE_SPAN = 64.0f;
+//
+// A row without a cut (top-k, top-p, min-p) is drawn over its whole vocabulary: s = x / t and
+// w = exp(s - largest) into arrays, then a walk. A row with one keeps a prefix of its descending order,
+// looked for among candidates, the tokens whose s lies within a span of the largest: the span starts at
+// FIRST_SPAN and grows by SPAN_GROWTH until the candidates hold the cut, and the draw walks the kept
+// tokens alone. On the default model's logits at temperature 0.8-1 the tokens within 4 nats number ~5 and
+// hold ~80 % of the weight, within 8 ~20-60 holding ~96 %, within 16 hundreds to tens of thousands: so
+// the spans start small, and a pass over the row only compares logits. A flat row (a high temperature,
+// random logits), whose candidates or kept tokens would be more than a quarter of it, is cut and drawn
+// over the whole row's arrays instead.
+constexpr float FIRST_SPAN = 4.0f, SPAN_GROWTH = 1.5f, MAX_SPAN = 64.0f;
 
 struct Candidate {
   float s;  // the scaled logit
@@ -90,12 +98,15 @@ struct RowFilter {
   float top_p;    // 1 when unset
   float min_p;    // 0 when unset
   double uniform;  // the row's draw, in [0, 1)
+
+  bool cuts(int64_t n) const { return top_k < n || top_p < 1.0f; }
 };
 
 // One thread's buffers for a row: reused from call to call.
 struct RowScratch {
-  std::vector<float> scaled, weights;
-  std::vector<Candidate> candidates;
+  std::vector<float> scaled, weights;  // a row drawn over its whole vocabulary
+  std::vector<Candidate> candidates;   // the tokens a cut is selected among; then the kept ones
+  std::vector<int32_t> kept_tokens;    // the kept ones' tokens
 };
 
 RowScratch& row_scratch() {
@@ -103,17 +114,15 @@ RowScratch& row_scratch() {
   return scratch;
 }
 
-// s = x / t (as torch divides: the kept set compares these exact values) and the largest of them;
-// false when a lane holds NaN.
-bool scale_row(const float* x, int64_t n, float t, float* s, float& largest) {
+// The largest scaled logit x / t (division is monotonic: the largest x's, divided as torch divides);
+// false when x holds NaN or that value is not finite (+inf, or every token -inf): not drawable.
+bool largest_scaled(const float* x, int64_t n, float t, float& largest) {
   int64_t i = 0;
   float best = -std::numeric_limits<float>::infinity();
 #if defined(__AVX2__)
-  const __m256 divisor = _mm256_set1_ps(t);
   __m256 lanes = _mm256_set1_ps(best), nan_seen = _mm256_setzero_ps();
   for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), divisor);
-    _mm256_storeu_ps(s + i, v);
+    const __m256 v = _mm256_loadu_ps(x + i);
     nan_seen = _mm256_or_ps(nan_seen, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     lanes = _mm256_max_ps(lanes, v);
   }
@@ -123,55 +132,88 @@ bool scale_row(const float* x, int64_t n, float t, float* s, float& largest) {
   for (float v : lane) best = std::max(best, v);
 #endif
   for (; i < n; ++i) {
-    s[i] = x[i] / t;
-    if (std::isnan(s[i])) return false;
-    best = std::max(best, s[i]);
+    if (std::isnan(x[i])) return false;
+    best = std::max(best, x[i]);
   }
-  largest = best;
-  return true;
+  largest = best / t;
+  return std::isfinite(largest);
 }
 
-// w = exp(s - largest) for every token; returns their sum.
-double weigh_row(const float* s, int64_t n, float largest, float* w) {
+// s = x / t and w = exp(s - largest) of every token into s and w (each when given); returns the sum of
+// the weights, in blocks of eight as draw_whole_row walks them.
+double weigh_row(const float* x, int64_t n, float t, float largest, float* s, float* w) {
   int64_t i = 0;
   double total = 0.0;
 #if defined(__AVX2__) && defined(__FMA__)
-  const __m256 shift = _mm256_set1_ps(largest);
+  const __m256 divisor = _mm256_set1_ps(t), shift = _mm256_set1_ps(largest);
   for (; i + 8 <= n; i += 8) {
-    const __m256 v = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), shift));
-    _mm256_storeu_ps(w + i, v);
+    const __m256 scaled = _mm256_div_ps(_mm256_loadu_ps(x + i), divisor);
+    const __m256 v = exp8(_mm256_sub_ps(scaled, shift));
+    if (s != nullptr) _mm256_storeu_ps(s + i, scaled);
+    if (w != nullptr) _mm256_storeu_ps(w + i, v);
     total += hsum(v);
   }
 #endif
-  for (; i < n; ++i) total += w[i] = std::exp(s[i] - largest);
+  for (; i < n; ++i) {
+    const float scaled = x[i] / t, v = std::exp(scaled - largest);
+    if (s != nullptr) s[i] = scaled;
+    if (w != nullptr) w[i] = v;
+    total += v;
+  }
   return total;
 }
 
-// The tokens whose scaled logit is at least `bound`, as candidates; returns their weight.
-double gather_candidates(const float* s, const float* w, int64_t n, float bound, std::vector<Candidate>& out) {
-  out.clear();
-  double mass = 0.0;
-  int64_t i = 0;
-#if defined(__AVX2__)
-  const __m256 threshold = _mm256_set1_ps(bound);
-  for (; i + 8 <= n; i += 8) {
-    int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(s + i), threshold, _CMP_GE_OQ));
-    for (; mask != 0; mask &= mask - 1) {
-      const int64_t j = i + __builtin_ctz(mask);
-      out.push_back({s[j], w[j]});
-      mass += w[j];
-    }
+// The weights of c[0, size), from their scaled logits.
+void weigh_candidates(Candidate* c, size_t size, float largest) {
+  size_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  alignas(32) float lane[8];
+  for (; j < size; j += 8) {
+    const size_t count = std::min<size_t>(8, size - j);
+    for (size_t l = 0; l < 8; ++l) lane[l] = l < count ? c[j + l].s - largest : -std::numeric_limits<float>::infinity();
+    _mm256_store_ps(lane, exp8(_mm256_load_ps(lane)));
+    for (size_t l = 0; l < count; ++l) c[j + l].w = lane[l];
   }
 #endif
-  for (; i < n; ++i)
-    if (s[i] >= bound) out.push_back({s[i], w[i]}), mass += w[i];
-  return mass;
+  for (; j < size; ++j) c[j].w = std::exp(c[j].s - largest);
 }
 
 double weight_of(const Candidate* c, int64_t begin, int64_t end) {
   double mass = 0.0;
   for (int64_t j = begin; j < end; ++j) mass += c[j].w;
   return mass;
+}
+
+// The tokens whose scaled logit x / t is at least `bound`, in vocabulary order, as candidates (not yet
+// weighed: a cut needs the weights of a few of them only), their tokens into `tokens` when given; false,
+// with the gathering cut short, when they are more than `limit`. A pass compares x itself against a
+// floor below which x / t < bound (bound * t, lowered by far more than the two roundings), and divides
+// only the blocks above it.
+bool gather_candidates(const float* x, int64_t n, float t, float bound, size_t limit, std::vector<Candidate>& out, std::vector<int32_t>* tokens = nullptr) {
+  out.clear();
+  if (tokens != nullptr) tokens->clear();
+  const float xt = bound * t;
+  const float floor = std::isinf(bound) ? bound : xt - (std::fabs(xt) * 0x1p-20f + t * 0x1p-120f);
+  auto keep = [&](float s, int64_t j) {
+    out.push_back({s, 0.0f});
+    if (tokens != nullptr) tokens->push_back(static_cast<int32_t>(j));
+  };
+  int64_t i = 0;
+#if defined(__AVX2__)
+  const __m256 threshold = _mm256_set1_ps(floor), divisor = _mm256_set1_ps(t), least = _mm256_set1_ps(bound);
+  alignas(32) float lane[8];
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    if (_mm256_movemask_ps(_mm256_cmp_ps(v, threshold, _CMP_GE_OQ)) == 0) continue;
+    const __m256 scaled = _mm256_div_ps(v, divisor);  // correctly rounded: the scalar division's values
+    _mm256_store_ps(lane, scaled);
+    for (int mask = _mm256_movemask_ps(_mm256_cmp_ps(scaled, least, _CMP_GE_OQ)); mask != 0; mask &= mask - 1) keep(lane[__builtin_ctz(mask)], i + __builtin_ctz(mask));
+    if (out.size() > limit) return false;
+  }
+#endif
+  for (; i < n; ++i)
+    if (x[i] >= floor && x[i] / t >= bound) keep(x[i] / t, i);
+  return out.size() <= limit;
 }
 
 // The smallest scaled logit of the shortest descending prefix of c[0, count) whose weight reaches
@@ -212,30 +254,88 @@ float top_p_cut(Candidate* c, int64_t count, double target) {
   return smallest_kept;  // the whole range when rounding left the target unreached
 }
 
-// The smallest scaled logit that top-k, then top-p (of the top-k renormalised), keep; -inf: every token.
-float cut_of(const float* s, const float* w, int64_t n, float largest, double total, const RowFilter& f, std::vector<Candidate>& c) {
+// The smallest scaled logit that top-k, then top-p (of the top-k renormalised), keep, selected among
+// candidates c holding that prefix, weighed when the row has top-p without top-k (c is reordered).
+// total: the whole row's weight (read for top-p without top-k only).
+float cut_among(std::vector<Candidate>& c, int64_t n, float largest, double total, const RowFilter& f) {
   const bool top_k = f.top_k < n, top_p = f.top_p < 1.0f;
-  if (!top_k && !top_p) return -std::numeric_limits<float>::infinity();
-  // The kept set is a prefix of the descending order: it lies among the candidates when they hold the
-  // top-k, or (without top-k) top_p of the row's weight. The span widens until they do, then takes all.
-  for (float span = CANDIDATE_SPAN;; span *= 2) {
-    const float bound = span > MAX_CANDIDATE_SPAN ? -std::numeric_limits<float>::infinity() : largest - span;
-    const double mass = gather_candidates(s, w, n, bound, c);
-    if (std::isinf(bound) || (top_k ? static_cast<int64_t>(c.size()) >= f.top_k : mass >= static_cast<double>(f.top_p) * total)) break;
-  }
   int64_t count = static_cast<int64_t>(c.size());
   double normaliser = total;
   if (top_k) {
-    auto by_value = [](const Candidate& x, const Candidate& y) { return x.s > y.s; };
+    auto by_value = [](const Candidate& a, const Candidate& b) { return a.s > b.s; };
     std::nth_element(c.begin(), c.begin() + (f.top_k - 1), c.end(), by_value);
     if (!top_p) return c[f.top_k - 1].s;
     count = f.top_k;
+    weigh_candidates(c.data(), count, largest);
     normaliser = weight_of(c.data(), 0, count);
   }
   return top_p_cut(c.data(), count, static_cast<double>(f.top_p) * normaliser);
 }
 
-// The kept tokens' weight, summed in blocks of eight as draw_token walks them.
+// A drawable row: drawn over the tokens whose scaled logit is at least keep_from, either gathered (the
+// scratch's candidates, weighed, and kept_tokens) or in the whole row's arrays (scratch.scaled and
+// weights; total: their weight). Not drawable (NaN, +inf, or only -inf): the row answers as greedy does.
+struct PreparedRow {
+  bool drawable;
+  bool gathered;
+  float keep_from;  // -inf: every token
+  double total;
+};
+
+// min-p: p >= min_p * p_max  <=>  s >= largest + log(min_p), in float as sampling.py computes it.
+float min_p_floor(float largest, const RowFilter& f) {
+  return f.min_p > 0.0f ? largest + std::log(f.min_p) : -std::numeric_limits<float>::infinity();
+}
+
+// A row with a cut or min-p, among candidates: false when they, or the kept tokens, would be more than
+// `limit` (a flat row). top-k stops the widening once the candidates number top_k (so it never hits the
+// limit when top_k is within it), top-p once they hold top_p of the row's weight.
+bool prepare_among_candidates(const float* x, int64_t n, float largest, const RowFilter& f, size_t limit, RowScratch& scratch, float& keep_from) {
+  std::vector<Candidate>& c = scratch.candidates;
+  const bool top_k = f.top_k < n;
+  keep_from = -std::numeric_limits<float>::infinity();
+  if (f.cuts(n)) {
+    const double total = top_k ? 0.0 : weigh_row(x, n, f.temperature, largest, nullptr, nullptr);
+    for (float span = FIRST_SPAN;; span *= SPAN_GROWTH) {
+      const float bound = span > MAX_SPAN ? -std::numeric_limits<float>::infinity() : largest - span;
+      if (!gather_candidates(x, n, f.temperature, bound, top_k && f.top_k > static_cast<int64_t>(limit) ? c.max_size() : limit, c)) return false;
+      if (std::isinf(bound)) break;
+      if (top_k) {
+        if (static_cast<int64_t>(c.size()) >= f.top_k) break;
+        continue;
+      }
+      weigh_candidates(c.data(), c.size(), largest);
+      if (weight_of(c.data(), 0, static_cast<int64_t>(c.size())) >= static_cast<double>(f.top_p) * total) break;
+    }
+    keep_from = cut_among(c, n, largest, total, f);
+  }
+  keep_from = std::max(keep_from, min_p_floor(largest, f));
+  if (!gather_candidates(x, n, f.temperature, keep_from, limit, c, &scratch.kept_tokens)) return false;
+  weigh_candidates(c.data(), c.size(), largest);
+  return true;
+}
+
+PreparedRow prepare_row(const float* x, int64_t n, const RowFilter& f) {
+  RowScratch& scratch = row_scratch();
+  float largest, keep_from;
+  if (!largest_scaled(x, n, f.temperature, largest)) return {false, false, 0.0f, 0.0};
+  const bool cut = f.cuts(n) || f.min_p > 0.0f;
+  if (cut && prepare_among_candidates(x, n, largest, f, static_cast<size_t>(n / 4), scratch, keep_from)) return {true, true, keep_from, 0.0};
+  scratch.scaled.resize(n);
+  scratch.weights.resize(n);
+  const float *s = scratch.scaled.data(), *w = scratch.weights.data();
+  const double total = weigh_row(x, n, f.temperature, largest, scratch.scaled.data(), scratch.weights.data());
+  keep_from = min_p_floor(largest, f);
+  if (f.cuts(n)) {
+    std::vector<Candidate>& c = scratch.candidates;
+    c.resize(n);
+    for (int64_t j = 0; j < n; ++j) c[j] = {s[j], w[j]};
+    keep_from = std::max(keep_from, cut_among(c, n, largest, total, f));
+  }
+  return {true, false, keep_from, total};
+}
+
+// The kept tokens' weight in the whole row's arrays, summed in blocks of eight as draw_whole_row walks them.
 double kept_weight(const float* s, const float* w, int64_t n, float keep_from) {
   double total = 0.0;
   int64_t i = 0;
@@ -248,8 +348,9 @@ double kept_weight(const float* s, const float* w, int64_t n, float keep_from) {
   return total;
 }
 
-// The first kept token whose running weight exceeds target (the last kept one if rounding leaves it unmet).
-int64_t draw_token(const float* s, const float* w, int64_t n, float keep_from, double target) {
+// In the whole row's arrays, the first kept token whose running weight exceeds target (the last kept
+// one if rounding leaves it unmet).
+int64_t draw_whole_row(const float* s, const float* w, int64_t n, float keep_from, double target) {
   double running = 0.0;
   int64_t i = 0, last_kept = -1;
 #if defined(__AVX2__)
@@ -279,37 +380,31 @@ int64_t draw_token(const float* s, const float* w, int64_t n, float keep_from, d
   return last_kept;
 }
 
-// A temperature row in this thread's scratch: its scaled logits, their weights and the smallest kept
-// scaled logit (-inf: every token). Not drawable (NaN, +inf, or only -inf): the row answers as greedy does.
-struct PreparedRow {
-  bool drawable;
-  const float* s;
-  const float* w;
-  double total;
-  float keep_from;
-};
-
-PreparedRow prepare_row(const float* x, int64_t n, const RowFilter& f) {
-  RowScratch& scratch = row_scratch();
-  scratch.scaled.resize(n);
-  scratch.weights.resize(n);
-  float* s = scratch.scaled.data();
-  float* w = scratch.weights.data();
-  float largest;
-  if (!scale_row(x, n, f.temperature, s, largest) || !std::isfinite(largest)) return {false, s, w, 0.0, 0.0f};
-  const double total = weigh_row(s, n, largest, w);
-  float keep_from = cut_of(s, w, n, largest, total, f, scratch.candidates);
-  // min-p: p >= min_p * p_max  <=>  s >= largest + log(min_p), in float as sampling.py computes it.
-  if (f.min_p > 0.0f) keep_from = std::max(keep_from, largest + std::log(f.min_p));
-  return {true, s, w, total, keep_from};
+// Among the gathered kept tokens (in vocabulary order), the first whose running weight exceeds target
+// (the last if rounding leaves it unmet; -1 when none is kept).
+int64_t draw_gathered(const RowScratch& scratch, double uniform) {
+  const std::vector<Candidate>& kept = scratch.candidates;
+  const double target = uniform * weight_of(kept.data(), 0, static_cast<int64_t>(kept.size()));
+  double running = 0.0;
+  for (size_t j = 0; j < kept.size(); ++j)
+    if ((running += kept[j].w) > target) return scratch.kept_tokens[j];
+  return kept.empty() ? -1 : scratch.kept_tokens.back();
 }
 
 int64_t sample_row(const float* x, int64_t n, const RowFilter& f) {
   if (!(f.temperature > 0.0f)) return argmax_row(x, n);
   const PreparedRow row = prepare_row(x, n, f);
   if (!row.drawable) return argmax_row(x, n);
-  const double kept = std::isinf(row.keep_from) ? row.total : kept_weight(row.s, row.w, n, row.keep_from);
-  return draw_token(row.s, row.w, n, row.keep_from, f.uniform * kept);
+  const RowScratch& scratch = row_scratch();
+  int64_t token;
+  if (row.gathered) {
+    token = draw_gathered(scratch, f.uniform);
+  } else {
+    const float *s = scratch.scaled.data(), *w = scratch.weights.data();
+    const double kept = std::isinf(row.keep_from) ? row.total : kept_weight(s, w, n, row.keep_from);
+    token = draw_whole_row(s, w, n, row.keep_from, f.uniform * kept);
+  }
+  return token >= 0 ? token : argmax_row(x, n);  // nothing kept (a min_p above 1): the most likely token
 }
 
 // A token per row, row_token(row) each, as a takeover_pool job for a few rows (a step whose other kernels
