@@ -288,17 +288,18 @@ float min_p_floor(float largest, const RowFilter& f) {
 }
 
 // A row with a cut or min-p, among candidates: false when they, or the kept tokens, would be more than
-// `limit` (a flat row). top-k stops the widening once the candidates number top_k (so it never hits the
-// limit when top_k is within it), top-p once they hold top_p of the row's weight.
+// `limit` (a flat row, or a top_k past it). top-k stops the widening once the candidates number top_k,
+// top-p once they hold top_p of the row's weight.
 bool prepare_among_candidates(const float* x, int64_t n, float largest, const RowFilter& f, size_t limit, RowScratch& scratch, float& keep_from) {
   std::vector<Candidate>& c = scratch.candidates;
   const bool top_k = f.top_k < n;
+  if (top_k && f.top_k > static_cast<int64_t>(limit)) return false;
   keep_from = -std::numeric_limits<float>::infinity();
   if (f.cuts(n)) {
     const double total = top_k ? 0.0 : weigh_row(x, n, f.temperature, largest, nullptr, nullptr);
     for (float span = FIRST_SPAN;; span *= SPAN_GROWTH) {
       const float bound = span > MAX_SPAN ? -std::numeric_limits<float>::infinity() : largest - span;
-      if (!gather_candidates(x, n, f.temperature, bound, top_k && f.top_k > static_cast<int64_t>(limit) ? c.max_size() : limit, c)) return false;
+      if (!gather_candidates(x, n, f.temperature, bound, limit, c)) return false;
       if (std::isinf(bound)) break;
       if (top_k) {
         if (static_cast<int64_t>(c.size()) >= f.top_k) break;
