@@ -177,16 +177,33 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: Sequence[
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
         return out
-    index = torch.tensor(rows)
-    logprobs = torch.log_softmax(logits[index].float(), dim=-1)
-    chosen = logprobs.gather(1, tokens[index][:, None]).squeeze(1).tolist()
-    k = min(max(params[i].logprobs or 0 for i in rows), logprobs.shape[-1])
-    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    if len(rows) == len(params):  # every row asks: no copy (indexing copies rows at ~5 GB/s, as long as the kernel takes)
+        asking, chosen_tokens = logits.float(), tokens.long()
+    else:
+        index = torch.tensor(rows)
+        asking, chosen_tokens = logits[index].float(), tokens[index].long()
+    k = min(max(params[i].logprobs or 0 for i in rows), logits.shape[-1])
+    kernels, _ = cpu_kernels()
+    if kernels is not None and asking.device.type == "cpu":
+        chosen_t, values_t, ids_t, ok = kernels.logprobs_rows(asking, chosen_tokens, k)
+        if not bool(ok.all()):  # rows with NaN or no finite logit: torch's answer (NaN where it gives NaN)
+            bad = (~ok).nonzero().squeeze(1)
+            chosen_t[bad], values_t[bad], ids_t[bad] = _torch_logprobs(asking[bad], chosen_tokens[bad], k)
+    else:
+        chosen_t, values_t, ids_t = _torch_logprobs(asking, chosen_tokens, k)
+    chosen, top_values, top_ids = chosen_t.tolist(), values_t.tolist(), ids_t.tolist()
     for j, i in enumerate(rows):
         wanted = params[i].logprobs or 0
         out[i] = TokenLogprobs(chosen[j], top_ids[j][:wanted], top_values[j][:wanted])
     return out
+
+
+def _torch_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's log-softmax at its token, and its ``k`` largest values with their ids: what the compiled
+    ``logprobs_rows`` answers (~0.03 ms a row, never writing the whole log-softmax), by torch's ops (~0.25 ms)."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    values, ids = logprobs.topk(k, dim=-1)
+    return logprobs.gather(1, tokens[:, None]).squeeze(1), values, ids
 
 
 FILTER_CANDIDATES = 1024  # the largest logits a top-k / top-p cut is first looked for among (a full sort costs ~4 ms a row)

@@ -183,6 +183,36 @@ def test_logprobs_are_the_log_softmax_of_the_processed_logits() -> None:
     assert out[2].logprob == pytest.approx(expected[2, tokens[2]].item()) and out[2].top_ids == []
 
 
+@pytest.mark.parametrize("vocab", [50, 1003, 49152])
+def test_the_logprobs_kernel_answers_as_log_softmax_gather_and_topk(vocab: int) -> None:
+    kernels = cpu_kernels()[0]
+    assert kernels is not None, "the kernel under test is not built"
+    logits = _logits(6, vocab=vocab, seed=vocab)
+    logits[1] *= 0.02  # flat: the top 5 among many near the largest
+    logits[2] = -4.0 * torch.arange(1, vocab + 1).float().log()  # peaked
+    tokens = torch.randint(0, vocab, (6,), generator=torch.Generator().manual_seed(1))
+    tokens[3] = logits[3].argmax()
+    expected = torch.log_softmax(logits, dim=-1)
+    for k in (0, 1, 5, 20):
+        chosen, values, ids, ok = kernels.logprobs_rows(logits, tokens, k)
+        assert bool(ok.all())
+        torch.testing.assert_close(chosen, expected.gather(1, tokens[:, None]).squeeze(1), rtol=1e-5, atol=1e-5)
+        top = expected.topk(k, dim=-1)
+        assert torch.equal(ids, top.indices)
+        torch.testing.assert_close(values, top.values, rtol=1e-5, atol=1e-5)
+
+
+def test_logprobs_of_rows_without_a_finite_logit_are_torchs() -> None:
+    logits = torch.zeros(3, 40)
+    logits[0, 3] = float("nan")
+    logits[1] = float("-inf")
+    logits[2, 5] = 1.0
+    out = token_logprobs(logits, torch.tensor([3, 0, 5]), [SamplingParams(temperature=0.0, logprobs=2)] * 3)
+    assert math.isnan(out[0].logprob) and math.isnan(out[1].logprob)
+    assert out[2].logprob == pytest.approx(torch.log_softmax(logits[2], dim=-1)[5].item())
+    assert out[2].top_ids[0] == 5 and len(out[2].top_ids) == 2
+
+
 def test_penalties_read_and_write_only_each_rows_distinct_tokens_as_a_dense_pass_would() -> None:
     """The sparse history against the penalties' dense definition, on the default model's vocabulary:
     rows mixing the three penalties, repeated output tokens, prompt tokens and rows without penalties."""

@@ -12,6 +12,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "with the row's uniform (CPU)");
   m.def("sampling_thresholds", &sampling_thresholds,
         "tests: each row's smallest kept logit / temperature under top-k, top-p and min-p (-inf: all kept; NaN: greedy or no distribution)");
+  m.def("logprobs_rows", &logprobs_rows,
+        "(chosen, top values, top ids, ok): each row's log_softmax at its token and its k largest, best first; ok false: a row with NaN or "
+        "no finite logit, left unwritten (CPU)");
   m.def("block_quant_gemm", &block_quant_gemm, "x @ dequantized(q4_1 or q8_0 panels).T (+ bias) (+ residual), x rounded to int16 or int8 per block of 32 (CPU)");
   m.def("int8_linear", &int8_linear, "x @ (int8 weight * per-channel scale).T (+ bias), fp32 arithmetic (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(h) * weight, h) with h = x + residual written over x (fp32, CPU)");

@@ -16,6 +16,7 @@ torch::Tensor sample_rows(const torch::Tensor& logits, const std::vector<double>
                           const std::vector<double>& top_p, const std::vector<double>& min_p, const std::vector<double>& uniform);
 torch::Tensor sampling_thresholds(const torch::Tensor& logits, const std::vector<double>& temperature, const std::vector<int64_t>& top_k,
                                   const std::vector<double>& top_p, const std::vector<double>& min_p);
+std::vector<torch::Tensor> logprobs_rows(const torch::Tensor& logits, const torch::Tensor& tokens, int64_t k);
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales, const std::optional<torch::Tensor>& bias);
 torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& panels, int64_t out_features, const std::optional<torch::Tensor>& bias,
                                const std::optional<torch::Tensor>& residual, int64_t activation_bits);

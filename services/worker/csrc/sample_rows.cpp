@@ -107,6 +107,7 @@ struct RowScratch {
   std::vector<float> scaled, weights;  // a row drawn over its whole vocabulary
   std::vector<Candidate> candidates;   // the tokens a cut is selected among; then the kept ones
   std::vector<int32_t> kept_tokens;    // the kept ones' tokens
+  std::vector<int32_t> order;          // logprobs: candidates by rank
 };
 
 RowScratch& row_scratch() {
@@ -491,4 +492,68 @@ torch::Tensor sampling_thresholds(const torch::Tensor& logits, const std::vector
     if (row.drawable) out.data_ptr<float>()[r] = row.keep_from;
   }
   return out;
+}
+
+// Logprobs. -----------------------------------------------------------------------------------------
+//
+// A row's log-softmax at its chosen token, and its k largest values with their tokens (best first; ties by
+// token), as torch.log_softmax then gather and topk give them: one pass finds the largest logit, one sums
+// the weights (in float, log_softmax is (x - largest) - log(sum)), and the k largest are selected among
+// candidates from spans below the largest, so the log-softmax over the whole row is never written.
+
+namespace {
+
+// false (nothing written) for a row holding NaN or no finite largest logit: the caller answers it with torch.
+bool row_logprobs(const float* x, int64_t n, int64_t token, int64_t k, float* chosen, float* values, int64_t* ids) {
+  RowScratch& scratch = row_scratch();
+  float largest;
+  if (!largest_scaled(x, n, 1.0f, largest)) return false;
+  const float log_total = static_cast<float>(std::log(weigh_row(x, n, 1.0f, largest, nullptr, nullptr)));
+  *chosen = (x[token] - largest) - log_total;
+  if (k == 0) return true;
+  std::vector<Candidate>& c = scratch.candidates;
+  for (float span = FIRST_SPAN;; span *= SPAN_GROWTH) {
+    const float bound = span > MAX_SPAN ? -std::numeric_limits<float>::infinity() : largest - span;
+    gather_candidates(x, n, 1.0f, bound, c.max_size(), c, &scratch.kept_tokens);
+    if (std::isinf(bound) || static_cast<int64_t>(c.size()) >= k) break;
+  }
+  std::vector<int32_t>& order = scratch.order;
+  order.resize(c.size());
+  for (size_t j = 0; j < c.size(); ++j) order[j] = static_cast<int32_t>(j);
+  const auto best_first = [&](int32_t a, int32_t b) { return c[a].s > c[b].s || (c[a].s == c[b].s && scratch.kept_tokens[a] < scratch.kept_tokens[b]); };
+  std::partial_sort(order.begin(), order.begin() + k, order.end(), best_first);
+  for (int64_t j = 0; j < k; ++j) values[j] = (c[order[j]].s - largest) - log_total, ids[j] = scratch.kept_tokens[order[j]];
+  return true;
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> logprobs_rows(const torch::Tensor& logits, const torch::Tensor& tokens, int64_t k) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.size(1) >= 1, "logits must be [rows, vocab] float32");
+  TORCH_CHECK(logits.size(1) <= std::numeric_limits<int32_t>::max(), "a vocabulary of at most 2^31 - 1 entries");
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) == rows && tokens.scalar_type() == torch::kLong, "tokens must be [rows] int64");
+  TORCH_CHECK(k >= 0 && k <= n, "k must be in 0 .. vocab, got ", k);
+  const auto x = logits.contiguous();
+  const auto t = tokens.contiguous();
+  const int64_t* token = t.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(token[r] >= 0 && token[r] < n, "token ", token[r], " is outside the vocabulary of ", n);
+  auto chosen = torch::empty({rows}, x.options());
+  auto values = torch::empty({rows, k}, x.options());
+  auto ids = torch::empty({rows, k}, t.options());
+  auto ok = torch::empty({rows}, x.options().dtype(torch::kBool));
+  const float* src = x.data_ptr<float>();
+  float *chosen_ptr = chosen.data_ptr<float>(), *values_ptr = values.data_ptr<float>();
+  int64_t* ids_ptr = ids.data_ptr<int64_t>();
+  bool* ok_ptr = ok.data_ptr<bool>();
+  auto rows_from = [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) ok_ptr[r] = row_logprobs(src + r * n, n, token[r], k, chosen_ptr + r, values_ptr + r * k, ids_ptr + r * k);
+  };
+  // A few rows on the calling thread (~0.03 ms each): waking OpenMP's threads would set them spinning
+  // against the takeover pool's helpers.
+  if (rows <= takeover_pool::MAX_ROWS)
+    rows_from(0, rows);
+  else
+    at::parallel_for(0, rows, 1, rows_from);
+  return {chosen, values, ids, ok};
 }
