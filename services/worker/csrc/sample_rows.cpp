@@ -217,6 +217,19 @@ bool gather_candidates(const float* x, int64_t n, float t, float bound, size_t l
   return out.size() <= limit;
 }
 
+// Candidates from spans of FIRST_SPAN, then SPAN_GROWTH times wider, below the largest scaled logit (past
+// MAX_SPAN: the whole row), until enough() says they hold what is looked for (it is asked of every span's
+// candidates, the whole row's too); false when a span's candidates would be more than limit.
+template <typename Enough>
+bool gather_widening(const float* x, int64_t n, float t, float largest, size_t limit, std::vector<Candidate>& c, std::vector<int32_t>* tokens,
+                     Enough enough) {
+  for (float span = FIRST_SPAN;; span *= SPAN_GROWTH) {
+    const float bound = span > MAX_SPAN ? -std::numeric_limits<float>::infinity() : largest - span;
+    if (!gather_candidates(x, n, t, bound, limit, c, tokens)) return false;
+    if (enough() || std::isinf(bound)) return true;
+  }
+}
+
 // The smallest scaled logit of the shortest descending prefix of c[0, count) whose weight reaches
 // `target`: a token stays while the weight ranked above it is below target (the first always stays).
 // A quickselect on weight: c is reordered.
@@ -298,17 +311,12 @@ bool prepare_among_candidates(const float* x, int64_t n, float largest, const Ro
   keep_from = -std::numeric_limits<float>::infinity();
   if (f.cuts(n)) {
     const double total = top_k ? 0.0 : weigh_row(x, n, f.temperature, largest, nullptr, nullptr);
-    for (float span = FIRST_SPAN;; span *= SPAN_GROWTH) {
-      const float bound = span > MAX_SPAN ? -std::numeric_limits<float>::infinity() : largest - span;
-      if (!gather_candidates(x, n, f.temperature, bound, limit, c)) return false;
-      if (std::isinf(bound)) break;
-      if (top_k) {
-        if (static_cast<int64_t>(c.size()) >= f.top_k) break;
-        continue;
-      }
-      weigh_candidates(c.data(), c.size(), largest);
-      if (weight_of(c.data(), 0, static_cast<int64_t>(c.size())) >= static_cast<double>(f.top_p) * total) break;
-    }
+    const bool held = gather_widening(x, n, f.temperature, largest, limit, c, nullptr, [&] {
+      if (top_k) return static_cast<int64_t>(c.size()) >= f.top_k;
+      weigh_candidates(c.data(), c.size(), largest);  // top-p of the whole row: the candidates' weight
+      return weight_of(c.data(), 0, static_cast<int64_t>(c.size())) >= static_cast<double>(f.top_p) * total;
+    });
+    if (!held) return false;
     keep_from = cut_among(c, n, largest, total, f);
   }
   keep_from = std::max(keep_from, min_p_floor(largest, f));
@@ -512,11 +520,7 @@ bool row_logprobs(const float* x, int64_t n, int64_t token, int64_t k, float* ch
   *chosen = (x[token] - largest) - log_total;
   if (k == 0) return true;
   std::vector<Candidate>& c = scratch.candidates;
-  for (float span = FIRST_SPAN;; span *= SPAN_GROWTH) {
-    const float bound = span > MAX_SPAN ? -std::numeric_limits<float>::infinity() : largest - span;
-    gather_candidates(x, n, 1.0f, bound, c.max_size(), c, &scratch.kept_tokens);
-    if (std::isinf(bound) || static_cast<int64_t>(c.size()) >= k) break;
-  }
+  gather_widening(x, n, 1.0f, largest, c.max_size(), c, &scratch.kept_tokens, [&] { return static_cast<int64_t>(c.size()) >= k; });
   std::vector<int32_t>& order = scratch.order;
   order.resize(c.size());
   for (size_t j = 0; j < c.size(); ++j) order[j] = static_cast<int32_t>(j);
