@@ -188,7 +188,10 @@ class StackConfig:
         for f in dataclasses.fields(cls):
             kind = hints[f.name]
             parse = _parse_bool if kind is bool else kind
-            help = f"{f.metadata['help']} (default: {f.default})".replace("%", "%%")  # argparse formats help with %
+            help = f.metadata["help"]
+            if "default" not in help and f.default not in ("", ()):  # an empty default says nothing; some texts say their own
+                help = f"{help} (default: {f.default})"
+            help = help.replace("%", "%%")  # argparse formats help with %
             if f.metadata.get("repeatable"):
                 parser.add_argument(_flag(f.name), dest=f.name, type=parse, action="append", help=help)
             else:
