@@ -123,7 +123,8 @@ class SchedulerLoop:
         else:
             waiting_on = [n for n, p in self.peers.items() if p.state != "ready" or not p.alive(self.config.engine_timeout_s)]
             state = "loading"
-            detail = f"waiting for {', '.join(waiting_on)}; worker {worker.state} {worker.detail}".strip()
+            heard = worker.detail or ("not heard from yet" if worker.state == "unknown" else worker.state)
+            detail = f"waiting for {', '.join(waiting_on)}; worker: {heard}"
         return EngineStatus(
             state=state,
             boot=self.boot,

@@ -66,3 +66,12 @@ def test_requests_of_an_api_replica_that_went_silent_are_aborted(tmp_path) -> No
     loop._send_status()
     assert list(loop.core.requests) == ["r-api-b"] and list(loop.apis) == [owners["api-b"]]
     assert 0 < loop.core.pool.num_used < used
+
+
+def test_a_loading_engine_says_what_it_waits_for_and_what_the_worker_is_doing(tmp_path) -> None:
+    loop = SchedulerLoop(StackConfig(model=DEFAULT_MODEL_DIR, run_dir=str(tmp_path / "run")), log)
+    assert loop.status().detail == "waiting for worker, detokenizer; worker: not heard from yet"
+    loop._handle(Heartbeat(process="detokenizer", pid=100, state="ready"))
+    loop._handle(Heartbeat(process="worker", pid=101, state="loading", detail="loading weights from /m onto cpu"))
+    status = loop.status()
+    assert status.state == "loading" and status.detail == "waiting for worker; worker: loading weights from /m onto cpu"
