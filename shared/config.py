@@ -22,9 +22,10 @@ DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath
 API_KEY_ENV = "TOKENYARD_API_KEY"
 
 
-def _opt(default: Any, help: str, **flags: bool) -> Any:
-    """A setting; ``repeatable`` lets its flag be given several times (joined with commas), ``secret`` keeps it off child argv."""
-    return field(default=default, metadata={"help": help, **flags})
+def _opt(default: Any, help: str, *, choices: tuple[str, ...] = (), minimum: float | None = None, **flags: bool) -> Any:
+    """A setting; ``choices`` or ``minimum`` bound its values (a flag outside them is refused before anything
+    starts), ``repeatable`` lets its flag be given several times (joined with commas), ``secret`` keeps it off child argv."""
+    return field(default=default, metadata={"help": help, "choices": choices, "minimum": minimum, **flags})
 
 
 @dataclass(frozen=True)
@@ -32,10 +33,10 @@ class StackConfig:
     model: str = _opt(DEFAULT_MODEL_DIR, "model directory in the Hugging Face layout")
     served_model_name: str = _opt("", "model id shown by /v1/models (default: the directory name)")
     host: str = _opt("127.0.0.1", "address the api listens on")
-    port: int = _opt(8000, "api port (HTTP, metrics and instrumentation)")
-    scheduler_metrics_port: int = _opt(0, "scheduler /metrics port (0: port + 1)")
-    worker_metrics_port: int = _opt(0, "worker /metrics port (0: port + 2)")
-    detokenizer_metrics_port: int = _opt(0, "detokenizer /metrics port (0: port + 3)")
+    port: int = _opt(8000, "api port (HTTP, metrics and instrumentation)", minimum=1)
+    scheduler_metrics_port: int = _opt(0, "scheduler /metrics port (0: port + 1)", minimum=0)
+    worker_metrics_port: int = _opt(0, "worker /metrics port (0: port + 2)", minimum=0)
+    detokenizer_metrics_port: int = _opt(0, "detokenizer /metrics port (0: port + 3)", minimum=0)
     metrics_host: str = _opt("127.0.0.1", "address the non-api metrics servers listen on")
     run_dir: str = _opt("", "directory of the stack's ipc sockets (default: a per-port temp dir)")
     api_addr: str = _opt("", "ZMQ address the api receives on (default: ipc in run_dir)")
@@ -44,21 +45,29 @@ class StackConfig:
     detokenizer_addr: str = _opt("", "ZMQ address the detokenizer receives on")
     api_replica: str = _opt("api-0", "identity of this api replica (names its inbox; replies are addressed to the inbox)")
     engines: str = _opt("", "engine replicas the api routes to, as name=scheduler_addr,... (default: one, engine-0 at --scheduler-addr)")
-    router_policy: str = _opt("load", "how the api picks an engine replica: load, prefix or round_robin")
-    replicas: int = _opt(1, "engine replicas the launcher starts, each its own scheduler, worker and detokenizer")
+    router_policy: str = _opt("load", "how the api picks an engine replica: load, prefix or round_robin", choices=("load", "prefix", "round_robin"))
+    replicas: int = _opt(1, "engine replicas the launcher starts, each its own scheduler, worker and detokenizer", minimum=1)
     engine_name: str = _opt("", "this engine replica's name, a `replica` label on its processes' metrics (the launcher sets engine-<i>)")
-    kv_cache_tokens: int = _opt(16384, "KV cache size in tokens (ignored if kv_cache_bytes is set)")
-    kv_cache_bytes: int = _opt(0, "KV cache size in bytes (0: use kv_cache_tokens)")
-    block_size: int = _opt(8, "tokens per KV block (the prefix cache's granularity: 8 rather than 16 halves what a hit recomputes)")
-    max_num_seqs: int = _opt(64, "most requests in one step")
-    max_num_batched_tokens: int = _opt(512, "token budget of one step (prefill chunk size)")
-    max_waiting: int = _opt(1024, "most requests waiting for admission before 429")
+    kv_cache_tokens: int = _opt(16384, "KV cache size in tokens (ignored if kv_cache_bytes is set)", minimum=1)
+    kv_cache_bytes: int = _opt(0, "KV cache size in bytes (0: use kv_cache_tokens)", minimum=0)
+    block_size: int = _opt(8, "tokens per KV block (the prefix cache's granularity: 8 rather than 16 halves what a hit recomputes)", minimum=1)
+    max_num_seqs: int = _opt(64, "most requests in one step", minimum=1)
+    max_num_batched_tokens: int = _opt(512, "token budget of one step (prefill chunk size)", minimum=1)
+    max_waiting: int = _opt(1024, "most requests waiting for admission before 429", minimum=0)
     enable_prefix_cache: bool = _opt(True, "reuse the KV of full blocks shared with earlier prompts")
-    pipeline_depth: int = _opt(2, "step plans in flight at once (1: strictly alternate plan and result)")
-    max_model_len: int = _opt(0, "context limit (0: the model's max_position_embeddings)")
-    tool_call_parser: str = _opt("", "tool-call format: hermes, qwen3_coder, llama3_json or none (default: chosen by the model)")
-    reasoning_parser: str = _opt("", "reasoning format: think or none (default: chosen by the model)")
-    dtype: str = _opt("auto", "weight and activation dtype: auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16 or float16")
+    pipeline_depth: int = _opt(2, "step plans in flight at once (1: strictly alternate plan and result)", minimum=1)
+    max_model_len: int = _opt(0, "context limit (0: the model's max_position_embeddings)", minimum=0)
+    tool_call_parser: str = _opt(
+        "",
+        "tool-call format: hermes, qwen3_coder, llama3_json or none (default: chosen by the model)",
+        choices=("", "hermes", "qwen3_coder", "llama3_json", "none"),
+    )
+    reasoning_parser: str = _opt("", "reasoning format: think or none (default: chosen by the model)", choices=("", "think", "none"))
+    dtype: str = _opt(
+        "auto",
+        "weight and activation dtype: auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16 or float16",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
     weight_quant: str = _opt(
         "auto",
         "weight storage of the dense projections and lm_head: auto (on an x86 CPU with a float32 model: int4 where the checkpoint "
@@ -66,28 +75,35 @@ class StackConfig:
         "none (the dtype's own), fp16 (fbgemm fp16 packs, fp32 arithmetic), int4 (q4_1 blocks, lm_head q8_0 blocks, in panels of 8 "
         "channels; activations int16 per block of 32 features), int4-a8 (int4, but the projections' steps of > 4 rows round "
         "activations to int8, llama.cpp's q4_1 x q8 arithmetic: opt-in, ~1.8x int4's many-row GEMM speed, logit error ~7e-2) or int8 (per-channel weights; on the CPU activations int8 per block of 32 features: opt-in, +0.8 % perplexity)",
+        choices=("auto", "none", "fp16", "int8", "int4", "int4-a8"),
     )
-    kv_cache_dtype: str = _opt("auto", "KV cache storage: auto (float16 for a float32 model on the CPU, else the model's dtype), model or float16")
-    device: str = _opt("auto", "worker device: auto (CUDA when available), cpu or cuda")
-    cuda_graph_max_batch: int = _opt(32, "largest decode batch replayed from a CUDA graph (buckets 1, 2, 4, 8, 16, 24, ...; 0: always eager)")
+    kv_cache_dtype: str = _opt(
+        "auto",
+        "KV cache storage: auto (float16 for a float32 model on the CPU, else the model's dtype), model or float16",
+        choices=("auto", "model", "float16"),
+    )
+    device: str = _opt("auto", "worker device: auto (CUDA when available), cpu or cuda", choices=("auto", "cpu", "cuda"))
+    cuda_graph_max_batch: int = _opt(32, "largest decode batch replayed from a CUDA graph (buckets 1, 2, 4, 8, 16, 24, ...; 0: always eager)", minimum=0)
     gpu_memory_utilization: float = _opt(
-        0.9, "fraction of the GPU the worker may use; the KV cache gets what the weights leave (0: size it by kv_cache_tokens/bytes)"
+        0.9,
+        "fraction of the GPU the worker may use; the KV cache gets what the weights leave (0: size it by kv_cache_tokens/bytes)",
+        minimum=0,
     )
-    num_threads: int = _opt(0, "torch threads of the worker (0: all cores)")
+    num_threads: int = _opt(0, "torch threads of the worker (0: all cores)", minimum=0)
     worker_core: str = _opt(
         "auto",
         "CPU placement where the worker computes on the CPU: auto (its main thread keeps the first allowed CPU to itself once warm, "
         "and every other thread of the stack runs on the rest; one worker per host only), a CPU number instead of the first, or off",
     )
-    tensor_parallel_size: int = _opt(1, "worker ranks each step is split across (torch.distributed: gloo on CPU, NCCL on GPU)")
-    tensor_parallel_rank: int = _opt(0, "this worker process's rank; rank 0 talks to the scheduler (the launcher starts the others)")
+    tensor_parallel_size: int = _opt(1, "worker ranks each step is split across (torch.distributed: gloo on CPU, NCCL on GPU)", minimum=1)
+    tensor_parallel_rank: int = _opt(0, "this worker process's rank; rank 0 talks to the scheduler (the launcher starts the others)", minimum=0)
     tensor_parallel_addr: str = _opt("", "rendezvous of the worker ranks, a torch.distributed init method (default: tcp://127.0.0.1:<port + 90>)")
-    heartbeat_s: float = _opt(0.5, "interval of heartbeats and engine status frames")
-    engine_timeout_s: float = _opt(3.0, "a process silent this long is taken for dead (its requests fail)")
-    stall_timeout_s: float = _opt(60.0, "a step unanswered this long marks the worker stalled (unhealthy)")
-    max_body_bytes: int = _opt(8 * 1024 * 1024, "largest accepted HTTP request body")
-    max_in_flight: int = _opt(0, "most engine requests the api holds (running or waiting) before answering 429 (0: max_num_seqs + max_waiting)")
-    drain_timeout_s: float = _opt(30.0, "on SIGTERM, how long running requests may take to finish before they are aborted")
+    heartbeat_s: float = _opt(0.5, "interval of heartbeats and engine status frames", minimum=0.01)
+    engine_timeout_s: float = _opt(3.0, "a process silent this long is taken for dead (its requests fail)", minimum=0.01)
+    stall_timeout_s: float = _opt(60.0, "a step unanswered this long marks the worker stalled (unhealthy)", minimum=0.01)
+    max_body_bytes: int = _opt(8 * 1024 * 1024, "largest accepted HTTP request body", minimum=1)
+    max_in_flight: int = _opt(0, "most engine requests the api holds (running or waiting) before answering 429 (0: max_num_seqs + max_waiting)", minimum=0)
+    drain_timeout_s: float = _opt(30.0, "on SIGTERM, how long running requests may take to finish before they are aborted", minimum=0)
     api_key: str = _opt(
         "", f"API key required on generation and admin routes; repeat the flag or separate keys with commas (also ${API_KEY_ENV})", repeatable=True, secret=True
     )
@@ -95,8 +111,8 @@ class StackConfig:
     curve_key_file: str = _opt(
         "", "ZMQ CURVE certificate with its secret key (zmq.auth format), shared by the stack's processes; required to bind ZMQ outside loopback or ipc"
     )
-    log_level: str = _opt("info", "log level")
-    log_format: str = _opt("auto", "log as json, console, or auto (console on a terminal, JSON lines otherwise)")
+    log_level: str = _opt("info", "log level", choices=("debug", "info", "warning", "error", "critical"))
+    log_format: str = _opt("auto", "log as json, console, or auto (console on a terminal, JSON lines otherwise)", choices=("auto", "json", "console"))
 
     # Derived values. -----------------------------------------------------------------
 
@@ -187,7 +203,7 @@ class StackConfig:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             kind = hints[f.name]
-            parse = _parse_bool if kind is bool else kind
+            parse = _bounded(_parse_bool if kind is bool else kind, f.metadata["choices"], f.metadata["minimum"])
             help = f.metadata["help"]
             if "default" not in help and f.default not in ("", ()):  # an empty default says nothing; some texts say their own
                 help = f"{help} (default: {f.default})"
@@ -217,6 +233,23 @@ class StackConfig:
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def _bounded(parse: Any, choices: tuple[str, ...], minimum: float | None) -> Any:
+    """``parse``, refusing a value outside ``choices`` or below ``minimum`` (argparse names the flag)."""
+    if not choices and minimum is None:
+        return parse
+
+    def parse_bounded(text: str) -> Any:
+        value = parse(text)
+        if choices and value not in choices:
+            raise argparse.ArgumentTypeError(f"expected one of {', '.join(repr(c) for c in choices)}, got {text!r}")
+        if minimum is not None and value < minimum:
+            raise argparse.ArgumentTypeError(f"expected at least {minimum}, got {text!r}")
+        return value
+
+    parse_bounded.__name__ = parse.__name__  # argparse's "invalid <type> value" message names it
+    return parse_bounded
 
 
 def _parse_bool(text: str) -> bool:

@@ -26,6 +26,7 @@ import urllib.error
 import urllib.request
 
 from shared.config import API_KEY_ENV, DEFAULT_MODEL_DIR, StackConfig
+from shared.model_info import load_model_info
 from shared.transport import InsecureBindError, check_binds
 
 PROCESSES = ("scheduler", "worker", "detokenizer", "api")
@@ -216,6 +217,17 @@ def main(argv: list[str] | None = None) -> int:
         from services.launcher.prepare_model import prepare_default_model
 
         prepare_default_model(config.model)
+    try:  # a model directory that is not one fails every process with a traceback each: say it once, start nothing
+        load_model_info(config.model)
+    except (OSError, ValueError, KeyError) as exc:
+        if isinstance(exc, KeyError):
+            reason = f"its config.json has no {exc}"
+        elif isinstance(exc, json.JSONDecodeError):
+            reason = f"its config.json is not valid JSON ({exc})"
+        else:
+            reason = str(exc)
+        print(f"tokenyard: cannot serve --model {config.model}: {reason}", file=sys.stderr, flush=True)
+        return 2
     if not config.run_dir:  # a fresh socket directory per stack: two stacks never collide
         config = StackConfig(**{**config.as_dict(), "run_dir": tempfile.mkdtemp(prefix="tokenyard-")})
     try:  # the children would refuse too, one by one, and be restarted in vain

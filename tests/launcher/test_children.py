@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from services.launcher.__main__ import child_argvs, restart_group
+from services.launcher.__main__ import child_argvs, main, restart_group
 from shared.config import StackConfig
 
 
@@ -49,3 +49,24 @@ def test_a_model_that_cannot_be_split_is_refused_at_once(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_next", "num_attention_heads": 4, "intermediate_size": 8}))
     with pytest.raises(SystemExit, match="qwen3_next"):
         child_argvs(StackConfig(model=str(tmp_path), tensor_parallel_size=2))
+
+
+@pytest.mark.parametrize(
+    "config_json, reason",
+    [
+        (None, "is not a model directory: it has no config.json"),
+        ("{not json", "its config.json is not valid JSON"),
+        ('{"model_type": "llama"}', "its config.json has no 'num_attention_heads'"),
+    ],
+)
+def test_a_directory_that_is_no_model_is_refused_in_one_line_before_anything_starts(tmp_path, capsys, monkeypatch, config_json, reason) -> None:
+    started: list[object] = []
+    monkeypatch.setattr("services.launcher.__main__.Launcher.start", lambda self: started.append(self))
+    model = tmp_path / "m"
+    model.mkdir()
+    if config_json is not None:
+        (model / "config.json").write_text(config_json)
+    assert main(["--model", str(model), "--port", "9000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"tokenyard: cannot serve --model {model}: ") and reason in err and "\n" not in err
+    assert started == []
