@@ -7,9 +7,9 @@ PATH`` prints the digest of a manifest's prompts (to freeze a new one).
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +103,8 @@ def load_workload(path: str) -> Workload:
 
 
 if __name__ == "__main__":
-    for manifest in sys.argv[1:]:
+    parser = argparse.ArgumentParser(prog="python -m bench.serve.workload", description="print the sha256 of each manifest's prompts (to freeze a new one)")
+    parser.add_argument("manifests", nargs="+", metavar="MANIFEST")
+    for manifest in parser.parse_args().manifests:
         with open(manifest, encoding="utf-8") as f:
             print(prompts_sha256(json.load(f)["prompts"]), manifest)
