@@ -21,6 +21,7 @@ from shared.frames import SamplingParams
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16
 MAX_LOGPROBS = 20  # most alternatives per token (vLLM's default max_logprobs; OpenAI's chat limit)
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits
 MAX_LOGIT_BIAS = 1024  # entries; they travel with the request to the worker
 
 
@@ -33,9 +34,15 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False
 
 
-class TextPart(_Body):
+class ContentPart(_Body):
+    """A message's content part. Only text is read; the other OpenAI kinds parse, to be refused by name."""
+
     type: str
     text: str = ""
+    image_url: dict[str, Any] | None = None
+    input_audio: dict[str, Any] | None = None
+    file: dict[str, Any] | None = None
+    refusal: str | None = None
 
 
 class FunctionCall(_Body):
@@ -51,7 +58,7 @@ class ChatToolCall(_Body):
 
 class ChatMessage(_Body):
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ChatToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's answer: which call it answers
@@ -81,6 +88,7 @@ class NamedToolChoice(_Body):
 
 class ResponseFormat(_Body):
     type: str
+    json_schema: dict[str, Any] | None = None  # parsed so that the type is what a refusal names
 
 
 class _SamplingBody(_Body):
@@ -119,6 +127,9 @@ class ChatCompletionRequest(_SamplingBody):
     parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
@@ -287,6 +298,9 @@ def validate_chat(body: ChatCompletionRequest, served_model: str, efforts: tuple
     generation = validate_sampling(body, served_model, body.max_completion_tokens or body.max_tokens, param, vocab_size, logprobs)
     if body.response_format is not None:
         unsupported(body.response_format.type == "text", "response_format", f"response_format of type {body.response_format.type!r}")
+    unsupported(body.store is not True, "store", "store: true (this server stores no completions; send store: false or leave it out)")
+    _check_metadata(body.metadata)
+    unsupported(body.service_tier in (None, "auto", "default"), "service_tier", f"service_tier {body.service_tier!r} (one tier here: 'auto' or 'default')")
     tools = [chat_tool(tool, i) for i, tool in enumerate(body.tools or [])]
     choice = _chat_tool_choice(body.tool_choice, bool(tools), body.parallel_tool_calls)
     check_tools(tools, choice, "tools", "tool_choice", name_field="function.name")
@@ -344,13 +358,25 @@ def chat_message(message: ChatMessage, i: int) -> dict[str, Any]:
     return out
 
 
-def _content_text(content: str | list[TextPart] | None, index: int) -> str:
+def _check_metadata(metadata: dict[str, str] | None) -> None:
+    """OpenAI's bounds on a completion's metadata (which tags it; this server stores nothing to tag)."""
+    if metadata is None:
+        return
+    check(len(metadata) <= MAX_METADATA_PAIRS, "metadata", f"metadata holds at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}")
+    for key, value in metadata.items():
+        check(len(key) <= MAX_METADATA_KEY, "metadata", f"metadata keys are at most {MAX_METADATA_KEY} characters, got {len(key)} in {key[:20]!r}...")
+        check(len(value) <= MAX_METADATA_VALUE, "metadata", f"metadata values are at most {MAX_METADATA_VALUE} characters, got {len(value)} for {key!r}")
+
+
+def _content_text(content: str | list[ContentPart] | None, index: int) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     for j, part in enumerate(content):
-        check(part.type == "text", f"messages[{index}].content[{j}].type", f"content parts of type {part.type!r} are not supported; only 'text'")
+        check(
+            part.type == "text", f"messages[{index}].content[{j}].type", f"content parts of type {part.type!r} are not supported (this server reads text only)"
+        )
     return "".join(part.text for part in content)
 
 

@@ -213,3 +213,25 @@ async def test_each_choice_has_its_own_parser(qwen: Api) -> None:
     reply = await qwen.openai().chat.completions.create(model=qwen.model, messages=ASK, tools=[WEATHER], n=2)
     finishes = sorted((c.finish_reason, bool(c.message.tool_calls)) for c in reply.choices)
     assert finishes == [("stop", False), ("tool_calls", True)]
+
+
+async def test_openai_bookkeeping_fields_are_taken_and_what_cannot_be_honoured_is_refused_by_name(smol: Api) -> None:
+    smol.engine.script("Hi")
+    reply = await smol.openai().chat.completions.create(
+        model=smol.model, messages=ASK, store=False, metadata={"team": "search"}, service_tier="auto", user="u-1"
+    )
+    assert reply.choices[0].message.content == "Hi"
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object"}}}
+    cases = [
+        ({"store": True}, "store", "store: true"),
+        ({"service_tier": "flex"}, "service_tier", "service_tier 'flex'"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16 pairs"),
+        ({"metadata": {"k": "v" * 513}}, "metadata", "at most 512 characters"),
+        ({"response_format": schema}, "response_format", "response_format of type 'json_schema' is not supported"),
+        ({"messages": [{"role": "user", "content": [image]}]}, "messages[0].content[0].type", "'image_url' are not supported"),
+    ]
+    for extra, param, message in cases:
+        with pytest.raises(openai.BadRequestError) as error:
+            await smol.openai().chat.completions.create(**{"model": smol.model, "messages": ASK, **extra})
+        assert error.value.body["param"] == param and message in error.value.body["message"], (extra, error.value.body)
