@@ -110,6 +110,7 @@ class MessagesRequest(_MessagesBody):
     top_p: float | None = None
     top_k: int | None = None
     metadata: Metadata | None = None
+    service_tier: str | None = None
     stream: bool = False
 
 
@@ -124,6 +125,11 @@ def validate_messages(body: MessagesRequest, served_model: str, efforts: tuple[s
     check_model(body.model, served_model)
     check(body.max_tokens is not None, "max_tokens", "max_tokens: Field required")
     check_max_tokens(body.max_tokens, "max_tokens")
+    check(
+        body.service_tier in (None, "auto", "standard_only"),
+        "service_tier",
+        f"service_tier must be auto or standard_only, got {body.service_tier!r}",
+    )  # both are served at the one (standard) tier here
     check(body.temperature is None or 0.0 <= body.temperature <= 1.0, "temperature", f"temperature must be between 0 and 1, got {body.temperature}")
     generation = Generation(
         model=served_model,
@@ -180,6 +186,12 @@ def _effort(body: _MessagesBody, efforts: tuple[str, ...]) -> str | None:
     check(thinking.display in (None, "summarized", "omitted"), "thinking.display", f"thinking.display must be summarized or omitted, got {thinking.display!r}")
     if thinking.type == "disabled":
         return check_effort("none", efforts, "thinking")
+    if efforts == ("none",):  # not an effort this model lacks: it has no thinking at all
+        raise ApiError(
+            400,
+            f"this model does not reason, so thinking of type {thinking.type!r} cannot be honoured; send type 'disabled' or leave thinking out",
+            param="thinking",
+        )
     if thinking.type == "enabled":
         check(thinking.budget_tokens is not None, "thinking.budget_tokens", "thinking.budget_tokens: Field required")
         budget = thinking.budget_tokens or 0

@@ -151,7 +151,15 @@ async def test_thinking_switch_and_tool_choice(qwen: Api, smol: Api) -> None:
     assert "You must answer by calling one or more of the provided tools." in qwen.prompt()
     with pytest.raises(anthropic.BadRequestError) as error:
         await smol.anthropic().messages.create(model=smol.model, max_tokens=4096, messages=ASK, thinking={"type": "enabled", "budget_tokens": 2048})
-    assert error.value.body["error"]["type"] == "invalid_request_error" and "thinking" in error.value.body["error"]["message"]
+    assert error.value.body["error"]["type"] == "invalid_request_error"
+    assert "does not reason, so thinking of type 'enabled' cannot be honoured" in error.value.body["error"]["message"]
+
+
+async def test_service_tier_auto_and_standard_only_are_served(smol: Api) -> None:
+    for tier in ("auto", "standard_only"):
+        smol.engine.script("Hi")
+        reply = await smol.anthropic().messages.create(model=smol.model, max_tokens=8, messages=ASK, service_tier=tier)
+        assert reply.content[0].text == "Hi"
 
 
 async def test_count_tokens_matches_the_prompt(qwen: Api) -> None:
@@ -167,6 +175,7 @@ async def test_errors_have_the_anthropic_shape(smol: Api) -> None:
         ({"model": smol.model, "max_tokens": 5, "messages": ASK, "temperature": 1.5}, 400, "temperature"),
         ({"model": smol.model, "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400, "image"),
         ({"model": smol.model, "max_tokens": 5, "messages": ASK, "bogus": 1}, 400, "bogus"),
+        ({"model": smol.model, "max_tokens": 5, "messages": ASK, "service_tier": "priority"}, 400, "service_tier must be auto or standard_only"),
     ]
     for body, status, word in cases:
         got, error = await smol.post("/v1/messages", body)
