@@ -299,8 +299,8 @@ def validate_chat(body: ChatCompletionRequest, served_model: str, efforts: tuple
     if body.response_format is not None:
         unsupported(body.response_format.type == "text", "response_format", f"response_format of type {body.response_format.type!r}")
     unsupported(body.store is not True, "store", "store: true (this server stores no completions; send store: false or leave it out)")
-    _check_metadata(body.metadata)
-    unsupported(body.service_tier in (None, "auto", "default"), "service_tier", f"service_tier {body.service_tier!r} (one tier here: 'auto' or 'default')")
+    check_metadata(body.metadata)
+    check_service_tier(body.service_tier)
     tools = [chat_tool(tool, i) for i, tool in enumerate(body.tools or [])]
     choice = _chat_tool_choice(body.tool_choice, bool(tools), body.parallel_tool_calls)
     check_tools(tools, choice, "tools", "tool_choice", name_field="function.name")
@@ -358,14 +358,18 @@ def chat_message(message: ChatMessage, i: int) -> dict[str, Any]:
     return out
 
 
-def _check_metadata(metadata: dict[str, str] | None) -> None:
-    """OpenAI's bounds on a completion's metadata (which tags it; this server stores nothing to tag)."""
+def check_metadata(metadata: dict[str, str] | None) -> None:
+    """OpenAI's bounds on a request's metadata (which tags what it makes; this server stores nothing to tag)."""
     if metadata is None:
         return
     check(len(metadata) <= MAX_METADATA_PAIRS, "metadata", f"metadata holds at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}")
     for key, value in metadata.items():
         check(len(key) <= MAX_METADATA_KEY, "metadata", f"metadata keys are at most {MAX_METADATA_KEY} characters, got {len(key)} in {key[:20]!r}...")
         check(len(value) <= MAX_METADATA_VALUE, "metadata", f"metadata values are at most {MAX_METADATA_VALUE} characters, got {len(value)} for {key!r}")
+
+
+def check_service_tier(tier: str | None) -> None:
+    unsupported(tier in (None, "auto", "default"), "service_tier", f"service_tier {tier!r} (one tier here: 'auto' or 'default')")
 
 
 def _content_text(content: str | list[ContentPart] | None, index: int) -> str:

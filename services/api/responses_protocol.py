@@ -13,7 +13,18 @@ import msgspec
 
 from services.api.chat import ChatTurn
 from services.api.errors import ApiError
-from services.api.protocol import Generation, check, check_logprobs, check_max_tokens, check_model, check_sampling, convert_part, unsupported
+from services.api.protocol import (
+    Generation,
+    check,
+    check_logprobs,
+    check_max_tokens,
+    check_metadata,
+    check_model,
+    check_sampling,
+    check_service_tier,
+    convert_part,
+    unsupported,
+)
 from services.api.reasoning import check_effort
 from services.api.tools import ToolChoice, ToolSpec, check_tools, template_call
 
@@ -56,6 +67,7 @@ class ResponsesRequest(_Body):
     conversation: str | dict[str, Any] | None = None
     include: list[str] | None = None
     metadata: dict[str, str] | None = None
+    service_tier: str | None = None
     text: TextConfig | None = None
     truncation: str | None = None
     top_logprobs: int | None = None
@@ -128,6 +140,8 @@ def validate_responses(body: ResponsesRequest, served_model: str, efforts: tuple
     check_logprobs(body.top_logprobs, "top_logprobs")
     logprobs = (body.top_logprobs or 0) if OUTPUT_LOGPROBS in (body.include or []) or body.top_logprobs is not None else None
     unsupported(body.truncation in (None, "disabled"), "truncation", f"truncation {body.truncation!r}")
+    check_metadata(body.metadata)
+    check_service_tier(body.service_tier)
     if body.text is not None:
         unsupported(body.text.format is None or body.text.format.type == "text", "text.format", "text formats other than 'text'")
         unsupported(body.text.verbosity is None, "text.verbosity", "text.verbosity")

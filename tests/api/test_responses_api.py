@@ -125,12 +125,16 @@ async def test_stateful_features_are_refused_by_name(smol: Api) -> None:
         ({"text": {"format": {"type": "json_object"}}}, "text.format"),
         ({"bogus": 1}, "bogus"),
         ({"input": [{"role": "user", "content": "x", "extra": 1}]}, "input[0].extra"),
+        ({"service_tier": "priority"}, "service_tier"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
     ]
     for extra, param in cases:
         status, body = await smol.post("/v1/responses", {**base, **extra})
         assert status == 400 and body["error"]["param"] == param, (extra, body)
     status, body = await smol.post("/v1/responses", {**base, "store": False})
     assert status == 200 and body["store"] is False
+    status, body = await smol.post("/v1/responses", {**base, "service_tier": "auto", "metadata": {"team": "search"}})
+    assert status == 200 and body["metadata"] == {"team": "search"}
 
 
 async def test_engine_failure_mid_stream_is_response_failed(smol: Api) -> None:
