@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -105,6 +106,32 @@ def child_argvs(config: StackConfig) -> dict[str, list[str]]:
     api = dataclasses.replace(config, engines=",".join(engines))
     argvs["api"] = [sys.executable, "-m", "services.api", *api.to_argv()]
     return argvs
+
+
+def listen_ports(argvs: dict[str, list[str]]) -> list[tuple[str, str, int]]:
+    """(what, host, port) of every TCP port the children will listen on: the api's, and each process's metrics."""
+    ports = []
+    for name, argv in argvs.items():
+        process, _, replica = name.partition("@")
+        if process not in PROCESSES:  # a worker's other ranks serve no metrics
+            continue
+        config = StackConfig.from_argv(argv[3:])
+        what = "api" if process == "api" else f"{process}{'@' + replica if replica else ''} metrics"
+        ports.append((what, config.host if process == "api" else config.metrics_host, config.metrics_port(process)))
+    return sorted(ports, key=lambda item: item[0] != "api")  # the api's first: the one a user chose
+
+
+def ports_in_use(ports: list[tuple[str, str, int]]) -> list[str]:
+    """The ports another program already listens on, as "host:port (what)"."""
+    taken = []
+    for what, host, port in ports:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: a closing socket does not count
+            try:
+                probe.bind((host, port))
+            except OSError:
+                taken.append(f"{host}:{port} ({what})")
+    return taken
 
 
 def restart_group(name: str) -> str:
@@ -236,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tokenyard: {exc}", file=sys.stderr, flush=True)
         return 2
     launcher = Launcher(config)
+    taken = ports_in_use(listen_ports(launcher.argvs))
+    if taken:  # the children would die one by one, and the api's health check would find the other server's
+        print(f"tokenyard: already in use: {', '.join(taken)} (another stack? choose another --port)", file=sys.stderr, flush=True)
+        return 2
 
     def request_stop(*_: object) -> None:
         launcher.stopping = True

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 
-from services.launcher.__main__ import child_argvs, main, restart_group
-from shared.config import StackConfig
+from services.launcher.__main__ import child_argvs, listen_ports, main, ports_in_use, restart_group
+from shared.config import DEFAULT_MODEL_DIR, StackConfig
 
 
 def _config_of(argv: list[str]) -> StackConfig:
@@ -70,3 +71,26 @@ def test_a_directory_that_is_no_model_is_refused_in_one_line_before_anything_sta
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"tokenyard: cannot serve --model {model}: ") and reason in err and "\n" not in err
     assert started == []
+
+
+def test_the_ports_the_children_listen_on_are_each_replicas_own(tmp_path) -> None:
+    config = StackConfig(model=DEFAULT_MODEL_DIR, port=9000, run_dir=str(tmp_path / "run"), replicas=2)
+    ports = listen_ports(child_argvs(config))
+    assert ports[0] == ("api", "127.0.0.1", 9000)
+    assert {what for what, _, _ in ports} == {"api"} | {f"{p}@engine-{i} metrics" for i in (0, 1) for p in ("scheduler", "worker", "detokenizer")}
+    assert len({port for _, _, port in ports}) == len(ports)  # no two children on one port
+
+
+def test_a_port_already_listened_on_is_refused_before_anything_starts(tmp_path, capsys, monkeypatch) -> None:
+    started: list[object] = []
+    monkeypatch.setattr("services.launcher.__main__.Launcher.start", lambda self: started.append(self))
+    with socket.socket() as other:  # another server on what would be the scheduler's metrics port
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        assert ports_in_use([("scheduler metrics", "127.0.0.1", port)]) == [f"127.0.0.1:{port} (scheduler metrics)"]
+        assert main(["--port", str(port - 1), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tokenyard: already in use: ") and f"127.0.0.1:{port} (scheduler metrics)" in err and "\n" not in err
+    assert started == []
+    assert ports_in_use([("api", "127.0.0.1", port)]) == []  # free again once the other server closed
