@@ -16,10 +16,16 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.model_info import KV_CACHE_DTYPES
+
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "SmolLM2-135M-Instruct")
 
 
 API_KEY_ENV = "TOKENYARD_API_KEY"
+
+# Settings whose values the worker resolves (services/worker: linear.py, device.py); defined here, once.
+WEIGHT_QUANTS = ("auto", "none", "fp16", "int8", "int4", "int4-a8")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 def _opt(default: Any, help: str, *, choices: tuple[str, ...] = (), minimum: float | None = None, **flags: bool) -> Any:
@@ -75,14 +81,14 @@ class StackConfig:
         "none (the dtype's own), fp16 (fbgemm fp16 packs, fp32 arithmetic), int4 (q4_1 blocks, lm_head q8_0 blocks, in panels of 8 "
         "channels; activations int16 per block of 32 features), int4-a8 (int4, but the projections' steps of > 4 rows round "
         "activations to int8, llama.cpp's q4_1 x q8 arithmetic: opt-in, ~1.8x int4's many-row GEMM speed, logit error ~7e-2) or int8 (per-channel weights; on the CPU activations int8 per block of 32 features: opt-in, +0.8 % perplexity)",
-        choices=("auto", "none", "fp16", "int8", "int4", "int4-a8"),
+        choices=WEIGHT_QUANTS,
     )
     kv_cache_dtype: str = _opt(
         "auto",
         "KV cache storage: auto (float16 for a float32 model on the CPU, else the model's dtype), model or float16",
-        choices=("auto", "model", "float16"),
+        choices=KV_CACHE_DTYPES,
     )
-    device: str = _opt("auto", "worker device: auto (CUDA when available), cpu or cuda", choices=("auto", "cpu", "cuda"))
+    device: str = _opt("auto", "worker device: auto (CUDA when available), cpu or cuda", choices=DEVICES)
     cuda_graph_max_batch: int = _opt(32, "largest decode batch replayed from a CUDA graph (buckets 1, 2, 4, 8, 16, 24, ...; 0: always eager)", minimum=0)
     gpu_memory_utilization: float = _opt(
         0.9,

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-DEVICES = ("auto", "cpu", "cuda")
+from shared.config import DEVICES
 
 
 def resolve_device(name: str) -> torch.device:

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from services.worker import block_quant
 from services.worker.cpu_kernels import cpu_kernels
+from shared.config import WEIGHT_QUANTS
 
 SPLIT_MAX_ROWS = 8  # measured: the split wins up to 8 rows, plain GEMM beyond
 INT8_ACTIVATION_BLOCK = 32  # features per activation scale in csrc/int8_linear.cpp
@@ -75,7 +76,6 @@ def fp16_packing_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
-WEIGHT_QUANTS = ("auto", "none", "fp16", "int8", "int4", "int4-a8")
 BLOCK_QUANTS = ("int4", "int4-a8")  # the formats that keep q4_1 / q8_0 blocks
 
 
