@@ -40,18 +40,20 @@ def free_port_block(count: int = 4) -> int:
 
 
 @contextmanager
-def running_stack(model: str, *flags: str, timeout_s: float = 600) -> Iterator[str]:
-    """Starts the launcher with these flags on free ports; yields the base URL; stops it afterwards."""
+def running_stack(model: str, *flags: str, timeout_s: float = 600, log_path: str | None = None) -> Iterator[str]:
+    """Starts the launcher with these flags on free ports (its output to ``log_path``, or dropped); yields the
+    base URL; stops it afterwards."""
     port = free_port_block()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "services.launcher", "--model", model, "--port", str(port), *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed below, after the launcher
+    process = subprocess.Popen([sys.executable, "-m", "services.launcher", "--model", model, "--port", str(port), *flags], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, process, timeout_s, "the stack")
         yield url
     finally:
         stop_process(process, grace_s=60)
+        if log_path:
+            log.close()
 
 
 def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float, what: str) -> None:

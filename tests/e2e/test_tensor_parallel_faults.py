@@ -17,8 +17,9 @@ from collections.abc import Callable
 import openai
 import pytest
 
+from bench.random_model import build_random_smollm
 from bench.stack_client import free_port_block
-from tests.e2e.conftest import Stack, build_tiny_smollm, http_get, launched_stack, wait_healthy, wait_supervised, wait_until_quiescent
+from tests.e2e.conftest import Stack, http_get, launched_stack, wait_healthy, wait_supervised, wait_until_quiescent
 
 MODEL = "tiny-smollm"
 FAIL_FAST_S = 15.0  # far below the group's 600s timeout; on a quiet machine it takes about one second
@@ -27,7 +28,7 @@ FAIL_FAST_S = 15.0  # far below the group's 600s timeout; on a quiet machine it 
 @pytest.fixture(scope="module")
 def tp_stack(tmp_path_factory) -> Stack:
     tmp = tmp_path_factory.mktemp("tensor_parallel")
-    build_tiny_smollm(str(tmp / MODEL))
+    build_random_smollm(str(tmp / MODEL))
     flags = ["--model", str(tmp / MODEL), "--tensor-parallel-size", "2", "--num-threads", "1", "--kv-cache-tokens", "8192"]
     with launched_stack(free_port_block(), flags, str(tmp / "stack.log")) as stack:
         wait_healthy(stack, 300)

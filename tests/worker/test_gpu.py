@@ -6,6 +6,8 @@ qwen3_next included), and the Triton paged attention and fusion kernels in bf16 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -13,37 +15,51 @@ from services.worker.attention import AttentionMetadata, paged_attention, paged_
 from services.worker.runner import ModelRunner
 from shared.frames import SamplingParams, Slice, StepPlan
 
-from .harness import FAMILIES, build_tiny, drive, prompt_of, rel_err
+from .harness import FAMILIES, TINY_QWEN3_NEXTS, build_tiny, drive, prompt_of, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gpu_check.sh)")]
 
-BF16_LOGITS_REL_ERR = 3e-2  # bf16 keeps 8 bits of mantissa; three layers of a tiny model stay well inside this
+# bf16 keeps 8 bits of mantissa, so two correct bf16 forwards differ by a few per cent on a tiny model (measured
+# on an H200: 3.2e-2 between ours and transformers' bf16 at the worst step). Both are held against transformers in
+# float32 instead: ours may be at most twice as far from it as transformers' own bf16 forward, plus a floor for
+# steps where that one happens to land close. A wrong kernel is off by tens of per cent.
+BF16_ERR_RATIO, BF16_ERR_FLOOR = 2.0, 1e-2
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, object]:
     path = str(tmp_path_factory.mktemp(f"gpu-{request.param}") / "model")
-    return path, build_tiny(request.param, path)
+    # the hybrid with a full-attention layer among its GDN layers (the family's bare defaults have none)
+    variant = TINY_QWEN3_NEXTS["gqa-dense-layer"] if request.param == "qwen3_next" else {}
+    return path, build_tiny(request.param, path, **variant)
 
 
-def test_bf16_logits_match_transformers_through_prefill_and_decode(checkpoint: tuple[str, object]) -> None:
+def test_bf16_logits_are_as_close_to_float32_transformers_as_transformers_bf16_through_prefill_and_decode(checkpoint: tuple[str, object]) -> None:
     path, reference = checkpoint
-    reference = reference.to("cuda", torch.bfloat16)
+    exact = copy.deepcopy(reference).to("cuda", torch.float32)
+    theirs_bf16 = copy.deepcopy(reference).to("cuda", torch.bfloat16)
     runner = ModelRunner(path, num_blocks=64, block_size=16, dtype="bfloat16", device="cuda")
     assert runner.describe()["attention_backend"] == "triton" and runner.sampler == "device"
     assert runner.describe()["fusion_kernels"] == {"add_rms_norm": "triton", "silu_and_mul": "triton", "rotary": "none (torch)"}  # the fused forward
+    slot = 0 if runner.states is not None else -1  # a hybrid (qwen3_next) request names its GDN state slot
     prompt = prompt_of(5, 37)
     greedy = SamplingParams(temperature=0)
-    logits = runner.logits(StepPlan(0, [Slice("r", 0, len(prompt), prompt, [3, 1, 4], sampling=greedy)]))["r"]
+    logits = runner.logits(StepPlan(0, [Slice("r", 0, len(prompt), prompt, [3, 1, 4], sampling=greedy, slot=slot)]))["r"]
     tokens = list(prompt)
-    for step in range(8):  # feed transformers' own greedy token back, so both see the same context
+    errors = []
+    for step in range(8):  # feed float32 transformers' greedy token back, so all three see the same context
         with torch.no_grad():
-            theirs = reference(torch.tensor([tokens], device="cuda")).logits[0, -1].float()
-        assert rel_err(logits.float(), theirs) < BF16_LOGITS_REL_ERR, step
-        token = int(theirs.argmax())
+            ids = torch.tensor([tokens], device="cuda")
+            truth = exact(ids).logits[0, -1].float()
+            theirs = theirs_bf16(ids).logits[0, -1].float()
+        ours_err, theirs_err = rel_err(logits.float(), truth), rel_err(theirs, truth)
+        errors.append((round(ours_err, 4), round(theirs_err, 4)))
+        assert ours_err < BF16_ERR_RATIO * theirs_err + BF16_ERR_FLOOR, (step, errors)
+        token = int(truth.argmax())
         tokens.append(token)
         runner._requests["r"].last_token = token  # a decode slice feeds back the worker's last token
-        logits = runner.logits(StepPlan(step + 1, [Slice("r", len(tokens) - 1, 1)]))["r"]
+        logits = runner.logits(StepPlan(step + 1, [Slice("r", len(tokens) - 1, 1, slot=slot)]))["r"]
+    print(f"bf16 relative logit error against float32 transformers, (ours, transformers bf16) per step: {errors}")
 
 
 def test_graphed_decode_is_identical_to_eager_over_64_steps_as_requests_join_and_leave(checkpoint: tuple[str, object]) -> None:
