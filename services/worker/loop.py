@@ -356,7 +356,13 @@ def run_follower(config: StackConfig, log: structlog.stdlib.BoundLogger) -> None
     num_blocks = kv_cache_blocks(model, config.kv_cache_tokens, config.kv_cache_bytes, config.block_size, kv_dtype)
     runner = ModelRunner(config.model, num_blocks, config.block_size, config.dtype, config.max_num_seqs, config.weight_quant, tp=tp, kv_cache_dtype=kv_dtype)
     log.info("worker_rank_ready", rank=rank, size=size)
-    runner.follow()
+    try:
+        runner.follow()
+    except RuntimeError:  # a collective broke; when the leader is why, that can reach us before the watcher's poll does
+        why = tp.liveness.dead_peer(timeout_s=5.0)
+        if why is None:
+            raise
+        leader_lost(why)
     tp.liveness.close()  # before the leader closes its end, which it waits for
     log.info("worker_rank_stopping", rank=rank)
 
