@@ -45,6 +45,7 @@ class SamplingParams(_Part):
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = {}  # token id -> added to its logit
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's and the k most likely tokens' log-probabilities
+    json_schema: str | None = None  # structured outputs: the output is one JSON value this schema (JSON text) allows
 
     @property
     def penalised(self) -> bool:

@@ -6,7 +6,7 @@ or refused with a 400 that names it: nothing is silently ignored.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
@@ -15,6 +15,7 @@ from aiohttp import web
 from services.api.chat import ChatTurn
 from services.api.errors import ApiError, from_validation_error
 from services.api.reasoning import check_effort
+from services.api.structured_outputs import check_structured_combination, json_schema_of
 from services.api.tools import ToolChoice, ToolSpec, check_tools, template_call
 from shared.frames import SamplingParams
 
@@ -136,6 +137,7 @@ class ChatCompletionRequest(_SamplingBody):
 
 class CompletionRequest(_SamplingBody):
     prompt: str | list[str | int | list[int]] | None = None
+    response_format: ResponseFormat | None = None  # vLLM's extension: structured outputs on completions too
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -278,6 +280,14 @@ def validate_sampling(
     )
 
 
+def with_response_format(generation: Generation, response_format: ResponseFormat | None) -> Generation:
+    """``generation`` whose sampling carries the schema ``response_format`` asks the output to follow."""
+    if response_format is None:
+        return generation
+    schema = json_schema_of(response_format.type, response_format.json_schema, "response_format")
+    return replace(generation, sampling=msgspec.structs.replace(generation.sampling, json_schema=schema))
+
+
 def unsupported(condition: bool, param: str, what: str) -> None:
     if not condition:
         raise ApiError(400, f"{what} is not supported by this server yet", param=param)
@@ -296,19 +306,20 @@ def validate_chat(body: ChatCompletionRequest, served_model: str, efforts: tuple
     check(body.top_logprobs is None or bool(body.logprobs), "top_logprobs", "top_logprobs requires logprobs: true")
     logprobs = check_logprobs(body.top_logprobs or 0, "top_logprobs") if body.logprobs else None
     generation = validate_sampling(body, served_model, body.max_completion_tokens or body.max_tokens, param, vocab_size, logprobs)
-    if body.response_format is not None:
-        unsupported(body.response_format.type == "text", "response_format", f"response_format of type {body.response_format.type!r}")
     unsupported(body.store is not True, "store", "store: true (this server stores no completions; send store: false or leave it out)")
     check_metadata(body.metadata)
     check_service_tier(body.service_tier)
     tools = [chat_tool(tool, i) for i, tool in enumerate(body.tools or [])]
     choice = _chat_tool_choice(body.tool_choice, bool(tools), body.parallel_tool_calls)
     check_tools(tools, choice, "tools", "tool_choice", name_field="function.name")
+    effort = check_effort(body.reasoning_effort, efforts, "reasoning_effort")
+    generation = with_response_format(generation, body.response_format)
+    check_structured_combination(generation.sampling.json_schema, choice.mode, effort, efforts, "response_format")
     turn = ChatTurn(
         messages=[chat_message(message, i) for i, message in enumerate(body.messages)],
         tools=tools,
         tool_choice=choice,
-        effort=check_effort(body.reasoning_effort, efforts, "reasoning_effort"),
+        effort=effort,
         template_kwargs=dict(body.chat_template_kwargs or {}),
         add_generation_prompt=body.add_generation_prompt,
         continue_final=body.continue_final_message,
@@ -393,6 +404,7 @@ def validate_completion(body: CompletionRequest, served_model: str, vocab_size: 
     logprobs = check_logprobs(body.logprobs, "logprobs")  # type: ignore[arg-type]
     unsupported(logprobs is None or not body.echo, "logprobs", "logprobs with echo (prompt logprobs)")
     generation = validate_sampling(body, served_model, 16 if body.max_tokens is None else body.max_tokens, "max_tokens", vocab_size, logprobs)
+    generation = with_response_format(generation, body.response_format)
     unsupported(body.suffix is None, "suffix", "suffix")
     unsupported(body.best_of in (None, 1), "best_of", "best_of other than 1")
     prompts = _prompts(body.prompt)

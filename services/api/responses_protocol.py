@@ -26,6 +26,7 @@ from services.api.protocol import (
     unsupported,
 )
 from services.api.reasoning import check_effort
+from services.api.structured_outputs import check_structured_combination, json_schema_of
 from services.api.tools import ToolChoice, ToolSpec, check_tools, template_call
 
 OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one ``include`` item served: logprobs on output text
@@ -42,6 +43,10 @@ class ReasoningConfig(_Body):
 
 class TextFormat(_Body):
     type: str
+    name: str | None = None  # json_schema: the schema's name, the schema, and whether to follow it strictly
+    schema: dict[str, Any] | bool | None = None
+    description: str | None = None
+    strict: bool | None = None
 
 
 class TextConfig(_Body):
@@ -142,8 +147,11 @@ def validate_responses(body: ResponsesRequest, served_model: str, efforts: tuple
     unsupported(body.truncation in (None, "disabled"), "truncation", f"truncation {body.truncation!r}")
     check_metadata(body.metadata)
     check_service_tier(body.service_tier)
+    json_schema = None
     if body.text is not None:
-        unsupported(body.text.format is None or body.text.format.type == "text", "text.format", "text formats other than 'text'")
+        if (text_format := body.text.format) is not None:
+            spec = {"name": text_format.name, "strict": text_format.strict} | ({} if text_format.schema is None else {"schema": text_format.schema})
+            json_schema = json_schema_of(text_format.type, spec, "text.format")
         unsupported(body.text.verbosity is None, "text.verbosity", "text.verbosity")
     check_max_tokens(body.max_output_tokens, "max_output_tokens")
     generation = Generation(
@@ -152,7 +160,7 @@ def validate_responses(body: ResponsesRequest, served_model: str, efforts: tuple
         stream=body.stream,
         include_usage=False,
         max_tokens=body.max_output_tokens,
-        sampling=msgspec.structs.replace(check_sampling(body.temperature, body.top_p, None), logprobs=logprobs),
+        sampling=msgspec.structs.replace(check_sampling(body.temperature, body.top_p, None), logprobs=logprobs, json_schema=json_schema),
         max_tokens_param="max_output_tokens",
     )
     tools = [_tool(tool, i) for i, tool in enumerate(body.tools or [])]
@@ -163,6 +171,7 @@ def validate_responses(body: ResponsesRequest, served_model: str, efforts: tuple
         messages.insert(0, {"role": "system", "content": body.instructions})
     check(bool(messages), "input", "input must not be empty")
     effort = check_effort(body.reasoning.effort if body.reasoning else None, efforts, "reasoning.effort")
+    check_structured_combination(json_schema, choice.mode, effort, efforts, "text.format")
     return generation, ChatTurn(messages=messages, tools=tools, tool_choice=choice, effort=effort)
 
 

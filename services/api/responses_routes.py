@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from services.api.chat import ChatTurn
@@ -156,7 +157,7 @@ class _Answer:
                 {"type": "function", "name": t.name, "description": t.description or None, "parameters": t.parameters, "strict": False} for t in turn.tools
             ],
             "reasoning": {"effort": turn.effort, "summary": body.reasoning.summary if body.reasoning else None},
-            "text": {"format": {"type": "text"}},
+            "text": {"format": _format_echo(body)},
             "truncation": "disabled",
             "user": body.user,
         }
@@ -174,6 +175,14 @@ class _Answer:
             "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": self.prompt_tokens + delta.completion_tokens,
         }
+
+
+def _format_echo(body: ResponsesRequest) -> dict[str, Any]:
+    """The text format the response follows, as the client sent it (its unset fields left out)."""
+    text_format = body.text.format if body.text is not None else None
+    if text_format is None:
+        return {"type": "text"}
+    return {key: value for key, value in msgspec.structs.asdict(text_format).items() if value is not None}
 
 
 def _status(finish: str) -> str:

@@ -15,11 +15,11 @@ import zmq
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.detokenizer.request import RequestDetokState
-from services.detokenizer.token_texts import TokenTexts
 from shared.config import StackConfig
 from shared.cpu_placement import keep_off_worker_core
 from shared.frames import DetokOpen, Finish, FinishReason, Heartbeat, TextBatch, TextDelta, TextLogprobs, TokenBatch, TokenLogprobs, TokenText
 from shared.metrics import FRAMES_UNEXPECTED, PREFIX, PROCESS_UP, start_metrics_server
+from shared.token_texts import TokenTexts
 from shared.tokenizer import load_tokenizer
 from shared.transport import Curve, Inbox, Outbox, ReplyOutboxes
 

@@ -34,9 +34,11 @@ from services.worker.kernels.sampling import SamplingTensors, sample_on_device
 from services.worker.linear import convert_weights, held_bytes, linears_of, resolve_weight_quant
 from services.worker.models import model_family
 from services.worker.sampling import LogitBias, TokenHistory, process_logits, sample, token_logprobs
+from services.worker.structured import StructuredOutputs, Vocabulary
 from services.worker.tensor_parallel import TensorParallelGroup, parallelize, shard_config, shard_weights
 from services.worker.weights import load_weights
 from shared.frames import Release, Sampled, SamplingParams, Slice, StepPlan, StepResult
+from shared.json_grammar import Matcher
 from shared.model_info import HYBRID_PREFIX_CACHE_OFF, resolve_kv_cache_dtype
 
 ALL_PROMPT = 1 << 62  # a prompt_len no prefill reaches: every prefilled token is prompt
@@ -57,14 +59,20 @@ class _Request:
     slot: int = -1  # GDN state slot (hybrid models)
     noise_seed: int = 0  # the device sampler's noise stream (the params' seed, else random)
     draws: int = 0  # tokens sampled so far
+    grammar: Matcher | None = None  # structured outputs: where the output is in its JSON grammar
 
-    def record_prefill(self, start: int, token_ids: list[int]) -> None:
-        """Tells the penalty history about a prefill chunk: prompt tokens, then (after a preemption) earlier outputs."""
-        if self.history is None:
+    def record_prefill(self, start: int, token_ids: list[int], structured: StructuredOutputs | None) -> None:
+        """Tells the penalty history and the grammar about a prefill chunk: prompt tokens, then (after a
+        preemption) earlier outputs."""
+        if self.history is None and self.grammar is None:
             return
         split = max(0, min(len(token_ids), self.prompt_len - start))
-        self.history.add_prompt(token_ids[:split])
-        self.history.add_outputs(token_ids[split:])
+        if self.history is not None:
+            self.history.add_prompt(token_ids[:split])
+            self.history.add_outputs(token_ids[split:])
+        if self.grammar is not None and structured is not None:
+            for token in token_ids[split:]:
+                self.grammar = structured.advance(self.grammar, token)
 
 
 class ModelRunner:
@@ -114,6 +122,8 @@ class ModelRunner:
         self.tp = tp
         graphed = cuda_graph_max_batch > 0
         self._requests: dict[str, _Request] = {}
+        self._model_dir = model_dir
+        self._structured: StructuredOutputs | None = None  # built at the first request with a json_schema
         self._slot_holders: dict[int, str] = {}  # GDN slot -> the live request computing in it
         # Sampling where the logits are: the torch path with per-request generators on the CPU.
         self.sampler = "torch" if self.device.type == "cpu" else "device"
@@ -209,6 +219,25 @@ class ModelRunner:
         )
         return sample_on_device(logits, params)
 
+    @property
+    def structured(self) -> StructuredOutputs:
+        if self._structured is None:
+            from shared.model_info import load_model_info
+
+            eos = load_model_info(self._model_dir).eos_token_ids
+            self._structured = StructuredOutputs(Vocabulary.of_model(self._model_dir, self.model.vocab_size, eos))
+        return self._structured
+
+    def _hold_to_grammars(self, logits: torch.Tensor, chosen: torch.Tensor, requests: list[_Request]) -> torch.Tensor:
+        """``chosen`` with each constrained row's token one its grammar allows (``StructuredOutputs.enforce``)."""
+        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+
+        def resample(row: int, masked: torch.Tensor) -> int:
+            return int(sample(masked, [requests[row].params], [requests[row].generator])[0])
+
+        tokens = self.structured.enforce(logits, chosen.tolist(), rows, [requests[i].grammar for i in rows], resample)
+        return torch.tensor(tokens, dtype=chosen.dtype, device=chosen.device)
+
     def _decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, gdn_slots: torch.Tensor) -> torch.Tensor:
         """A decode-only step from device tensors alone: what a graph records (metadata built inside)."""
         meta = AttentionMetadata.for_decode(positions, block_tables, self.block_size, self.model.dtype, self._attention_backend)
@@ -244,6 +273,8 @@ class ModelRunner:
                 if self.tp is None or self.tp.leader:
                     processed = process_logits(logits, params, [r.history for r in requests], [r.bias for r in requests])
                     chosen = self._sample(processed, requests)
+                    if any(r.grammar is not None for r in requests):
+                        chosen = self._hold_to_grammars(processed, chosen, requests)
                     logprobs = token_logprobs(processed, chosen, params)
                 else:
                     chosen, logprobs = None, [None] * len(rids)
@@ -253,6 +284,8 @@ class ModelRunner:
                 for request, token in zip(requests, tokens):
                     request.last_token = token
                     request.draws += 1
+                    if request.grammar is not None:
+                        request.grammar = self.structured.advance(request.grammar, token)
                     if request.history is not None:
                         request.history.add_outputs([token])
                 by_rid = {rid: (token, lp) for rid, token, lp in zip(rids, tokens, logprobs)}
@@ -305,9 +338,11 @@ class ModelRunner:
                 history = TokenHistory(params) if params.penalised else None
                 request = self._requests[s.rid] = _Request(params, generator, history, LogitBias.of(params.logit_bias), s.prompt_len or ALL_PROMPT)
                 request.noise_seed = random.getrandbits(62) if params.seed is None else params.seed
-                request.record_prefill(0, s.prefix_ids)
+                if params.json_schema is not None and (self.tp is None or self.tp.leader):  # only the leader samples
+                    request.grammar = self.structured.start(params.json_schema)
+                request.record_prefill(0, s.prefix_ids, self._structured)
             request.table.extend(s.new_blocks)
-            request.record_prefill(s.start, s.token_ids)
+            request.record_prefill(s.start, s.token_ids, self._structured)
             request.end = s.start + s.num_tokens
             if self.states is not None:
                 request.slot = s.slot

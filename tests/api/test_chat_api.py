@@ -222,14 +222,49 @@ async def test_openai_bookkeeping_fields_are_taken_and_what_cannot_be_honoured_i
     )
     assert reply.choices[0].message.content == "Hi"
     image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
-    schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object"}}}
+    schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "string", "pattern": "^a"}}}
     cases = [
         ({"store": True}, "store", "store: true"),
         ({"service_tier": "flex"}, "service_tier", "service_tier 'flex'"),
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16 pairs"),
         ({"metadata": {"k": "v" * 513}}, "metadata", "at most 512 characters"),
-        ({"response_format": schema}, "response_format", "response_format of type 'json_schema' is not supported"),
+        ({"response_format": schema}, "response_format.schema", "the schema keyword 'pattern'"),
         ({"messages": [{"role": "user", "content": [image]}]}, "messages[0].content[0].type", "'image_url' are not supported"),
+    ]
+    for extra, param, message in cases:
+        with pytest.raises(openai.BadRequestError) as error:
+            await smol.openai().chat.completions.create(**{"model": smol.model, "messages": ASK, **extra})
+        assert error.value.body["param"] == param and message in error.value.body["message"], (extra, error.value.body)
+
+
+async def test_response_format_carries_the_schema_the_output_must_follow_and_refuses_what_cannot_be_followed(smol: Api) -> None:
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"], "additionalProperties": False}
+    smol.engine.script('{"answer": 4}')
+    reply = await smol.openai().chat.completions.create(
+        model=smol.model, messages=ASK, response_format={"type": "json_schema", "json_schema": {"name": "sum", "schema": schema, "strict": True}}
+    )
+    assert reply.choices[0].message.content == '{"answer": 4}'
+    assert json.loads(smol.engine.submits[-1].sampling.json_schema) == schema
+    smol.engine.script("{}")
+    await smol.openai().chat.completions.create(model=smol.model, messages=ASK, response_format={"type": "json_object"})
+    assert json.loads(smol.engine.submits[-1].sampling.json_schema) == {"type": "object"}
+    smol.engine.script("x")
+    await smol.openai().completions.create(model=smol.model, prompt="2+2=", extra_body={"response_format": {"type": "json_object"}})
+    assert json.loads(smol.engine.submits[-1].sampling.json_schema) == {"type": "object"}
+    smol.engine.script("plain")
+    await smol.openai().chat.completions.create(model=smol.model, messages=ASK, response_format={"type": "text"})
+    assert smol.engine.submits[-1].sampling.json_schema is None
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    cases = [
+        ({"response_format": {"type": "xml"}}, "response_format.type", "must be one of text, json_object, json_schema"),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "needs its json_schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": schema}}}, "response_format.name", "1 to 64 letters"),
+        ({"response_format": {"type": "json_object"}, "tools": [tool]}, "response_format", "with tools"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {"$ref": "#/$defs/x"}}}},
+            "response_format.schema",
+            "not in the schema",
+        ),
     ]
     for extra, param, message in cases:
         with pytest.raises(openai.BadRequestError) as error:

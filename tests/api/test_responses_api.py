@@ -122,7 +122,8 @@ async def test_stateful_features_are_refused_by_name(smol: Api) -> None:
         ({"tools": [{**WEATHER, "strict": True}]}, "tools[0].strict"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"reasoning": {"effort": "high"}}, "reasoning.effort"),  # SmolLM2 does not reason
-        ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+        ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+        ({"text": {"format": {"type": "json_schema", "name": "r", "schema": {"type": "string", "pattern": "a"}}}}, "text.format.schema"),
         ({"bogus": 1}, "bogus"),
         ({"input": [{"role": "user", "content": "x", "extra": 1}]}, "input[0].extra"),
         ({"service_tier": "priority"}, "service_tier"),
@@ -167,3 +168,16 @@ async def test_output_text_logprobs_when_included(smol: Api) -> None:
     for extra, param in (({"include": ["reasoning.encrypted_content"]}, "include"), ({"top_logprobs": 21}, "top_logprobs")):
         status, body = await smol.post("/v1/responses", {"model": smol.model, "input": "x", **extra})
         assert status == 400 and body["error"]["param"] == param
+
+
+async def test_text_format_carries_the_schema_the_output_must_follow_and_is_echoed(smol: Api) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}
+    text_format = {"type": "json_schema", "name": "place", "schema": schema, "strict": True}
+    smol.engine.script('{"city": "Oslo"}')
+    status, body = await smol.post("/v1/responses", {"model": smol.model, "input": "Where?", "text": {"format": text_format}})
+    assert status == 200 and body["output"][0]["content"][0]["text"] == '{"city": "Oslo"}'
+    assert body["text"]["format"] == text_format and json.loads(smol.engine.submits[-1].sampling.json_schema) == schema
+    smol.engine.script("{}")
+    status, body = await smol.post("/v1/responses", {"model": smol.model, "input": "x", "text": {"format": {"type": "json_object"}}})
+    assert status == 200 and body["text"]["format"] == {"type": "json_object"}
+    assert json.loads(smol.engine.submits[-1].sampling.json_schema) == {"type": "object"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.detokenizer.token_texts import TokenTexts
+from shared.token_texts import TokenTexts
 
 from .conftest import SAMPLES
 

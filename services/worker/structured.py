@@ -1,0 +1,132 @@
+"""Structured outputs in the worker: each constrained request's place in its JSON grammar, and its sampled
+token held to it.
+
+A row's sampled token is kept when the grammar takes its bytes; otherwise the row is sampled again, with its
+own parameters, from its logits with every token the grammar refuses masked out (as llama.cpp does). A greedy
+row so takes the most likely token the grammar allows. The end-of-sequence tokens are allowed exactly where
+the output is a whole JSON value, and are all that is allowed once nothing may follow it; special tokens are
+never allowed as text. The masks are cached per grammar state, and grammars per schema.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+from shared.json_grammar import JsonGrammar, Matcher, plain_string_bytes
+
+_TOKENS = -1  # key of a trie node's list of the token ids that end there
+
+
+class Vocabulary:
+    """Every token's bytes as a byte trie, the tokens that may stand anywhere inside a plain string (a mask),
+    the others with bytes (checked one by one there), and the end-of-sequence ids."""
+
+    def __init__(self, token_bytes: Sequence[bytes | None], eos_ids: Sequence[int]) -> None:
+        self.size = len(token_bytes)
+        self.token_bytes = token_bytes
+        self.eos_ids = [t for t in eos_ids if 0 <= t < self.size]
+        self.trie: dict = {}
+        plain, self.unplain_ids = [], []
+        for token, data in enumerate(token_bytes):
+            if not data:  # a special token: never text
+                continue
+            node = self.trie
+            for byte in data:
+                node = node.setdefault(byte, {})
+            node.setdefault(_TOKENS, []).append(token)
+            (plain if plain_string_bytes(data) else self.unplain_ids).append(token)
+        self.plain = torch.zeros(self.size, dtype=torch.bool)
+        self.plain[plain] = True
+
+    @classmethod
+    def of_model(cls, model_dir: str, vocab_size: int, eos_ids: Sequence[int]) -> Vocabulary:
+        from shared.token_texts import TokenTexts
+        from shared.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(model_dir)
+        texts = TokenTexts(tokenizer)
+        special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        known = len(tokenizer)  # the embedding may have more rows than the tokenizer has tokens: those are never text
+        return cls([None if i in special or i >= known else texts(i)[1] for i in range(vocab_size)], eos_ids)
+
+
+class StructuredOutputs:
+    """The worker's grammars (by schema text) and masks (by grammar state), over one vocabulary."""
+
+    def __init__(self, vocabulary: Vocabulary, cache_size: int = 256) -> None:
+        self.vocabulary = vocabulary
+        self._grammars: OrderedDict[str, JsonGrammar] = OrderedDict()
+        self._masks: OrderedDict[Matcher, torch.Tensor] = OrderedDict()
+        self._cache_size = cache_size
+
+    def start(self, schema_json: str) -> Matcher:
+        grammar = self._grammars.pop(schema_json, None)
+        if grammar is None:
+            import json
+
+            grammar = JsonGrammar(json.loads(schema_json))  # the api compiled it already: a refusal reached the client there
+        self._grammars[schema_json] = grammar
+        if len(self._grammars) > 32:
+            self._grammars.popitem(last=False)
+        return grammar.start()
+
+    def allows(self, matcher: Matcher, token: int) -> bool:
+        if token in self.vocabulary.eos_ids:
+            return matcher.complete
+        data = self.vocabulary.token_bytes[token] if 0 <= token < self.vocabulary.size else None
+        return bool(data) and matcher.feed(data) is not None
+
+    def advance(self, matcher: Matcher, token: int) -> Matcher:
+        """The matcher after ``token`` (an allowed one; an end-of-sequence token leaves it as it is)."""
+        if token in self.vocabulary.eos_ids:
+            return matcher
+        after = matcher.feed(self.vocabulary.token_bytes[token] or b"")
+        return matcher if after is None else after
+
+    def mask(self, matcher: Matcher) -> torch.Tensor:
+        """Which tokens the grammar allows next: bool [vocabulary]."""
+        cached = self._masks.pop(matcher, None)
+        if cached is None:
+            cached = self._allowed(matcher)
+        self._masks[matcher] = cached
+        if len(self._masks) > self._cache_size:
+            self._masks.popitem(last=False)
+        return cached
+
+    def _allowed(self, matcher: Matcher) -> torch.Tensor:
+        vocabulary = self.vocabulary
+        allowed = torch.zeros(vocabulary.size, dtype=torch.bool)
+        if matcher.in_plain_string:  # every plain token keeps it there; only the others need trying
+            allowed |= vocabulary.plain
+            fits = [t for t in vocabulary.unplain_ids if matcher.feed(vocabulary.token_bytes[t]) is not None]
+        else:
+            fits, pending = [], [(vocabulary.trie, matcher)]
+            while pending:
+                node, at = pending.pop()
+                for byte, child in node.items():
+                    if byte == _TOKENS:
+                        continue
+                    after = at.feed((byte,))
+                    if after is not None:
+                        fits.extend(child.get(_TOKENS, ()))
+                        pending.append((child, after))
+        allowed[fits] = True
+        if matcher.complete:
+            allowed[vocabulary.eos_ids] = True
+        return allowed
+
+    def enforce(self, logits: torch.Tensor, chosen: list[int], rows: Sequence[int], matchers: Sequence[Matcher], resample) -> list[int]:
+        """``chosen`` with each constrained row's token (``rows[i]``, under ``matchers[i]``) replaced, where the grammar
+        refuses it, by ``resample(row, masked_logits)``: the row's own sampler over the allowed tokens alone."""
+        for row, matcher in zip(rows, matchers):
+            if self.allows(matcher, chosen[row]):
+                continue
+            mask = self.mask(matcher).to(logits.device)
+            if not bool(mask.any()):  # nothing fits (a vocabulary without the bytes it needs): end the output
+                chosen[row] = self.vocabulary.eos_ids[0] if self.vocabulary.eos_ids else chosen[row]
+                continue
+            chosen[row] = resample(row, logits[row : row + 1].masked_fill(~mask, float("-inf")))
+        return chosen
