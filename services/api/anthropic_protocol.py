@@ -16,6 +16,7 @@ from services.api.chat import ChatTurn
 from services.api.errors import ApiError
 from services.api.protocol import Generation, check, check_max_tokens, check_model, check_sampling, check_stops, convert_part, unsupported
 from services.api.reasoning import check_effort
+from services.api.structured_outputs import anthropic_output_format, check_structured_combination
 from services.api.tools import ToolChoice, ToolSpec, check_tools, template_call
 
 
@@ -140,7 +141,11 @@ def validate_messages(body: MessagesRequest, served_model: str, efforts: tuple[s
         sampling=check_sampling(body.temperature, body.top_p, body.top_k),
         stop=check_stops(body.stop_sequences, "stop_sequences"),
     )
-    return generation, turn_of(body, efforts)
+    turn = turn_of(body, efforts)
+    schema = anthropic_output_format(body.output_config.format if body.output_config else None)
+    check_structured_combination(schema, turn.tool_choice.mode, turn.effort, efforts, "output_config.format")
+    generation.sampling = msgspec.structs.replace(generation.sampling, json_schema=schema)
+    return generation, turn
 
 
 def turn_of(body: _MessagesBody, efforts: tuple[str, ...]) -> ChatTurn:
@@ -176,8 +181,6 @@ def _effort(body: _MessagesBody, efforts: tuple[str, ...]) -> str | None:
     (the route sends empty thinking blocks); ``summarized`` shows it whole, since nothing
     summarizes it.
     """
-    if body.output_config is not None:
-        unsupported(body.output_config.format is None, "output_config.format", "structured output formats")
     effort = body.output_config.effort if body.output_config else None
     thinking = body.thinking
     if thinking is None:

@@ -1,5 +1,5 @@
-"""Structured outputs at the api: OpenAI's ``response_format`` (chat and completions) and the Responses API's
-``text.format``, turned into the JSON Schema text the worker's grammar decodes under (``SamplingParams.json_schema``).
+"""Structured outputs at the api: OpenAI's ``response_format`` (chat and completions), the Responses API's
+``text.format`` and Anthropic's ``output_config.format``, turned into the JSON Schema text the worker's grammar decodes under (``SamplingParams.json_schema``).
 
 ``json_object`` is any JSON object; ``json_schema`` is the client's schema, compiled here so that one outside the
 grammar's subset is a 400 naming the keyword, before anything is queued. With tools or reasoning, the grammar would
@@ -37,12 +37,30 @@ def json_schema_of(kind: str, schema_spec: dict[str, Any] | None, param: str) ->
     strict = schema_spec.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise ApiError(400, f"{param}.strict must be true or false", param=f"{param}.strict")
-    schema = schema_spec.get("schema", {})  # OpenAI's default when none is given: any JSON value
+    return schema_text(schema_spec.get("schema", {}), f"{param}.schema")  # OpenAI's default when none is given: any JSON value
+
+
+def schema_text(schema: Any, param: str) -> str:
+    """``schema`` as the worker takes it (JSON text), once it compiles; a 400 naming what does not."""
     try:
         JsonGrammar(schema)
     except SchemaError as exc:
-        raise ApiError(400, f"{exc} (structured outputs follow a subset of JSON Schema)", param=f"{param}.schema") from None
+        raise ApiError(400, f"{exc} (structured outputs follow a subset of JSON Schema)", param=param) from None
     return json.dumps(schema, separators=(",", ":"))
+
+
+def anthropic_output_format(output_format: dict[str, Any] | None, param: str = "output_config.format") -> str | None:
+    """Anthropic's ``output_config.format`` (``{"type": "json_schema", "schema": ...}``) as schema text; None without one."""
+    if output_format is None:
+        return None
+    if output_format.get("type") != "json_schema":
+        raise ApiError(400, f"{param}.type must be 'json_schema', got {output_format.get('type')!r}", param=f"{param}.type")
+    unknown = sorted(set(output_format) - {"type", "schema"})
+    if unknown:
+        raise ApiError(400, f"{param}: Extra inputs are not permitted: {', '.join(unknown)}", param=f"{param}.{unknown[0]}")
+    if "schema" not in output_format:
+        raise ApiError(400, f"{param}.schema: Field required", param=f"{param}.schema")
+    return schema_text(output_format["schema"], f"{param}.schema")
 
 
 def check_structured_combination(json_schema: str | None, tool_choice: str, effort: str | None, efforts: tuple[str, ...], param: str) -> None:

@@ -162,6 +162,37 @@ async def test_service_tier_auto_and_standard_only_are_served(smol: Api) -> None
         assert reply.content[0].text == "Hi"
 
 
+async def test_output_config_format_carries_the_schema_and_refuses_what_cannot_be_followed(smol: Api, qwen: Api) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}
+    smol.engine.script('{"city": "Paris"}')
+    reply = await smol.anthropic().messages.create(
+        model=smol.model, max_tokens=32, messages=ASK, output_config={"format": {"type": "json_schema", "schema": schema}}
+    )
+    assert reply.content[0].text == '{"city": "Paris"}' and json.loads(smol.engine.submits[-1].sampling.json_schema) == schema
+    cases = [
+        (smol, {"output_config": {"format": {"type": "json_object"}}}, "output_config.format.type must be 'json_schema'"),
+        (smol, {"output_config": {"format": {"type": "json_schema"}}}, "output_config.format.schema: Field required"),
+        (smol, {"output_config": {"format": {"type": "json_schema", "schema": {"type": "string", "pattern": "a"}}}}, "the schema keyword 'pattern'"),
+        (smol, {"output_config": {"format": {"type": "json_schema", "schema": schema}}, "tools": [WEATHER]}, "with tools"),
+        (qwen, {"output_config": {"format": {"type": "json_schema", "schema": schema}}}, "with a reasoning model"),
+    ]
+    for api, extra, message in cases:
+        got, error = await api.post("/v1/messages", {"model": api.model, "max_tokens": 8, "messages": ASK, **extra})
+        assert got == 400 and message in error["error"]["message"], (extra, error)
+    qwen.engine.script("{}")
+    got, _ = await qwen.post(
+        "/v1/messages",
+        {
+            "model": qwen.model,
+            "max_tokens": 8,
+            "messages": ASK,
+            "thinking": {"type": "disabled"},
+            "output_config": {"format": {"type": "json_schema", "schema": schema}},
+        },
+    )
+    assert got == 200  # a reasoning model told not to think
+
+
 async def test_count_tokens_matches_the_prompt(qwen: Api) -> None:
     counted = await qwen.anthropic().messages.count_tokens(model=qwen.model, messages=ASK, system="Be brief.", tools=[WEATHER])
     await qwen.anthropic().messages.create(model=qwen.model, max_tokens=8, messages=ASK, system="Be brief.", tools=[WEATHER])
