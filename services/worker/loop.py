@@ -206,6 +206,11 @@ class WorkerLoop:
         except Exception:
             self.runner.release(["warmup"])
             self.log.exception("warmup_failed", length=length)
+        try:  # the token trie structured outputs match against (about a second for a 49k vocabulary)
+            self.detail = "warm-up: the vocabulary for structured outputs"
+            self.runner.structured  # noqa: B018 - built on first access
+        except ValueError:
+            self.log.exception("warmup_failed", part="structured outputs")
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))

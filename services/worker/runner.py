@@ -221,11 +221,16 @@ class ModelRunner:
 
     @property
     def structured(self) -> StructuredOutputs:
+        """The vocabulary as bytes, built once (warm-up does it); a ``ValueError`` when the model has no tokenizer."""
         if self._structured is None:
             from shared.model_info import load_model_info
 
             eos = load_model_info(self._model_dir).eos_token_ids
-            self._structured = StructuredOutputs(Vocabulary.of_model(self._model_dir, self.model.vocab_size, eos))
+            try:
+                vocabulary = Vocabulary.of_model(self._model_dir, self.model.vocab_size, eos)
+            except (OSError, ValueError, TypeError) as exc:
+                raise ValueError(f"structured outputs need the model's tokenizer, which did not load: {exc}") from exc
+            self._structured = StructuredOutputs(vocabulary)
         return self._structured
 
     def _hold_to_grammars(self, logits: torch.Tensor, chosen: torch.Tensor, requests: list[_Request]) -> torch.Tensor:
@@ -339,7 +344,7 @@ class ModelRunner:
                 request = self._requests[s.rid] = _Request(params, generator, history, LogitBias.of(params.logit_bias), s.prompt_len or ALL_PROMPT)
                 request.noise_seed = random.getrandbits(62) if params.seed is None else params.seed
                 if params.json_schema is not None and (self.tp is None or self.tp.leader):  # only the leader samples
-                    request.grammar = self.structured.start(params.json_schema)
+                    request.grammar = self.structured.grammar(params.json_schema).start()
                 request.record_prefill(0, s.prefix_ids, self._structured)
             request.table.extend(s.new_blocks)
             request.record_prefill(s.start, s.token_ids, self._structured)
@@ -413,6 +418,8 @@ class ModelRunner:
                 raise ValueError(f"slice for {s.rid!r} names token ids (logit_bias or prefix_ids) outside the vocabulary of {self.model.vocab_size}")
             if self.states is not None:
                 self._validate_slot(s, request)
+            if s.sampling is not None and s.sampling.json_schema is not None and (self.tp is None or self.tp.leader):
+                self.structured.grammar(s.sampling.json_schema)  # a schema the grammar cannot take is a bad plan
             if any(not 0 <= b < self.num_blocks for b in s.new_blocks):
                 raise ValueError(f"slice for {s.rid!r} names blocks outside 0..{self.num_blocks - 1}: {s.new_blocks}")
             capacity = (len(request.table) if request else 0) + len(s.new_blocks)
@@ -459,6 +466,7 @@ class ModelRunner:
             **({"takeover_pool": cpu_kernels()[0].takeover_pool_stats()} if self.device.type == "cpu" and cpu_kernels()[0] is not None else {}),
             "fusion_kernels": getattr(getattr(self.model, "fusions", None), "names", None),
             "sampler": self.sampler,
+            "structured_outputs": self._structured.describe() if self._structured is not None else None,
             "cuda_graphs": None if self.graphs is None else self.graphs.describe(),
             "num_layers": self.model.num_layers,
             "num_kv_heads": self.model.num_kv_heads,

@@ -10,6 +10,8 @@ never allowed as text. The masks are cached per grammar state, and grammars per 
 
 from __future__ import annotations
 
+import json
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -61,17 +63,28 @@ class StructuredOutputs:
         self._grammars: OrderedDict[str, JsonGrammar] = OrderedDict()
         self._masks: OrderedDict[Matcher, torch.Tensor] = OrderedDict()
         self._cache_size = cache_size
+        self.tokens_checked = self.tokens_resampled = self.masks_built = 0  # what /instrumentation reports
+        self.mask_seconds = 0.0
 
-    def start(self, schema_json: str) -> Matcher:
+    def describe(self) -> dict[str, int | float]:
+        return {
+            "tokens_checked": self.tokens_checked,
+            "tokens_resampled": self.tokens_resampled,
+            "masks_built": self.masks_built,
+            "mask_seconds": round(self.mask_seconds, 3),
+            "grammars_cached": len(self._grammars),
+        }
+
+    def grammar(self, schema_json: str) -> JsonGrammar:
+        """The compiled schema (cached); a ``ValueError`` for text that is no schema of the subset (the api
+        refuses those, so only a frame from elsewhere carries one)."""
         grammar = self._grammars.pop(schema_json, None)
         if grammar is None:
-            import json
-
-            grammar = JsonGrammar(json.loads(schema_json))  # the api compiled it already: a refusal reached the client there
+            grammar = JsonGrammar(json.loads(schema_json))
         self._grammars[schema_json] = grammar
         if len(self._grammars) > 32:
             self._grammars.popitem(last=False)
-        return grammar.start()
+        return grammar
 
     def allows(self, matcher: Matcher, token: int) -> bool:
         if token in self.vocabulary.eos_ids:
@@ -90,7 +103,10 @@ class StructuredOutputs:
         """Which tokens the grammar allows next: bool [vocabulary]."""
         cached = self._masks.pop(matcher, None)
         if cached is None:
+            began = time.perf_counter()
             cached = self._allowed(matcher)
+            self.masks_built += 1
+            self.mask_seconds += time.perf_counter() - began
         self._masks[matcher] = cached
         if len(self._masks) > self._cache_size:
             self._masks.popitem(last=False)
@@ -122,8 +138,10 @@ class StructuredOutputs:
         """``chosen`` with each constrained row's token (``rows[i]``, under ``matchers[i]``) replaced, where the grammar
         refuses it, by ``resample(row, masked_logits)``: the row's own sampler over the allowed tokens alone."""
         for row, matcher in zip(rows, matchers):
+            self.tokens_checked += 1
             if self.allows(matcher, chosen[row]):
                 continue
+            self.tokens_resampled += 1
             mask = self.mask(matcher).to(logits.device)
             if not bool(mask.any()):  # nothing fits (a vocabulary without the bytes it needs): end the output
                 chosen[row] = self.vocabulary.eos_ids[0] if self.vocabulary.eos_ids else chosen[row]

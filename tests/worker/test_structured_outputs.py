@@ -48,7 +48,7 @@ def brute_force_allowed(vocabulary: Vocabulary, matcher: Matcher) -> set[int]:
 
 def generate(outputs: StructuredOutputs, schema: dict, rng: random.Random, greedy: bool, steps: int = 400) -> bytes:
     """Random logits each step; the chosen token held to the grammar; until EOS. Checks greedy picks against brute force."""
-    matcher, out, vocabulary = outputs.start(json.dumps(schema)), bytearray(), outputs.vocabulary
+    matcher, out, vocabulary = outputs.grammar(json.dumps(schema)).start(), bytearray(), outputs.vocabulary
     params = SamplingParams(temperature=0 if greedy else 1.0)
     for _ in range(steps):
         logits = torch.tensor([[rng.gauss(0, 2) for _ in range(vocabulary.size)]])
@@ -155,3 +155,12 @@ def test_a_preempted_request_resumes_its_grammar_from_its_recomputed_outputs(tin
         position += 1
         assert len(rest) < 160
     assert first + rest == whole
+
+
+def test_a_plan_whose_schema_the_grammar_cannot_take_is_refused_and_changes_nothing(tiny_smollm: str) -> None:
+    runner = ModelRunner(tiny_smollm, 64, 8)
+    for bad in ("{not json", json.dumps({"type": "string", "pattern": "a"})):
+        params = SamplingParams(temperature=0, json_schema=bad)
+        with pytest.raises(ValueError):
+            runner.execute(StepPlan(0, [Slice("r", 0, 3, [5, 6, 7], [0], sampling=params)]))
+        assert runner.describe()["requests"] == 0
