@@ -64,7 +64,7 @@ class StructuredOutputs:
         self._masks: OrderedDict[Matcher, torch.Tensor] = OrderedDict()
         self._cache_size = cache_size
         self.tokens_checked = self.tokens_resampled = self.masks_built = 0  # what /instrumentation reports
-        self.mask_seconds = 0.0
+        self.mask_seconds = self.seconds = 0.0  # building masks; all grammar work (checks, masks, resampling, advancing)
 
     def describe(self) -> dict[str, int | float]:
         return {
@@ -72,6 +72,7 @@ class StructuredOutputs:
             "tokens_resampled": self.tokens_resampled,
             "masks_built": self.masks_built,
             "mask_seconds": round(self.mask_seconds, 3),
+            "seconds": round(self.seconds, 3),
             "grammars_cached": len(self._grammars),
         }
 
@@ -96,7 +97,9 @@ class StructuredOutputs:
         """The matcher after ``token`` (an allowed one; an end-of-sequence token leaves it as it is)."""
         if token in self.vocabulary.eos_ids:
             return matcher
+        began = time.perf_counter()
         after = matcher.feed(self.vocabulary.token_bytes[token] or b"")
+        self.seconds += time.perf_counter() - began
         return matcher if after is None else after
 
     def mask(self, matcher: Matcher) -> torch.Tensor:
@@ -137,6 +140,7 @@ class StructuredOutputs:
     def enforce(self, logits: torch.Tensor, chosen: list[int], rows: Sequence[int], matchers: Sequence[Matcher], resample) -> list[int]:
         """``chosen`` with each constrained row's token (``rows[i]``, under ``matchers[i]``) replaced, where the grammar
         refuses it, by ``resample(row, masked_logits)``: the row's own sampler over the allowed tokens alone."""
+        began = time.perf_counter()
         for row, matcher in zip(rows, matchers):
             self.tokens_checked += 1
             if self.allows(matcher, chosen[row]):
@@ -147,4 +151,5 @@ class StructuredOutputs:
                 chosen[row] = self.vocabulary.eos_ids[0] if self.vocabulary.eos_ids else chosen[row]
                 continue
             chosen[row] = resample(row, logits[row : row + 1].masked_fill(~mask, float("-inf")))
+        self.seconds += time.perf_counter() - began
         return chosen
