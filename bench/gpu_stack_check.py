@@ -3,8 +3,9 @@
 A random 2-layer Llama with SmolLM2's vocabulary (``bench/random_model.py``, wide logit margins) is served in
 float32 with CUDA graphs on. Eight concurrent greedy completions, whose prompts (token ids) and lengths differ so
 that they join and leave the batch at different steps, must equal Hugging Face transformers' greedy decoding on
-the same GPU, text and token counts; then one streamed chat completion must arrive as SSE chunks ending in
-``[DONE]`` with its usage. Prints the worker's /instrumentation (device, graphs). Exit status 1 on a mismatch;
+the same GPU, text and token counts; two completions held to a JSON schema (greedy and sampled) must end in a
+JSON value the schema allows; then one streamed chat completion must arrive as SSE chunks ending in ``[DONE]``
+with its usage. Prints the worker's /instrumentation (device, graphs). Exit status 1 on a mismatch;
 skips with a message when there is no CUDA device.
 
     python -m bench.gpu_stack_check [--tokenizer DIR] [--dtype float32] [--out FILE]
@@ -112,6 +113,24 @@ def main() -> int:
                 print(f"request {i}: prompt {len(prompts[i]):>3} tokens, {count:>2} generated: {'equal to transformers' if ok else 'DIFFERS'}")
                 if not ok:
                     failures.append(f"request {i}: ours {text!r} ({count} tokens), transformers {want!r} ({len(tokens)})")
+            schema = {
+                "type": "object",
+                "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+                "required": ["n", "ok"],
+                "additionalProperties": False,
+            }
+            for temperature in (0, 1.0):  # greedy, then the device sampler's resampling over the allowed tokens
+                body = {"model": model, "prompt": prompts[0], "max_tokens": 64, "temperature": temperature, "seed": 1}
+                body["response_format"] = {"type": "json_schema", "json_schema": {"name": "check", "schema": schema}}
+                reply = post(f"{url}/v1/completions", body)["choices"][0]
+                try:
+                    value = json.loads(reply["text"])
+                    ok = reply["finish_reason"] == "stop" and set(value) == {"n", "ok"}
+                except ValueError:
+                    ok = False
+                print(f"structured output at temperature {temperature}: {reply['text']!r} ({reply['finish_reason']})")
+                if not ok:
+                    failures.append(f"structured output at temperature {temperature}: {reply['text']!r}, finish {reply['finish_reason']}")
             chunks, usage, last = streamed_chat(url, model, 16)
             print(f"streamed chat: {chunks} content chunks, usage {usage}, last line {last!r}")
             if last != "data: [DONE]" or usage.get("completion_tokens") != 16 or chunks == 0:
