@@ -8,6 +8,7 @@ prefill that the answer continues.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -144,8 +145,7 @@ def validate_messages(body: MessagesRequest, served_model: str, efforts: tuple[s
     turn = turn_of(body, efforts)
     schema = anthropic_output_format(body.output_config.format if body.output_config else None)
     check_structured_combination(schema, turn.tool_choice.mode, turn.effort, efforts, "output_config.format")
-    generation.sampling = msgspec.structs.replace(generation.sampling, json_schema=schema)
-    return generation, turn
+    return replace(generation, sampling=msgspec.structs.replace(generation.sampling, json_schema=schema)), turn
 
 
 def turn_of(body: _MessagesBody, efforts: tuple[str, ...]) -> ChatTurn:

@@ -284,7 +284,7 @@ def with_response_format(generation: Generation, response_format: ResponseFormat
     """``generation`` whose sampling carries the schema ``response_format`` asks the output to follow."""
     if response_format is None:
         return generation
-    schema = json_schema_of(response_format.type, response_format.json_schema, "response_format")
+    schema = json_schema_of(response_format.type, response_format.json_schema, "response_format", "response_format.json_schema")
     return replace(generation, sampling=msgspec.structs.replace(generation.sampling, json_schema=schema))
 
 

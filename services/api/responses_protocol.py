@@ -151,7 +151,7 @@ def validate_responses(body: ResponsesRequest, served_model: str, efforts: tuple
     if body.text is not None:
         if (text_format := body.text.format) is not None:
             spec = {"name": text_format.name, "strict": text_format.strict} | ({} if text_format.schema is None else {"schema": text_format.schema})
-            json_schema = json_schema_of(text_format.type, spec, "text.format")
+            json_schema = json_schema_of(text_format.type, spec, "text.format", "text.format")
         unsupported(body.text.verbosity is None, "text.verbosity", "text.verbosity")
     check_max_tokens(body.max_output_tokens, "max_output_tokens")
     generation = Generation(

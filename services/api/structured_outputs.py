@@ -20,9 +20,10 @@ _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 JSON_OBJECT = '{"type":"object"}'
 
 
-def json_schema_of(kind: str, schema_spec: dict[str, Any] | None, param: str) -> str | None:
-    """The schema the output must follow (JSON text), or None for plain text. ``schema_spec`` holds ``name``,
-    ``schema`` (and ``description``, ``strict``) for ``json_schema``: nested on chat, the format itself on Responses."""
+def json_schema_of(kind: str, schema_spec: dict[str, Any] | None, param: str, spec_param: str) -> str | None:
+    """The schema the output must follow (JSON text), or None for plain text. ``schema_spec`` (at ``spec_param``)
+    holds ``name``, ``schema`` (and ``description``, ``strict``) for ``json_schema``: nested on chat, the format
+    itself on Responses."""
     if kind not in FORMATS:
         raise ApiError(400, f"{param}.type must be one of {', '.join(FORMATS)}, got {kind!r}", param=f"{param}.type")
     if kind == "text":
@@ -30,14 +31,14 @@ def json_schema_of(kind: str, schema_spec: dict[str, Any] | None, param: str) ->
     if kind == "json_object":
         return JSON_OBJECT
     if not isinstance(schema_spec, dict):
-        raise ApiError(400, f"{param} of type 'json_schema' needs its json_schema: a name and a schema", param=param)
+        raise ApiError(400, f"{param} of type 'json_schema' needs its json_schema: a name and a schema", param=spec_param)
     name = schema_spec.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
-        raise ApiError(400, f"{param} needs a name of 1 to 64 letters, digits, '_' or '-', got {name!r}", param=f"{param}.name")
+        raise ApiError(400, f"{spec_param}.name must be 1 to 64 letters, digits, '_' or '-', got {name!r}", param=f"{spec_param}.name")
     strict = schema_spec.get("strict")
     if strict is not None and not isinstance(strict, bool):
-        raise ApiError(400, f"{param}.strict must be true or false", param=f"{param}.strict")
-    return schema_text(schema_spec.get("schema", {}), f"{param}.schema")  # OpenAI's default when none is given: any JSON value
+        raise ApiError(400, f"{spec_param}.strict must be true or false", param=f"{spec_param}.strict")
+    return schema_text(schema_spec.get("schema", {}), f"{spec_param}.schema")  # OpenAI's default when none is given: any JSON value
 
 
 def schema_text(schema: Any, param: str) -> str:

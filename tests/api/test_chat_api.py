@@ -228,7 +228,7 @@ async def test_openai_bookkeeping_fields_are_taken_and_what_cannot_be_honoured_i
         ({"service_tier": "flex"}, "service_tier", "service_tier 'flex'"),
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16 pairs"),
         ({"metadata": {"k": "v" * 513}}, "metadata", "at most 512 characters"),
-        ({"response_format": schema}, "response_format.schema", "the schema keyword 'pattern'"),
+        ({"response_format": schema}, "response_format.json_schema.schema", "the schema keyword 'pattern'"),
         ({"messages": [{"role": "user", "content": [image]}]}, "messages[0].content[0].type", "'image_url' are not supported"),
     ]
     for extra, param, message in cases:
@@ -257,12 +257,12 @@ async def test_response_format_carries_the_schema_the_output_must_follow_and_ref
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     cases = [
         ({"response_format": {"type": "xml"}}, "response_format.type", "must be one of text, json_object, json_schema"),
-        ({"response_format": {"type": "json_schema"}}, "response_format", "needs its json_schema"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": schema}}}, "response_format.name", "1 to 64 letters"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "needs its json_schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": schema}}}, "response_format.json_schema.name", "1 to 64 letters"),
         ({"response_format": {"type": "json_object"}, "tools": [tool]}, "response_format", "with tools"),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {"$ref": "#/$defs/x"}}}},
-            "response_format.schema",
+            "response_format.json_schema.schema",
             "not in the schema",
         ),
     ]
