@@ -52,6 +52,12 @@ class SamplingParams(_Part):
         """Whether sampling needs the request's token history."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
+    @property
+    def follows_outputs(self) -> bool:
+        """Whether the worker must know which prefilled tokens are earlier outputs (a preempted request is
+        recomputed from its prompt and outputs): the penalties count them, and a grammar resumes after them."""
+        return self.penalised or self.json_schema is not None
+
 
 class Submit(_Frame):
     rid: str

@@ -176,7 +176,7 @@ class Scheduler:
         sampling = None if request.sampling_sent else request.submit.sampling
         request.sampling_sent = True
         prompt_len, prefix_ids = 0, []
-        if sampling is not None and sampling.penalised:  # the worker's penalties need every token, cached ones too
+        if sampling is not None and sampling.follows_outputs:  # the worker's penalties and grammars need every token, cached ones too
             prompt_len, prefix_ids = len(request.submit.prompt_ids), request.tokens[:start]
         new_blocks = request.blocks[request.blocks_sent :]  # the worker's table grows by these
         request.blocks_sent = len(request.blocks)

@@ -1,15 +1,19 @@
 """Structured outputs through the whole stack on the default model, as the OpenAI SDK asks for them: ``parse``
-with a pydantic model (a strict ``json_schema``) on chat and on Responses, and ``json_object`` streamed."""
+with a pydantic model (a strict ``json_schema``) on chat and on Responses, ``json_object`` streamed; and sampled
+requests that a small KV cache preempts, whose grammars must resume where their outputs were."""
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
+import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.e2e.conftest import Stack
+from bench.stack_client import free_port_block
+from tests.e2e.conftest import Stack, launched_stack, metric_value, wait_healthy
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -48,3 +52,43 @@ def test_json_object_streamed_is_one_json_object(oai: openai.OpenAI) -> None:
             text += chunk.choices[0].delta.content or ""
             finish = chunk.choices[0].finish_reason or finish
     assert finish == "stop" and isinstance(json.loads(text), dict), text
+
+
+CITIES = {
+    "type": "object",
+    "properties": {
+        "items": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer"}},
+                "required": ["city", "population"],
+                "additionalProperties": False,
+            },
+            "minItems": 2,
+            "maxItems": 4,
+        }
+    },
+    "required": ["items"],
+    "additionalProperties": False,
+}
+
+
+def test_preempted_requests_resume_their_grammar_and_end_in_valid_json(tmp_path_factory: pytest.TempPathFactory) -> None:
+    log = str(tmp_path_factory.mktemp("structured") / "stack.log")
+    with launched_stack(free_port_block(), ["--kv-cache-tokens", "640", "--max-num-seqs", "8"], log) as stack:  # 8 answers need ~1000
+        wait_healthy(stack, 300)
+        client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+        response_format = {"type": "json_schema", "json_schema": {"name": "cities", "schema": CITIES}}
+
+        def ask(i: int):
+            messages = [{"role": "user", "content": f"List {2 + i % 3} large cities with their population as JSON."}]
+            return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=400, temperature=0.8, seed=i, response_format=response_format)
+
+        with ThreadPoolExecutor(8) as pool:
+            replies = list(pool.map(ask, range(8)))
+        assert metric_value(stack.metrics("scheduler"), "tokenyard:num_preemptions_total") > 0, "the cache was meant to preempt"
+        for reply in replies:
+            choice = reply.choices[0]
+            assert choice.finish_reason == "stop", choice.message.content
+            jsonschema.validate(json.loads(choice.message.content), CITIES)

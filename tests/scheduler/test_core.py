@@ -198,17 +198,19 @@ def test_a_fully_cached_prompt_still_computes_its_last_token() -> None:
     assert (b.start, b.num_tokens, b.sample) == (4, 4, True)  # the last block is recomputed, not shared
 
 
-def test_penalised_requests_tell_the_worker_their_prompt_length_and_cached_tokens() -> None:
+def test_penalised_and_structured_requests_tell_the_worker_their_prompt_length_and_cached_tokens() -> None:
     s = make(budget=64)
     penalised = SamplingParams(frequency_penalty=0.5, logprobs=2)
     submit(s, "first", 9)
     answer(s, s.plan(0))  # its 8 leading prompt tokens (2 blocks) are now in the prefix cache
     submit(s, "plain", 9)
     submit(s, "pen", 9, sampling=penalised)
+    submit(s, "json", 9, sampling=SamplingParams(json_schema='{"type":"object"}'))  # its grammar resumes after recomputed outputs
     plan = s.plan(1)
     by_rid = {x.rid: x for x in plan.slices}
     assert (by_rid["plain"].start, by_rid["plain"].prompt_len, by_rid["plain"].prefix_ids) == (8, 0, [])  # frames stay small
     assert (by_rid["pen"].start, by_rid["pen"].prompt_len, by_rid["pen"].prefix_ids) == (8, 9, list(range(1, 9)))
+    assert (by_rid["json"].start, by_rid["json"].prompt_len, by_rid["json"].prefix_ids) == (8, 9, list(range(1, 9)))
     out = s.on_result(StepResult(step=1, sampled=[Sampled("pen", 7, TokenLogprobs(-0.5, [7, 3], [-0.5, -1.0])), Sampled("plain", 7)]))
     logprobs = {d.rid: d.logprobs for d in out.deltas}
     assert logprobs == {"pen": [TokenLogprobs(-0.5, [7, 3], [-0.5, -1.0])], "plain": []}
