@@ -5,7 +5,8 @@ the subset below; the worker follows each constrained output through it, one sam
 ``JsonGrammar(schema)`` compiles a schema into nodes. A ``Matcher`` holds where an output is as a set of parser
 stacks (``anyOf``, type lists and enums fork them; a branch that cannot take the next byte dies), each stack a
 linked list of immutable frames, so trying a token copies nothing. The output is one JSON value with at most
-``MAX_WHITESPACE`` whitespace bytes in a row and nothing after it: a model cannot pad forever.
+``MAX_WHITESPACE`` whitespace bytes in a row, at most ``MAX_DEPTH`` objects and arrays open at once, and nothing
+after it: a model cannot pad forever.
 
 The subset: ``type`` (one or a list), ``properties``, ``required``, ``additionalProperties``, ``items``,
 ``minItems`` / ``maxItems``, ``minLength`` / ``maxLength``, ``enum``, ``const``, ``anyOf`` / ``oneOf`` (both as
@@ -25,6 +26,7 @@ from typing import Any
 MAX_WHITESPACE = 16  # whitespace bytes in a row between tokens of the value
 MAX_NUMBER = 32  # bytes of one number
 MAX_KEY = 256  # bytes of one member name the schema does not name
+MAX_DEPTH = 64  # objects and arrays open at once: a stack's frames are hashed recursively
 
 _ANNOTATIONS = frozenset(
     {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated", "readOnly", "writeOnly", "format", "$defs", "definitions"}
@@ -277,9 +279,9 @@ def _start(nodes: list[_Node], node_id: int, byte: int, parent: Any) -> list:
     if isinstance(node, _Union):
         return [s for alternative in node.alternatives for s in _start(nodes, alternative, byte, parent)]
     if isinstance(node, _Object):
-        return [((_OBJECT_OPEN, node_id, frozenset(), 0), parent)] if byte == 0x7B else []  # {
+        return [((_OBJECT_OPEN, node_id, frozenset(), 0), parent)] if byte == 0x7B and _depth(parent) < MAX_DEPTH else []  # {
     if isinstance(node, _Array):
-        return [((_ARRAY_OPEN, node_id, 0), parent)] if byte == 0x5B else []  # [
+        return [((_ARRAY_OPEN, node_id, 0), parent)] if byte == 0x5B and _depth(parent) < MAX_DEPTH else []  # [
     if isinstance(node, _String):
         return [((_STRING, node_id, 0 if node.counted else None, 0), parent)] if byte == 0x22 else []
     if isinstance(node, _Number):
@@ -289,6 +291,15 @@ def _start(nodes: list[_Node], node_id: int, byte: int, parent: Any) -> list:
         number = ((_NUMBER, node_id, state, 1), parent)
         return [number, parent] if state in _NUMBER_END else [number]
     return _literal(node.options, 0, byte, parent)
+
+
+def _depth(stack: Any) -> int:
+    """Objects and arrays open in ``stack`` (each leaves one continuation frame below its members)."""
+    depth = 0
+    while stack is not None:
+        depth += stack[0][0] in (_OBJECT_NEXT, _ARRAY_NEXT)
+        stack = stack[1]
+    return depth
 
 
 def _literal(options: tuple[bytes, ...], position: int, byte: int, parent: Any) -> list:

@@ -173,6 +173,8 @@ async def read_body(request: web.Request, kind: type[msgspec.Struct]) -> Any:
         return decode_body(body, kind)
     except msgspec.MsgspecError as exc:
         raise from_validation_error(exc) from exc
+    except RecursionError:
+        raise ApiError(400, "the request body nests too deeply to be read") from None
 
 
 def convert_part(value: Any, kind: type[msgspec.Struct], where: str) -> Any:

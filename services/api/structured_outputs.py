@@ -47,6 +47,8 @@ def schema_text(schema: Any, param: str) -> str:
         JsonGrammar(schema)
     except SchemaError as exc:
         raise ApiError(400, f"{exc} (structured outputs follow a subset of JSON Schema)", param=param) from None
+    except RecursionError:
+        raise ApiError(400, "the schema nests too deeply to be compiled", param=param) from None
     return json.dumps(schema, separators=(",", ":"))
 
 

@@ -81,7 +81,10 @@ class StructuredOutputs:
         refuses those, so only a frame from elsewhere carries one)."""
         grammar = self._grammars.pop(schema_json, None)
         if grammar is None:
-            grammar = JsonGrammar(json.loads(schema_json))
+            try:
+                grammar = JsonGrammar(json.loads(schema_json))
+            except RecursionError:
+                raise ValueError("the schema nests too deeply to be compiled") from None
         self._grammars[schema_json] = grammar
         if len(self._grammars) > 32:
             self._grammars.popitem(last=False)

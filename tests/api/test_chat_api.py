@@ -270,3 +270,14 @@ async def test_response_format_carries_the_schema_the_output_must_follow_and_ref
         with pytest.raises(openai.BadRequestError) as error:
             await smol.openai().chat.completions.create(**{"model": smol.model, "messages": ASK, **extra})
         assert error.value.body["param"] == param and message in error.value.body["message"], (extra, error.value.body)
+
+
+async def test_bodies_and_schemas_that_nest_too_deeply_are_refused(smol: Api) -> None:
+    deep = b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"a": ' + b"[" * 100000 + b"]" * 100000 + b"}}"
+    response = await smol.client.post("/v1/chat/completions", data=deep, headers={"Content-Type": "application/json"})
+    assert response.status == 400 and "nests too deeply" in (await response.json())["error"]["message"]
+    body = '{"model": "%s", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": %s}}}'
+    text = body % (smol.model, '{"type": "array", "items": ' * 600 + '{"type": "string"}' + "}" * 600)  # a body that reads, a schema that does not compile
+    response = await smol.client.post("/v1/chat/completions", data=text.encode(), headers={"Content-Type": "application/json"})
+    error = (await response.json())["error"]
+    assert response.status == 400 and error["param"] == "response_format.json_schema.schema" and "nests too deeply" in error["message"]

@@ -11,7 +11,7 @@ import random
 import jsonschema
 import pytest
 
-from shared.json_grammar import MAX_WHITESPACE, JsonGrammar, Matcher, SchemaError
+from shared.json_grammar import MAX_DEPTH, MAX_WHITESPACE, JsonGrammar, Matcher, SchemaError
 
 PERSON = {
     "type": "object",
@@ -170,3 +170,9 @@ def test_a_plain_string_state_is_recognised() -> None:
 def test_schemas_outside_the_subset_are_refused_by_name(schema: object, keyword: str) -> None:
     with pytest.raises(SchemaError, match=keyword.replace("$", r"\$")):
         JsonGrammar(schema)
+
+
+def test_nesting_is_bounded() -> None:
+    deepest = feed(JsonGrammar(True).start(), "[" * MAX_DEPTH)
+    assert deepest is not None and feed(deepest, "[") is None and feed(deepest, "{") is None
+    assert feed(deepest, "1" + "]" * MAX_DEPTH).finished
