@@ -209,8 +209,8 @@ class WorkerLoop:
         try:  # the token trie structured outputs match against (about a second for a 49k vocabulary)
             self.detail = "warm-up: the vocabulary for structured outputs"
             self.runner.structured  # noqa: B018 - built on first access
-        except ValueError:
-            self.log.exception("warmup_failed", part="structured outputs")
+        except ValueError as exc:  # a model without a tokenizer: requests with a schema are refused plans
+            self.log.warning("structured_outputs_unavailable", why=str(exc))
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
