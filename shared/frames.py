@@ -46,6 +46,8 @@ class SamplingParams(_Part):
     logit_bias: dict[int, float] = {}  # token id -> added to its logit
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's and the k most likely tokens' log-probabilities
     json_schema: str | None = None  # structured outputs: the output is one JSON value this schema (JSON text) allows
+    json_prefix: str = ""  # ... with this text before the value and json_suffix after it (a tool call's tags)
+    json_suffix: str = ""
 
     @property
     def penalised(self) -> bool:

@@ -10,7 +10,8 @@ after it: a model cannot pad forever.
 
 The subset: ``type`` (one or a list), ``properties``, ``required``, ``additionalProperties``, ``items``,
 ``minItems`` / ``maxItems``, ``minLength`` / ``maxLength``, ``enum``, ``const``, ``anyOf`` / ``oneOf`` (both as
-any-of), a one-schema ``allOf``, local ``$ref`` into ``$defs`` / ``definitions``. An object schema with
+any-of), a one-schema ``allOf``, local ``$ref`` into ``$defs`` / ``definitions``, Gemini's ``propertyOrdering`` (here:
+every property, in that order). An object schema with
 ``properties`` and no ``additionalProperties`` takes no other members (as OpenAI's strict mode and xgrammar do);
 one without ``properties`` takes any. ``format`` and annotations are not enforced; other validation keywords
 (``pattern``, ``minimum``, ...) are refused by name.
@@ -33,7 +34,7 @@ _ANNOTATIONS = frozenset(
 )
 _KEYWORDS = frozenset(
     {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "minLength", "maxLength", "enum", "const"}
-    | {"anyOf", "oneOf", "allOf", "$ref", "nullable", "strict"}
+    | {"anyOf", "oneOf", "allOf", "$ref", "nullable", "strict", "propertyOrdering"}
 )
 _TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 _WHITESPACE = frozenset(b" \t\n\r")
@@ -52,6 +53,12 @@ class _Object:
     properties: dict[bytes, int]  # member name, JSON-escaped without its quotes -> node
     required: frozenset[bytes]
     additional: int | None  # node of other members; None: no other members
+    ordered: bool = False  # the members come in the order of ``properties`` (all of them, no others)
+
+    def next_names(self, seen: frozenset[bytes]) -> list[bytes]:
+        """The schema's names a member may take next (other members aside, when allowed)."""
+        unseen = [name for name in self.properties if name not in seen]
+        return unseen[:1] if self.ordered else unseen
 
 
 @dataclass(frozen=True)
@@ -97,7 +104,9 @@ _NUMBER_END = frozenset("zifx")
 class JsonGrammar:
     """A compiled schema (``True`` or ``{}``: any JSON value). Raises ``SchemaError`` naming what it does not take."""
 
-    def __init__(self, schema: Any) -> None:
+    def __init__(self, schema: Any, prefix: bytes = b"", suffix: bytes = b"") -> None:
+        """``prefix`` and ``suffix``: literal text the output holds before and after the value (a tool call's tags)."""
+        self.prefix, self.suffix = prefix, suffix
         self.nodes: list[_Node] = []
         self._root_schema = schema
         self._compiled: dict[int, int] = {}  # id(schema dict) -> node, so $ref cycles compile once
@@ -110,7 +119,11 @@ class JsonGrammar:
         return cls({"type": "object"})
 
     def start(self) -> Matcher:
-        return Matcher(self, (((_VALUE, self.root, 0), None),))
+        stack: Any = ((_LITERAL, (self.suffix,), 0), None) if self.suffix else None
+        stack = ((_VALUE, self.root, 0), stack)
+        if self.prefix:
+            stack = ((_LITERAL, (self.prefix,), 0), stack)
+        return Matcher(self, (stack,))
 
     # compiling
     def _add(self, node: _Node) -> int:
@@ -192,7 +205,12 @@ class JsonGrammar:
             missing = [name for name in required if name not in properties]
             if missing and extra is None:
                 raise SchemaError(f"'required' at '{where or '/'}' names {missing[0]!r}, which 'properties' does not define")
-            return self._add(_Object(compiled, frozenset(_dump(name)[1:-1] for name in required), extra))
+            ordering = schema.get("propertyOrdering")
+            if ordering is not None:  # Gemini's keyword; here: every property, in this order, and no others
+                if ordering != list(properties) or extra is not None:
+                    raise SchemaError(f"'propertyOrdering' at '{where or '/'}' must list every property in order, with no additionalProperties")
+                required = list(properties)
+            return self._add(_Object(compiled, frozenset(_dump(name)[1:-1] for name in required), extra, ordering is not None))
         if kind == "array":
             if "prefixItems" in schema:
                 raise SchemaError(f"the schema keyword 'prefixItems' (at '{where or '/'}') is not supported in structured outputs")
@@ -334,7 +352,7 @@ def plain_string_bytes(data: bytes) -> bool:
 
 
 def _can_add_member(node: _Object, seen: frozenset[bytes]) -> bool:
-    return node.additional is not None or any(name not in seen for name in node.properties)
+    return node.additional is not None or bool(node.next_names(seen))
 
 
 def _step(nodes: list[_Node], stack: tuple, byte: int) -> list:
@@ -361,11 +379,11 @@ def _step(nodes: list[_Node], stack: tuple, byte: int) -> list:
         _, node_id, seen, key, escape = frame
         node = nodes[node_id]
         if byte == 0x22 and escape == 0:
-            known = key in node.properties
+            known = key in (node.next_names(seen) if node.ordered else node.properties)
             return [((_COLON, node_id, seen, key, 0), parent)] if key not in seen and (known or node.additional is not None) else []
         longer = key + bytes((byte,))
         if node.additional is None:  # only the schema's names, each once: the bytes so far begin one not yet used
-            fits = any(name.startswith(longer) for name in node.properties if name not in seen)
+            fits = any(name.startswith(longer) for name in node.next_names(seen))
             return [((_KEY, node_id, seen, longer, 0), parent)] if fits else []
         escape = _string_byte(escape, byte)
         room = len(longer) <= (MAX_KEY if escape == 0 else MAX_KEY - 5)  # an escape or character begun can always end

@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 from services.api.errors import ApiError
+from services.api.tools import ToolChoice, ToolSpec
 from shared.json_grammar import JsonGrammar, SchemaError
 
 FORMATS = ("text", "json_object", "json_schema")
@@ -74,3 +75,30 @@ def check_structured_combination(json_schema: str | None, tool_choice: str, effo
         raise ApiError(400, f"{param} with tools is not supported by this server yet (send tool_choice 'none' or no tools)", param=param)
     if efforts != ("none",) and effort != "none":  # ("none",): a model that does not reason
         raise ApiError(400, f"{param} with a reasoning model is not supported by this server yet unless its reasoning effort is 'none'", param=param)
+
+
+# A tool parser's text around one call's JSON, and the name of the call's arguments member.
+TOOL_CALL_FORMATS = {"hermes": ("<tool_call>\n", "\n</tool_call>", "arguments"), "llama3_json": ("", "", "parameters")}
+
+
+def tool_call_grammar(tools: list[ToolSpec], choice: ToolChoice, tool_parser: str, thinks: bool) -> tuple[str, str, str] | None:
+    """For ``tool_choice`` required or named: (schema, prefix, suffix) of one call of an offered tool in the tool
+    parser's format, so the answer is that call. None where that cannot be held, and the choice stays the
+    instruction it was: another parser's format, a model that thinks before it answers, or a tool whose
+    parameters fall outside the grammar's subset."""
+    if choice.mode not in ("required", "named") or tool_parser not in TOOL_CALL_FORMATS or thinks or not tools:
+        return None
+    prefix, suffix, arguments = TOOL_CALL_FORMATS[tool_parser]
+    calls = []
+    for tool in tools:
+        parameters = tool.parameters or {}
+        if parameters.get("type") != "object" and "properties" not in parameters:
+            parameters = {"type": "object"}  # the parsers take arguments that are an object
+        members = {"name": {"const": tool.name}, arguments: parameters}
+        calls.append({"type": "object", "properties": members, "additionalProperties": False, "propertyOrdering": list(members)})
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    try:
+        JsonGrammar(schema)
+    except (SchemaError, RecursionError):
+        return None
+    return json.dumps(schema, separators=(",", ":")), prefix, suffix

@@ -39,8 +39,10 @@ class ToolSpec:
 class ToolChoice:
     """``none``: no tools reach the model; ``auto``: it may call; ``required``/``named``: it is told to call.
 
-    ``required`` and ``named`` are instructions, not constraints: when the model answers
-    without a call, the answer is returned as it is, with the finish reason ``stop``.
+    ``required`` and ``named`` are held by the grammar where they can be (``structured_outputs.tool_call_grammar``:
+    the answer is then one call of an offered tool); elsewhere (a model that thinks first, another parser's
+    format, parameters outside the grammar's subset) they are instructions, and an answer without a call is
+    returned as it is, with the finish reason ``stop``.
     """
 
     mode: Literal["none", "auto", "required", "named"] = "auto"

@@ -344,7 +344,7 @@ class ModelRunner:
                 request = self._requests[s.rid] = _Request(params, generator, history, LogitBias.of(params.logit_bias), s.prompt_len or ALL_PROMPT)
                 request.noise_seed = random.getrandbits(62) if params.seed is None else params.seed
                 if params.json_schema is not None and (self.tp is None or self.tp.leader):  # only the leader samples
-                    request.grammar = self.structured.grammar(params.json_schema).start()
+                    request.grammar = self.structured.grammar(params.json_schema, params.json_prefix, params.json_suffix).start()
                 request.record_prefill(0, s.prefix_ids, self._structured)
             request.table.extend(s.new_blocks)
             request.record_prefill(s.start, s.token_ids, self._structured)
@@ -419,7 +419,7 @@ class ModelRunner:
             if self.states is not None:
                 self._validate_slot(s, request)
             if s.sampling is not None and s.sampling.json_schema is not None and (self.tp is None or self.tp.leader):
-                self.structured.grammar(s.sampling.json_schema)  # a schema the grammar cannot take is a bad plan
+                self.structured.grammar(s.sampling.json_schema, s.sampling.json_prefix, s.sampling.json_suffix)  # a schema it cannot take: a bad plan
             if any(not 0 <= b < self.num_blocks for b in s.new_blocks):
                 raise ValueError(f"slice for {s.rid!r} names blocks outside 0..{self.num_blocks - 1}: {s.new_blocks}")
             capacity = (len(request.table) if request else 0) + len(s.new_blocks)

@@ -60,7 +60,7 @@ class StructuredOutputs:
 
     def __init__(self, vocabulary: Vocabulary, cache_size: int = 256) -> None:
         self.vocabulary = vocabulary
-        self._grammars: OrderedDict[str, JsonGrammar] = OrderedDict()
+        self._grammars: OrderedDict[tuple[str, str, str], JsonGrammar] = OrderedDict()
         self._masks: OrderedDict[Matcher, torch.Tensor] = OrderedDict()
         self._cache_size = cache_size
         self.tokens_checked = self.tokens_resampled = self.masks_built = 0  # what /instrumentation reports
@@ -76,16 +76,17 @@ class StructuredOutputs:
             "grammars_cached": len(self._grammars),
         }
 
-    def grammar(self, schema_json: str) -> JsonGrammar:
-        """The compiled schema (cached); a ``ValueError`` for text that is no schema of the subset (the api
-        refuses those, so only a frame from elsewhere carries one)."""
-        grammar = self._grammars.pop(schema_json, None)
+    def grammar(self, schema_json: str, prefix: str = "", suffix: str = "") -> JsonGrammar:
+        """The compiled schema, with the text around the value (cached); a ``ValueError`` for text that is no
+        schema of the subset (the api refuses those, so only a frame from elsewhere carries one)."""
+        key = (schema_json, prefix, suffix)
+        grammar = self._grammars.pop(key, None)
         if grammar is None:
             try:
-                grammar = JsonGrammar(json.loads(schema_json))
+                grammar = JsonGrammar(json.loads(schema_json), prefix.encode(), suffix.encode())
             except RecursionError:
                 raise ValueError("the schema nests too deeply to be compiled") from None
-        self._grammars[schema_json] = grammar
+        self._grammars[key] = grammar
         if len(self._grammars) > 32:
             self._grammars.popitem(last=False)
         return grammar

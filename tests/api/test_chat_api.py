@@ -281,3 +281,33 @@ async def test_bodies_and_schemas_that_nest_too_deeply_are_refused(smol: Api) ->
     response = await smol.client.post("/v1/chat/completions", data=text.encode(), headers={"Content-Type": "application/json"})
     error = (await response.json())["error"]
     assert response.status == 400 and error["param"] == "response_format.json_schema.schema" and "nests too deeply" in error["message"]
+
+
+async def test_tool_choice_required_or_named_holds_the_answer_to_one_call_where_it_can(smol: Api, qwen: Api) -> None:
+    clock = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}}
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    smol.engine.script(call)
+    reply = await smol.openai().chat.completions.create(model=smol.model, messages=ASK, tools=[WEATHER, clock], tool_choice="required")
+    assert reply.choices[0].finish_reason == "tool_calls" and reply.choices[0].message.tool_calls[0].function.name == "get_weather"
+    sampling = smol.engine.submits[-1].sampling
+    assert (sampling.json_prefix, sampling.json_suffix) == ("<tool_call>\n", "\n</tool_call>")  # SmolLM2 is prompted in Hermes' format
+    schema = json.loads(sampling.json_schema)
+    assert [c["properties"]["name"] for c in schema["anyOf"]] == [{"const": "get_weather"}, {"const": "get_time"}]
+    assert schema["anyOf"][0]["properties"]["arguments"] == WEATHER["function"]["parameters"]
+    smol.engine.script(call)
+    await smol.openai().chat.completions.create(
+        model=smol.model, messages=ASK, tools=[WEATHER, clock], tool_choice={"type": "function", "function": {"name": "get_time"}}
+    )
+    assert json.loads(smol.engine.submits[-1].sampling.json_schema)["properties"]["name"] == {"const": "get_time"}
+    unconstrained = [
+        (smol, {"tool_choice": "auto"}),  # the model may answer in text
+        (smol, {"tools": [WEATHER, {**clock, "function": {**clock["function"], "parameters": {"type": "object", "properties": {"zone": {"pattern": "Z"}}}}}]}),
+        (qwen, {}),  # it thinks before it calls
+    ]
+    for api, extra in unconstrained:
+        api.engine.script(call)
+        await api.openai().chat.completions.create(**{"model": api.model, "messages": ASK, "tools": [WEATHER], "tool_choice": "required", **extra})
+        assert api.engine.submits[-1].sampling.json_schema is None, extra
+    qwen.engine.script(call)
+    await qwen.openai().chat.completions.create(model=qwen.model, messages=ASK, tools=[WEATHER], tool_choice="required", reasoning_effort="none")
+    assert qwen.engine.submits[-1].sampling.json_prefix == "<tool_call>\n"

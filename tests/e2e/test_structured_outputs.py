@@ -1,6 +1,7 @@
 """Structured outputs through the whole stack on the default model, as the OpenAI SDK asks for them: ``parse``
-with a pydantic model (a strict ``json_schema``) on chat and on Responses, ``json_object`` streamed; and sampled
-requests that a small KV cache preempts, whose grammars must resume where their outputs were."""
+with a pydantic model (a strict ``json_schema``) on chat and on Responses, ``json_object`` streamed, tool_choice
+required / named answered with a call; and sampled requests that a small KV cache preempts, whose grammars must
+resume where their outputs were."""
 
 from __future__ import annotations
 
@@ -52,6 +53,21 @@ def test_json_object_streamed_is_one_json_object(oai: openai.OpenAI) -> None:
             text += chunk.choices[0].delta.content or ""
             finish = chunk.choices[0].finish_reason or finish
     assert finish == "stop" and isinstance(json.loads(text), dict), text
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}], ids=["required", "named"])
+def test_tool_choice_is_answered_with_a_call(oai: openai.OpenAI, choice: object) -> None:
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    reply = oai.chat.completions.create(model=MODEL, messages=messages, tools=[TIME, WEATHER], tool_choice=choice, max_tokens=64, temperature=0)
+    message = reply.choices[0].message
+    assert reply.choices[0].finish_reason == "tool_calls" and len(message.tool_calls) == 1, message
+    call = message.tool_calls[0].function
+    assert call.name in (["get_time", "get_weather"] if choice == "required" else ["get_weather"])
+    assert set(json.loads(call.arguments)) <= {"city", "zone"}
 
 
 CITIES = {

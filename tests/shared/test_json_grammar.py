@@ -176,3 +176,15 @@ def test_nesting_is_bounded() -> None:
     deepest = feed(JsonGrammar(True).start(), "[" * MAX_DEPTH)
     assert deepest is not None and feed(deepest, "[") is None and feed(deepest, "{") is None
     assert feed(deepest, "1" + "]" * MAX_DEPTH).finished
+
+
+def test_text_around_the_value_and_property_ordering() -> None:
+    call = {"type": "object", "properties": {"name": {"const": "f"}, "arguments": {"type": "object"}}, "propertyOrdering": ["name", "arguments"]}
+    grammar = JsonGrammar(call, b"<tool_call>\n", b"\n</tool_call>")
+    assert feed(grammar.start(), '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>').finished
+    assert feed(grammar.start(), '{"name"') is None  # the prefix comes first
+    assert feed(grammar.start(), '<tool_call>\n{"arguments"') is None  # name first, then arguments
+    assert feed(grammar.start(), '<tool_call>\n{"name": "f"}') is None  # both members, always
+    assert not feed(grammar.start(), '<tool_call>\n{"name": "f", "arguments": {}}').complete  # the suffix is owed
+    with pytest.raises(SchemaError, match="propertyOrdering"):
+        JsonGrammar({"type": "object", "properties": {"a": {}, "b": {}}, "propertyOrdering": ["b", "a"]})

@@ -164,3 +164,26 @@ def test_a_plan_whose_schema_the_grammar_cannot_take_is_refused_and_changes_noth
         with pytest.raises(ValueError):
             runner.execute(StepPlan(0, [Slice("r", 0, 3, [5, 6, 7], [0], sampling=params)]))
         assert runner.describe()["requests"] == 0
+
+
+def test_a_tool_call_grammar_holds_the_output_to_one_call_between_its_tags() -> None:
+    outputs, rng = StructuredOutputs(toy_vocabulary()), random.Random(9)
+    call = {"type": "object", "properties": {"name": {"const": "f"}, "arguments": SCHEMA}, "propertyOrdering": ["name", "arguments"]}
+    grammar = outputs.grammar(json.dumps(call), "<call>", "</call>")
+    params = SamplingParams(temperature=1.0)
+    for _ in range(6):
+        matcher, out = grammar.start(), bytearray()
+        while True:
+            logits = torch.tensor([[rng.gauss(0, 2) for _ in range(outputs.vocabulary.size)]])
+            chosen = sample(logits, [params], [None]).tolist()
+            token = outputs.enforce(logits, chosen, [0], [matcher], lambda row, masked: int(sample(masked, [params], [None])[0]))[0]
+            if token == EOS:
+                break
+            out += outputs.vocabulary.token_bytes[token]
+            matcher = outputs.advance(matcher, token)
+            assert len(out) < 2000
+        text = out.decode()
+        assert text.startswith("<call>") and text.endswith("</call>")
+        body = json.loads(text.removeprefix("<call>").removesuffix("</call>"))
+        assert list(body) == ["name", "arguments"] and body["name"] == "f"
+        jsonschema.validate(body["arguments"], SCHEMA)
