@@ -193,6 +193,13 @@ async def test_output_config_format_carries_the_schema_and_refuses_what_cannot_b
     assert got == 200  # a reasoning model told not to think
 
 
+async def test_tool_choice_any_is_held_to_one_call(smol: Api) -> None:
+    smol.engine.script(CALL)
+    reply = await smol.anthropic().messages.create(model=smol.model, max_tokens=32, messages=ASK, tools=[WEATHER], tool_choice={"type": "any"})
+    assert reply.stop_reason == "tool_use" and smol.engine.submits[-1].sampling.json_prefix == "<tool_call>\n"
+    assert json.loads(smol.engine.submits[-1].sampling.json_schema)["properties"]["name"] == {"const": "get_weather"}
+
+
 async def test_count_tokens_matches_the_prompt(qwen: Api) -> None:
     counted = await qwen.anthropic().messages.count_tokens(model=qwen.model, messages=ASK, system="Be brief.", tools=[WEATHER])
     await qwen.anthropic().messages.create(model=qwen.model, max_tokens=8, messages=ASK, system="Be brief.", tools=[WEATHER])
