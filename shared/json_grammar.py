@@ -2,7 +2,8 @@
 ``json_object`` / ``json_schema``) decode under. The api compiles a request's schema to refuse what is outside
 the subset below; the worker follows each constrained output through it, one sampled token at a time.
 
-``JsonGrammar(schema)`` compiles a schema into nodes. A ``Matcher`` holds where an output is as a set of parser
+``JsonGrammar(schema, prefix, suffix)`` compiles a schema into nodes (with literal text around the value: a tool
+call's tags). A ``Matcher`` holds where an output is as a set of parser
 stacks (``anyOf``, type lists and enums fork them; a branch that cannot take the next byte dies), each stack a
 linked list of immutable frames, so trying a token copies nothing. The output is one JSON value with at most
 ``MAX_WHITESPACE`` whitespace bytes in a row, at most ``MAX_DEPTH`` objects and arrays open at once, and nothing
@@ -10,10 +11,10 @@ after it: a model cannot pad forever.
 
 The subset: ``type`` (one or a list), ``properties``, ``required``, ``additionalProperties``, ``items``,
 ``minItems`` / ``maxItems``, ``minLength`` / ``maxLength``, ``enum``, ``const``, ``anyOf`` / ``oneOf`` (both as
-any-of), a one-schema ``allOf``, local ``$ref`` into ``$defs`` / ``definitions``, Gemini's ``propertyOrdering`` (here:
-every property, in that order). An object schema with
-``properties`` and no ``additionalProperties`` takes no other members (as OpenAI's strict mode and xgrammar do);
-one without ``properties`` takes any. ``format`` and annotations are not enforced; other validation keywords
+any-of), a one-schema ``allOf``, local ``$ref`` into ``$defs`` / ``definitions``, and Gemini's
+``propertyOrdering`` (here: every property, in that order). An object schema with ``properties`` and no
+``additionalProperties`` takes no other members (as OpenAI's strict mode and xgrammar do); one without
+``properties`` takes any. ``format`` and annotations are not enforced; other validation keywords
 (``pattern``, ``minimum``, ...) are refused by name.
 """
 

@@ -1,9 +1,13 @@
 """Structured outputs at the api: OpenAI's ``response_format`` (chat and completions), the Responses API's
-``text.format`` and Anthropic's ``output_config.format``, turned into the JSON Schema text the worker's grammar decodes under (``SamplingParams.json_schema``).
+``text.format`` and Anthropic's ``output_config.format``, turned into the JSON Schema text the worker's grammar
+decodes under (``SamplingParams.json_schema``).
 
 ``json_object`` is any JSON object; ``json_schema`` is the client's schema, compiled here so that one outside the
 grammar's subset is a 400 naming the keyword, before anything is queued. With tools or reasoning, the grammar would
 hold the tool calls or the thinking to the schema too, so those combinations are refused.
+
+The same grammar holds ``tool_choice`` required or named to a call (``tool_call_grammar``): one call of an offered
+tool in the tool parser's format, its arguments following the tool's parameters.
 """
 
 from __future__ import annotations
