@@ -21,6 +21,7 @@ from services.api.errors import ApiError
 from services.api.metrics import IN_FLIGHT, RequestTimer
 from services.api.output_parsing import Event, OutputParser
 from services.api.protocol import Generation
+from services.api.reasoning import thinks
 from services.api.structured_outputs import tool_call_grammar
 from shared.frames import Submit, TextDelta, TextLogprobs
 
@@ -183,8 +184,8 @@ async def chat_submits(state: ApiState, turn: ChatTurn, generation: Generation, 
     """A conversation's rendered prompt and its engine requests, checked against the context limit."""
     prompt = await state.chat_format.render(state.prompts, turn)
     max_tokens = context_limit(len(prompt.ids), generation, state.max_model_len, prompt_param)
-    thinks = state.chat_format.reasoning_tags is not None and turn.effort != "none"
-    if generation.sampling.json_schema is None and (call := tool_call_grammar(turn.shown_tools, turn.tool_choice, state.chat_format.tool_parser, thinks)):
+    thinking = thinks(turn.effort, state.chat_format.efforts)
+    if generation.sampling.json_schema is None and (call := tool_call_grammar(turn.shown_tools, turn.tool_choice, state.chat_format.tool_parser, thinking)):
         schema, prefix, suffix = call
         generation = replace(generation, sampling=msgspec.structs.replace(generation.sampling, json_schema=schema, json_prefix=prefix, json_suffix=suffix))
     return prompt, build_submits(generation, [prompt.ids], [max_tokens], state.eos_token_ids, state.config.api_address)

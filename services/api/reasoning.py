@@ -16,6 +16,11 @@ EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 """Every reasoning effort a client may ask for, least to most (OpenAI's list)."""
 
 
+def thinks(effort: str | None, efforts: tuple[str, ...]) -> bool:
+    """Whether the model thinks before it answers: a reasoning model (``efforts`` beyond ``none``), unless told ``none``."""
+    return efforts != ("none",) and effort != "none"
+
+
 def check_effort(effort: str | None, accepted: tuple[str, ...], param: str) -> str | None:
     """The effort, if this model accepts it; a 400 naming ``param`` otherwise."""
     if effort is None:

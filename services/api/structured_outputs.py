@@ -17,6 +17,7 @@ import re
 from typing import Any
 
 from services.api.errors import ApiError
+from services.api.reasoning import thinks
 from services.api.tools import ToolChoice, ToolSpec
 from shared.json_grammar import JsonGrammar, SchemaError
 
@@ -77,7 +78,7 @@ def check_structured_combination(json_schema: str | None, tool_choice: str, effo
         return
     if tool_choice != "none":
         raise ApiError(400, f"{param} with tools is not supported by this server yet (send tool_choice 'none' or no tools)", param=param)
-    if efforts != ("none",) and effort != "none":  # ("none",): a model that does not reason
+    if thinks(effort, efforts):
         raise ApiError(400, f"{param} with a reasoning model is not supported by this server yet unless its reasoning effort is 'none'", param=param)
 
 

@@ -234,13 +234,16 @@ class ModelRunner:
         return self._structured
 
     def _hold_to_grammars(self, logits: torch.Tensor, chosen: torch.Tensor, requests: list[_Request]) -> torch.Tensor:
-        """``chosen`` with each constrained row's token one its grammar allows (``StructuredOutputs.enforce``)."""
+        """``chosen`` with each constrained row's token one its grammar allows (``StructuredOutputs.enforce``); each
+        constrained request's grammar moves past its token."""
         rows = [i for i, r in enumerate(requests) if r.grammar is not None]
 
         def resample(row: int, masked: torch.Tensor) -> int:
             return int(sample(masked, [requests[row].params], [requests[row].generator])[0])
 
-        tokens = self.structured.enforce(logits, chosen.tolist(), rows, [requests[i].grammar for i in rows], resample)
+        tokens, afters = self.structured.enforce(logits, chosen.tolist(), rows, [requests[i].grammar for i in rows], resample)
+        for i, after in zip(rows, afters):
+            requests[i].grammar = after
         return torch.tensor(tokens, dtype=chosen.dtype, device=chosen.device)
 
     def _decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, gdn_slots: torch.Tensor) -> torch.Tensor:
@@ -289,8 +292,6 @@ class ModelRunner:
                 for request, token in zip(requests, tokens):
                     request.last_token = token
                     request.draws += 1
-                    if request.grammar is not None:
-                        request.grammar = self.structured.advance(request.grammar, token)
                     if request.history is not None:
                         request.history.add_outputs([token])
                 by_rid = {rid: (token, lp) for rid, token, lp in zip(rids, tokens, logprobs)}

@@ -91,20 +91,19 @@ class StructuredOutputs:
             self._grammars.popitem(last=False)
         return grammar
 
-    def allows(self, matcher: Matcher, token: int) -> bool:
+    def after(self, matcher: Matcher, token: int) -> Matcher | None:
+        """The matcher once ``token`` is output (an end-of-sequence token leaves it where it is); None: refused."""
         if token in self.vocabulary.eos_ids:
-            return matcher.complete
+            return matcher if matcher.complete else None
         data = self.vocabulary.token_bytes[token] if 0 <= token < self.vocabulary.size else None
-        return bool(data) and matcher.feed(data) is not None
+        return matcher.feed(data) if data else None
+
+    def allows(self, matcher: Matcher, token: int) -> bool:
+        return self.after(matcher, token) is not None
 
     def advance(self, matcher: Matcher, token: int) -> Matcher:
-        """The matcher after ``token`` (an allowed one; an end-of-sequence token leaves it as it is)."""
-        if token in self.vocabulary.eos_ids:
-            return matcher
-        began = time.perf_counter()
-        after = matcher.feed(self.vocabulary.token_bytes[token] or b"")
-        self.seconds += time.perf_counter() - began
-        return matcher if after is None else after
+        """The matcher after a recomputed output ``token`` (one the grammar refuses leaves it where it is)."""
+        return self.after(matcher, token) or matcher
 
     def mask(self, matcher: Matcher) -> torch.Tensor:
         """Which tokens the grammar allows next: bool [vocabulary]."""
@@ -141,19 +140,23 @@ class StructuredOutputs:
             allowed[vocabulary.eos_ids] = True
         return allowed
 
-    def enforce(self, logits: torch.Tensor, chosen: list[int], rows: Sequence[int], matchers: Sequence[Matcher], resample) -> list[int]:
+    def enforce(self, logits: torch.Tensor, chosen: list[int], rows: Sequence[int], matchers: Sequence[Matcher], resample) -> tuple[list[int], list[Matcher]]:
         """``chosen`` with each constrained row's token (``rows[i]``, under ``matchers[i]``) replaced, where the grammar
-        refuses it, by ``resample(row, masked_logits)``: the row's own sampler over the allowed tokens alone."""
+        refuses it, by ``resample(row, masked_logits)``: the row's own sampler over the allowed tokens alone; and each
+        row's matcher once its token is output."""
         began = time.perf_counter()
+        afters = []
         for row, matcher in zip(rows, matchers):
             self.tokens_checked += 1
-            if self.allows(matcher, chosen[row]):
-                continue
-            self.tokens_resampled += 1
-            mask = self.mask(matcher).to(logits.device)
-            if not bool(mask.any()):  # nothing fits (a vocabulary without the bytes it needs): end the output
-                chosen[row] = self.vocabulary.eos_ids[0] if self.vocabulary.eos_ids else chosen[row]
-                continue
-            chosen[row] = resample(row, logits[row : row + 1].masked_fill(~mask, float("-inf")))
+            after = self.after(matcher, chosen[row])
+            if after is None:
+                self.tokens_resampled += 1
+                mask = self.mask(matcher).to(logits.device)
+                if bool(mask.any()):
+                    chosen[row] = resample(row, logits[row : row + 1].masked_fill(~mask, float("-inf")))
+                elif self.vocabulary.eos_ids:  # nothing fits (a vocabulary without the bytes it needs): end the output
+                    chosen[row] = self.vocabulary.eos_ids[0]
+                after = self.after(matcher, chosen[row]) or matcher
+            afters.append(after)
         self.seconds += time.perf_counter() - began
-        return chosen
+        return chosen, afters
