@@ -5,6 +5,8 @@
 
 #include <ATen/Parallel.h>
 
+#include "takeover_pool.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -72,7 +74,8 @@ template <typename T>
 QuantizedRows<T> quantize_rows(const float* x, int64_t rows, int64_t k) {
   const int64_t blocks = k / BLOCK;
   QuantizedRows<T> a{std::vector<T>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks), k, blocks};
-  at::parallel_for(0, rows * blocks, 512, [&](int64_t begin, int64_t end) {
+  // One thread in a step whose big calls run on the takeover pool: splitting would wake OpenMP's threads.
+  at::parallel_for(0, rows * blocks, takeover_pool::keeps_to_caller(rows) ? std::max<int64_t>(rows * blocks, 1) : 512, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) quantize_block<T>(x + b * BLOCK, a.q.data() + b * BLOCK, a.d.data() + b, a.s.data() + b);
   });
   return a;

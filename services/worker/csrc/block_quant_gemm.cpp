@@ -252,7 +252,7 @@ struct FewRowsJob : takeover_pool::Job {
 template <typename F, typename T>
 void run(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out_features, const float* bias, const float* residual, float* out,
          const torch::Tensor& bias_owner, const torch::Tensor& residual_owner) {
-  if (rows <= takeover_pool::MAX_ROWS && takeover_pool::enabled().load(std::memory_order_relaxed) && at::get_num_threads() > 1) {
+  if (takeover_pool::runs_on_pool(rows)) {
     auto job = std::make_shared<FewRowsJob<F, T>>();
     job->a = quantize_rows<T>(x, rows, k);
     job->w = w;

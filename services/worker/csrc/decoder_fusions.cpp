@@ -6,7 +6,8 @@
 // - silu_and_mul: silu(gate) * up of [gate | up] rows [T, 2I] -> [T, I].
 // - rotary_: q and k heads rotated in place, x' = x * cos + roll(x, D/2) * sin, the sign folded into sin.
 //
-// Rows are split over threads only when a call has enough of them to pay for waking the pool.
+// Rows are split over threads only when a call has enough of them to pay for waking the pool, and never in
+// a step whose big calls run on the takeover pool (csrc/takeover_pool.h).
 
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
@@ -14,6 +15,7 @@
 
 #include "avx2_exp.h"
 #include "avx2_sum.h"
+#include "takeover_pool.h"
 
 #include <algorithm>
 #include <cmath>
@@ -27,7 +29,12 @@ namespace {
 
 constexpr int64_t ELEMENTS_PER_TASK = 16384;  // below this many elements a call stays on one thread
 
-int64_t grain_rows(int64_t row_elements) { return std::max<int64_t>(1, ELEMENTS_PER_TASK / std::max<int64_t>(row_elements, 1)); }
+// Items per task for a call of ``items`` items of ``item_elements`` each, in a step of ``rows`` rows: all of
+// them (one thread) for a small call, or for any call of a step whose big calls run on the takeover pool.
+int64_t grain(int64_t items, int64_t rows, int64_t item_elements) {
+  if (takeover_pool::keeps_to_caller(rows)) return std::max<int64_t>(items, 1);
+  return std::max<int64_t>(1, ELEMENTS_PER_TASK / std::max<int64_t>(item_elements, 1));
+}
 
 // h[i] = x[i] + r[i] stored over x (r null: h = x, read only); returns sum(h[i]^2).
 float add_and_square_sum(float* x, const float* r, int64_t n) {
@@ -134,7 +141,7 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x_in,
   float* o_ptr = out.data_ptr<float>();
   const int64_t x_stride = x.stride(0), r_stride = r.defined() ? r.stride(0) : 0;
   const float epsf = static_cast<float>(eps);
-  at::parallel_for(0, rows, grain_rows(hidden), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain(rows, rows, hidden), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float* h = x_ptr + t * x_stride;
       const float squares = add_and_square_sum(h, r_ptr ? r_ptr + t * r_stride : nullptr, hidden);
@@ -153,7 +160,7 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up_in) {
   auto out = torch::empty({rows, inter}, gate_up.options());
   const float* in_ptr = gate_up.data_ptr<float>();
   float* o_ptr = out.data_ptr<float>();
-  at::parallel_for(0, rows, grain_rows(inter), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain(rows, rows, inter), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) silu_and_mul_row(in_ptr + t * stride, in_ptr + t * stride + inter, o_ptr + t * inter, inter);
   });
   return out;
@@ -177,7 +184,7 @@ void rotary_(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tens
   const float* c_ptr = c.data_ptr<float>();
   const float* s_ptr = s.data_ptr<float>();
   const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
-  at::parallel_for(0, tokens * heads, grain_rows(dim), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens * heads, grain(tokens * heads, tokens, dim), [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / heads, h = item % heads;
       rotate_head(x_ptr + t * token_stride + h * head_stride, c_ptr + t * dim, s_ptr + t * dim, dim);

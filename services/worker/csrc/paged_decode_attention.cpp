@@ -374,7 +374,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     const Step<T> step{q_ptr, cache_ptr, table_ptr, len_ptr, q_row, width, block_size, slot_stride, value_offset, kv_heads, heads, group, dim, fscale};
     const int64_t threads = at::get_num_threads();
     const bool by_row = step.by_row(batch, threads);
-    if (batch <= takeover_pool::MAX_ROWS && takeover_pool::enabled().load(std::memory_order_relaxed) && threads > 1) {
+    if (takeover_pool::runs_on_pool(batch)) {
       auto job = std::make_shared<FewRowsAttention<T>>();
       job->q_owner = qc;
       job->cache_owner = cache;

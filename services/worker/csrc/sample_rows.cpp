@@ -443,7 +443,7 @@ torch::Tensor tokens_of_rows(const torch::Tensor& x, RowToken row_token) {
   const int64_t rows = x.size(0);
   auto out = torch::empty({rows}, x.options().dtype(torch::kLong));
   int64_t* dst = out.data_ptr<int64_t>();
-  if (rows <= takeover_pool::MAX_ROWS && takeover_pool::enabled().load(std::memory_order_relaxed) && at::get_num_threads() > 1) {
+  if (takeover_pool::runs_on_pool(rows)) {
     takeover_pool::run(std::make_shared<FewRowsTokens<RowToken>>(x, std::move(row_token), dst), rows);
     return out;
   }
@@ -511,6 +511,8 @@ torch::Tensor sampling_thresholds(const torch::Tensor& logits, const std::vector
 
 namespace {
 
+constexpr int64_t LOGPROB_ROWS_ON_CALLER = 8;  // rows whose logprobs the calling thread computes alone
+
 // false (nothing written) for a row holding NaN or no finite largest logit: the caller answers it with torch.
 bool row_logprobs(const float* x, int64_t n, int64_t token, int64_t k, float* chosen, float* values, int64_t* ids) {
   RowScratch& scratch = row_scratch();
@@ -554,8 +556,9 @@ std::vector<torch::Tensor> logprobs_rows(const torch::Tensor& logits, const torc
     for (int64_t r = begin; r < end; ++r) ok_ptr[r] = row_logprobs(src + r * n, n, token[r], k, chosen_ptr + r, values_ptr + r * k, ids_ptr + r * k);
   };
   // A few rows on the calling thread (~0.03 ms each): waking OpenMP's threads would set them spinning
-  // against the takeover pool's helpers.
-  if (rows <= takeover_pool::MAX_ROWS)
+  // against the takeover pool's helpers. More go to OpenMP, whose threads then spin against the next
+  // step's pool calls for a while: one region per step, and only for requests that ask for logprobs.
+  if (rows <= LOGPROB_ROWS_ON_CALLER)
     rows_from(0, rows);
   else
     at::parallel_for(0, rows, 1, rows_from);
