@@ -42,6 +42,7 @@ from shared.json_grammar import Matcher
 from shared.model_info import HYBRID_PREFIX_CACHE_OFF, resolve_kv_cache_dtype
 
 ALL_PROMPT = 1 << 62  # a prompt_len no prefill reaches: every prefilled token is prompt
+POOL_FEW_ROWS = 8  # the takeover pool's limit where only few-row steps run all layers in one call (int4-a8)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -141,9 +142,13 @@ class ModelRunner:
                 parallelize(self.model, tp)
             if hasattr(self.model, "bind_dense_decoder"):  # weights final: steps may run all layers in one call
                 self.model.bind_dense_decoder()
-            if self.device.type == "cpu" and cpu_kernels()[0] is not None:
-                # Few-row steps on the takeover pool (csrc/takeover_pool.h) where all their parallel kernels run on it.
-                cpu_kernels()[0].set_takeover_pool(getattr(self.model, "runs_dense_decoder", False))
+            if (kernels := cpu_kernels()[0]) is not None and self.device.type == "cpu":
+                # Decode-sized steps on the takeover pool (csrc/takeover_pool.h) where all their parallel kernels run on
+                # it: steps up to the pool's limit where every step runs all layers in one call; only few-row steps
+                # where the rest take the per-layer path (int4-a8), whose torch glue may wake OpenMP's threads.
+                one_call_rows = getattr(self.model, "dense_decoder_max_rows", 0)
+                pool_rows = kernels.TAKEOVER_POOL_MAX_ROWS if one_call_rows >= kernels.TAKEOVER_POOL_MAX_ROWS else POOL_FEW_ROWS
+                kernels.set_takeover_pool(one_call_rows > 0, pool_rows)
             self._attention_backend = getattr(self.model, "attention_backend", "torch")
             # One GDN state slot per request the scheduler may run at once; it hands out ids 0..max_num_seqs-1.
             # With graphs, slot max_num_seqs past them is the dummy slot that padding rows run in.

@@ -275,3 +275,30 @@ def test_few_row_steps_run_on_the_takeover_pool_where_the_model_runs_its_layers_
             assert (cpu_kernels()[0].takeover_pool_stats()["jobs"] > before) is pooled
     finally:
         torch.set_num_threads(threads)
+
+
+@kernels
+@pytest.mark.parametrize(("quant", "pool_rows"), [("int4", 32), ("int4-a8", 8)])
+def test_decode_steps_run_on_the_takeover_pool_up_to_its_limit_for_the_format(
+    quant: str, pool_rows: int, tiny_llamas: dict[str, Checkpoint], tmp_path: Path
+) -> None:
+    """int4 runs every step's layers in one call, so decode steps of up to the pool's 32 rows run on it;
+    int4-a8 runs steps of more than a few rows layer by layer (torch glue, which may wake OpenMP's
+    threads), so only steps of up to 8 rows do."""
+    _snap_to_blocks(tiny_llamas["untied"].path, tmp_path / "snapped")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runner = ModelRunner(str(tmp_path / "snapped"), num_blocks=40, block_size=4, weight_quant=quant)
+        prompts = [prompt_of(i, 3) for i in range(16)]
+        runner.execute(StepPlan(0, [Slice(f"r{i}", 0, 3, p, [2 * i, 2 * i + 1], sampling=GREEDY) for i, p in enumerate(prompts)]))
+
+        def pooled(rows: int, position: int) -> bool:
+            before = cpu_kernels()[0].takeover_pool_stats()["jobs"]
+            runner.execute(StepPlan(position, [Slice(f"r{i}", position, 1) for i in range(rows)]))
+            return cpu_kernels()[0].takeover_pool_stats()["jobs"] > before
+
+        assert pooled(16, 3) is (pool_rows >= 16)
+        assert pooled(8, 4)
+    finally:
+        torch.set_num_threads(threads)

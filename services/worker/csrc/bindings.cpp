@@ -28,8 +28,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "what the pool of few-row calls has run: jobs, their items, and the items taken over from a helper that was not running");
   m.def(
-      "set_takeover_pool", [](bool on) { takeover_pool::enabled().store(on); },
-      "few-row products and attention on the takeover pool (on) or on OpenMP's threads (off, the default)");
+      "set_takeover_pool",
+      [](bool on, int64_t max_rows) {
+        TORCH_CHECK(max_rows >= 1 && max_rows <= takeover_pool::MAX_ROWS, "the pool takes calls of 1 to ", takeover_pool::MAX_ROWS, " rows, not ", max_rows);
+        takeover_pool::max_rows().store(max_rows);
+        takeover_pool::enabled().store(on);
+      },
+      "few-row products and attention (calls of up to max_rows rows) on the takeover pool (on) or on OpenMP's threads (off, the default)",
+      py::arg("on"), py::arg("max_rows") = takeover_pool::MAX_ROWS);
+  m.attr("TAKEOVER_POOL_MAX_ROWS") = takeover_pool::MAX_ROWS;
   m.def(
       "set_takeover_helper_stall_us", [](int64_t us) { takeover_pool::stats().helper_stall_us.store(us); },
       "tests: each pool helper stalls this long before committing an item (0: never), as a preemption would");

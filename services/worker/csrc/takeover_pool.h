@@ -53,7 +53,7 @@ inline void spin_pause() {
 #endif
 }
 
-// Calls of up to this many rows use the pool: decode steps of up to 32 streams. Such a step must wake no
+// Calls of up to this many rows may use the pool (``max_rows``, set by the runner): decode steps of up to 32 streams. Such a step must wake no
 // OpenMP region either (runner.py keeps torch's indexing out of it; the decoder's small ops and the
 // rounding of activations stay on the calling thread, ``keeps_to_caller``): OpenMP's threads spin for a
 // while after a region, on the cores the pool's helpers need. From 9 to 32 rows this replaces the wait at
@@ -74,12 +74,21 @@ inline std::atomic<bool>& enabled() {
   return on;
 }
 
+// The most rows of a call on the pool, at most MAX_ROWS: the runner lowers it where steps of more rows
+// run kernels that the pool does not (int4-a8's per-layer steps, whose torch glue may wake OpenMP).
+inline std::atomic<int64_t>& max_rows() {
+  static std::atomic<int64_t> rows{MAX_ROWS};
+  return rows;
+}
+
 // Whether a call of this many rows runs on the pool (else on OpenMP's threads).
-inline bool runs_on_pool(int64_t rows) { return rows <= MAX_ROWS && enabled().load(std::memory_order_relaxed) && at::get_num_threads() > 1; }
+inline bool runs_on_pool(int64_t rows) {
+  return enabled().load(std::memory_order_relaxed) && rows <= max_rows().load(std::memory_order_relaxed) && at::get_num_threads() > 1;
+}
 
 // Whether a small op of this many rows (a norm, an activation, rounding activations) stays on the calling
 // thread: in a step whose big calls run on the pool, splitting it would wake OpenMP's threads.
-inline bool keeps_to_caller(int64_t rows) { return rows <= MAX_ROWS && enabled().load(std::memory_order_relaxed); }
+inline bool keeps_to_caller(int64_t rows) { return enabled().load(std::memory_order_relaxed) && rows <= max_rows().load(std::memory_order_relaxed); }
 
 // What the pool has done, for the worker's instrumentation; and, for tests, a stall each helper makes
 // before committing an item (as a preemption would), so that the caller takes its items over.

@@ -250,6 +250,11 @@ class DecoderForCausalLM:
             self._dense_decoder_max_rows = sys.maxsize if all(p.activation_bits == 16 for p in projections) else BLOCK_QUANT_MAX_ROWS
 
     @property
+    def dense_decoder_max_rows(self) -> int:
+        """The most rows of a step that runs all layers in one ``dense_decoder_layers`` call (0: none does)."""
+        return self._dense_decoder_max_rows if self._dense_decoder is not None else 0
+
+    @property
     def runs_dense_decoder(self) -> bool:
         """Whether few-row steps run all layers in one ``dense_decoder_layers`` call (bind_dense_decoder's choice)."""
         return self._dense_decoder is not None
