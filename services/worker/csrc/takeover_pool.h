@@ -53,14 +53,15 @@ inline void spin_pause() {
 #endif
 }
 
-// Calls of up to this many rows may use the pool (``max_rows``, set by the runner): decode steps of up to 32 streams. Such a step must wake no
-// OpenMP region either (runner.py keeps torch's indexing out of it; the decoder's small ops and the
-// rounding of activations stay on the calling thread, ``keeps_to_caller``): OpenMP's threads spin for a
-// while after a region, on the cores the pool's helpers need. From 9 to 32 rows this replaces the wait at
-// an OpenMP region's end for a thread that a service preempted (6 % of the main thread's time at 32 rows)
-// by the takeover, at the price of the small ops on one thread. Measured through the stack (chat-128,
-// alternating rounds against the former limit of 8): 1.04-1.05x output tokens/s at 16 streams, 1.00-1.04x
-// (mean 1.02x over 5 runs) at 32; the step in process unchanged.
+// Calls of up to this many rows may use the pool (``max_rows``, which the runner sets): decode steps of up
+// to 32 streams. Such a step must wake no OpenMP region either (runner.py keeps torch's indexing out of
+// it; the decoder's small ops and the rounding of activations stay on the calling thread,
+// ``keeps_to_caller``): OpenMP's threads spin for a while after a region, on the cores the pool's helpers
+// need. From 9 to 32 rows this replaces the wait at an OpenMP region's end for a thread that a service
+// preempted (6 % of the main thread's time at 32 rows) by the takeover, at the price of the small ops on
+// one thread. Measured through the stack (chat-128, alternating rounds against the former limit of 8):
+// 1.04-1.05x output tokens/s at 16 streams, 1.00-1.04x (mean 1.02x over 5 runs) at 32; the step in
+// process unchanged.
 constexpr int64_t MAX_ROWS = 32;
 
 // An item's state; an item is taken by exactly one thread through its share.
@@ -166,7 +167,7 @@ class Pool {
     }
     generation_.fetch_add(1, std::memory_order_release);
     if (sleepers_.load(std::memory_order_acquire) > 0) futex(&generation_, FUTEX_WAKE, INT32_MAX);
-    thread_local std::vector<float> scratch;  // grown, never cleared: a job's items write what they read
+    thread_local std::vector<float> scratch;  // grown, never cleared: an item reads back only what it wrote
     if (static_cast<int64_t>(scratch.size()) < job->scratch_floats()) scratch.resize(job->scratch_floats());
     int64_t own = 0;
     const auto started = std::chrono::steady_clock::now();
