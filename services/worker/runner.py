@@ -142,13 +142,15 @@ class ModelRunner:
                 parallelize(self.model, tp)
             if hasattr(self.model, "bind_dense_decoder"):  # weights final: steps may run all layers in one call
                 self.model.bind_dense_decoder()
+            self._takeover_pool: tuple[bool, int] | None = None  # (on, max rows): set again at each step
             if (kernels := cpu_kernels()[0]) is not None and self.device.type == "cpu":
                 # Decode-sized steps on the takeover pool (csrc/takeover_pool.h) where all their parallel kernels run on
                 # it: steps up to the pool's limit where every step runs all layers in one call; only few-row steps
                 # where the rest take the per-layer path (int4-a8), whose torch glue may wake OpenMP's threads.
                 one_call_rows = getattr(self.model, "dense_decoder_max_rows", 0)
                 pool_rows = kernels.TAKEOVER_POOL_MAX_ROWS if one_call_rows >= kernels.TAKEOVER_POOL_MAX_ROWS else POOL_FEW_ROWS
-                kernels.set_takeover_pool(one_call_rows > 0, pool_rows)
+                self._takeover_pool = (one_call_rows > 0, pool_rows)
+                kernels.set_takeover_pool(*self._takeover_pool)
             self._attention_backend = getattr(self.model, "attention_backend", "torch")
             # One GDN state slot per request the scheduler may run at once; it hands out ids 0..max_num_seqs-1.
             # With graphs, slot max_num_seqs past them is the dummy slot that padding rows run in.
@@ -279,6 +281,8 @@ class ModelRunner:
             self.tp.send_frame(plan)
         began = time.perf_counter()
         sampled = []
+        if self._takeover_pool is not None:  # the pool's setting is per process: a process may hold runners of several formats
+            cpu_kernels()[0].set_takeover_pool(*self._takeover_pool)
         with torch.inference_mode():
             rids, requests, logits = self._forward(plan.slices)
             if rids:
