@@ -80,7 +80,7 @@ class StackConfig:
         "round-trips through q4_1 blocks exactly, as one converted from a q4_1 GGUF, else fp16; elsewhere none), "
         "none (the dtype's own), fp16 (fbgemm fp16 packs, fp32 arithmetic), int4 (q4_1 blocks, lm_head q8_0 blocks, in panels of 8 "
         "channels; activations int16 per block of 32 features), int4-a8 (int4, but the projections' steps of > 4 rows round "
-        "activations to int8, llama.cpp's q4_1 x q8 arithmetic: opt-in, ~1.8x int4's many-row GEMM speed, logit error ~7e-2) or int8 (per-channel weights; on the CPU activations int8 per block of 32 features: opt-in, +0.8 % perplexity)",
+        "activations to int8, llama.cpp's q4_1 x q8 arithmetic: opt-in, ~1.8x int4's many-row GEMM speed, logit error ~7e-2) or int8 (per-channel weights; on the CPU activations int8 per block of 32 features: opt-in, +1.7 % perplexity)",
         choices=WEIGHT_QUANTS,
     )
     kv_cache_dtype: str = _opt(

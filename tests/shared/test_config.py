@@ -26,7 +26,7 @@ def test_help_lists_every_flag_with_its_text_as_written(capsys) -> None:
         StackConfig.from_argv(["--help"])
     assert exit.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "+0.8 % perplexity" in text
+    assert "+1.7 % perplexity" in text
     assert all(f"--{f.name.replace('_', '-')}" in text for f in dataclasses.fields(StackConfig))
 
 
