@@ -267,7 +267,7 @@ def test_few_row_steps_run_on_the_takeover_pool_where_the_model_runs_its_layers_
     try:
         for quant, pooled in (("int4", True), ("none", False)):
             runner = ModelRunner(str(tmp_path / "snapped"), num_blocks=24, block_size=4, weight_quant=quant)
-            assert runner.model.runs_dense_decoder is pooled
+            assert (runner.model.dense_decoder_max_rows > 0) is pooled
             prompt = prompt_of(3, 3)
             runner.execute(StepPlan(0, [Slice("r", 0, len(prompt), prompt, list(range(8)), sampling=GREEDY)]))
             before = cpu_kernels()[0].takeover_pool_stats()["jobs"]

@@ -172,7 +172,7 @@ class DecoderForCausalLM:
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
         self.norm = self.rms_norm(weights["model.norm.weight"])
         self._dense_decoder: tuple[list, ...] | None = None  # bind_dense_decoder's choice
-        self._dense_decoder_max_rows = 0  # the largest step it runs
+        self._dense_decoder_max_rows = 0  # the largest step it runs (0 while it is not bound)
         if self.fusions.add_rms_norm is not None:  # chosen once: unfused, ``forward`` stays as it is
             self.forward = self._forward_fused
         if cfg.tie_word_embeddings:
@@ -245,19 +245,16 @@ class DecoderForCausalLM:
         count; under int4-a8, whose steps of more than ``BLOCK_QUANT_MAX_ROWS`` rows round them to int8,
         only the few-row steps take it."""
         self._dense_decoder = self._dense_decoder_weights()
+        self._dense_decoder_max_rows = 0
         if self._dense_decoder is not None:
             projections = [p for layer in self.layers for p in (layer.attn.qkv, layer.attn.o_proj, layer.mlp.gate_up, layer.mlp.down)]
             self._dense_decoder_max_rows = sys.maxsize if all(p.activation_bits == 16 for p in projections) else BLOCK_QUANT_MAX_ROWS
 
     @property
     def dense_decoder_max_rows(self) -> int:
-        """The most rows of a step that runs all layers in one ``dense_decoder_layers`` call (0: none does)."""
-        return self._dense_decoder_max_rows if self._dense_decoder is not None else 0
-
-    @property
-    def runs_dense_decoder(self) -> bool:
-        """Whether few-row steps run all layers in one ``dense_decoder_layers`` call (bind_dense_decoder's choice)."""
-        return self._dense_decoder is not None
+        """The most rows of a step that runs all layers in one ``dense_decoder_layers`` call (0: none does;
+        bind_dense_decoder's choice)."""
+        return self._dense_decoder_max_rows
 
     def _dense_decoder_weights(self) -> tuple[list, ...] | None:
         """The per-layer tensors ``dense_decoder_layers`` reads, for a dense family without q/k norms
