@@ -186,7 +186,7 @@ def main() -> None:
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
 
-    levels = (1, args.concurrency)
+    levels = sorted({1, args.concurrency})  # one stream, and --concurrency streams (once, when that is 1 too)
     results: dict = {
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
         "output_tokens": args.output_tokens,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 # "auto" counts as float32, its CPU meaning; on CUDA the worker sizes the cache itself and reports the count.
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "auto": 4}
+KV_Q8_BLOCK = 32  # an int8 KV cache's elements per fp16 scale
 
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 _KV_LAYER_TYPES = (FULL_ATTENTION, "sliding_attention")
@@ -73,6 +74,8 @@ class ModelInfo:
 
     def kv_bytes_per_token(self, dtype: str) -> int:
         # At least one layer's worth, so a byte budget still bounds the positions of a model without attention layers.
+        if dtype == "int8":  # per head vector: its codes and an fp16 scale per 32 of them (services/worker/csrc/kv_q8.h)
+            return max(self.num_kv_layers, 1) * 2 * self.num_kv_heads * (self.head_dim + self.head_dim // KV_Q8_BLOCK * 2)
         return max(self.num_kv_layers, 1) * 2 * self.num_kv_heads * self.head_dim * _DTYPE_BYTES[dtype]
 
     def revision(self) -> str:
@@ -119,7 +122,7 @@ def load_model_info(path: str) -> ModelInfo:
     )
 
 
-KV_CACHE_DTYPES = ("auto", "model", "float16")
+KV_CACHE_DTYPES = ("auto", "model", "float16", "int8")
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, device_type: str, dtype: str) -> str:
@@ -128,9 +131,15 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, device_type: str, dtype: str) ->
     ``auto``: float16 for a float32 model on the CPU (keys and values rounded to fp16: half the bytes
     that decode attention streams per step; the C++ kernel widens them in registers), else the
     model's dtype (``model``). ``float16`` elsewhere only where the model computes in it: the GPU's
-    Triton kernel reads the cache in the model's dtype."""
+    Triton kernel reads the cache in the model's dtype. ``int8`` (opt-in): llama.cpp's q8_0 per head
+    vector (int8 codes, an fp16 scale per 32), 0.53x fp16's bytes, for a float32 model on the CPU,
+    whose C++ kernels alone read it."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported (supported: {', '.join(KV_CACHE_DTYPES)})")
+    if kv_cache_dtype == "int8":
+        if device_type != "cpu" or dtype != "float32":
+            raise ValueError(f"kv_cache_dtype 'int8' needs a float32 model on the CPU (got {dtype} on {device_type})")
+        return "int8"
     if kv_cache_dtype == "model" or (kv_cache_dtype == "auto" and not (device_type == "cpu" and dtype == "float32")):
         return dtype
     if device_type != "cpu" and dtype != "float16":

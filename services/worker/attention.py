@@ -19,10 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.cpu_kernels import cpu_kernels
+from shared.model_info import KV_Q8_BLOCK
 
 
 class KVCache:
-    """Keys and values of every layer: ``[num_layers, num_blocks * block_size, 2, kv_heads, head_dim]``.
+    """Keys and values of every layer: ``[num_layers, num_blocks * block_size, 2, kv_heads, head_dim]``;
+    an int8 cache's rows are ``q8_row_width(head_dim)`` bytes, each head vector's codes and then its scales.
 
     Zero-filled at start-up, so its memory is committed and a masked padding slot is never NaN.
     """
@@ -31,12 +33,27 @@ class KVCache:
         self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"
     ) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.tensor = torch.zeros(num_layers, num_blocks * block_size, 2, num_kv_heads, head_dim, dtype=dtype, device=device)
+        width = q8_row_width(head_dim) if dtype == torch.int8 else head_dim
+        self.tensor = torch.zeros(num_layers, num_blocks * block_size, 2, num_kv_heads, width, dtype=dtype, device=device)
         self.layers = list(self.tensor.unbind(0))
 
     @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
+
+
+def q8_row_width(head_dim: int) -> int:
+    """Bytes of one head vector in an int8 cache (csrc/kv_q8.h, llama.cpp's q8_0): head_dim int8 codes, then
+    an fp16 scale per 32 of them; element i is code[i] * scale[i // 32]."""
+    return head_dim + head_dim // KV_Q8_BLOCK * 2
+
+
+def q8_dequantize(rows: torch.Tensor) -> torch.Tensor:
+    """An int8 cache's rows [..., q8_row_width(head_dim)] as float32 [..., head_dim] (the kernels' reference)."""
+    head_dim = rows.shape[-1] * KV_Q8_BLOCK // (KV_Q8_BLOCK + 2)
+    codes = rows[..., :head_dim].float().unflatten(-1, (-1, KV_Q8_BLOCK))
+    scales = rows[..., head_dim:].contiguous().view(torch.float16).float()
+    return (codes * scales[..., None]).flatten(-2)
 
 
 @dataclass(frozen=True)
@@ -209,7 +226,7 @@ def _prefill_attention(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, m
 def paged_attention_cpp(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """``paged_attention``'s contract in one call of the C++ kernel for the whole step: every row, a
     decode or a prefill chunk's, is a query over the cache up to its own position (causal by
-    construction), read in place through its request's block table (fp32 or fp16 storage). A fresh
+    construction), read in place through its request's block table (fp32, fp16 or int8 storage). A fresh
     chunk thus attends over its keys as the cache holds them, as a later prefix-cache hit will."""
     kernels, _ = cpu_kernels()
     kernels.store_kv_(cache, kv, meta.write_slots)

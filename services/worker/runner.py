@@ -39,12 +39,13 @@ from services.worker.tensor_parallel import TensorParallelGroup, parallelize, sh
 from services.worker.weights import load_weights
 from shared.frames import Release, Sampled, SamplingParams, Slice, StepPlan, StepResult
 from shared.json_grammar import Matcher
-from shared.model_info import HYBRID_PREFIX_CACHE_OFF, resolve_kv_cache_dtype
+from shared.model_info import HYBRID_PREFIX_CACHE_OFF, KV_Q8_BLOCK, resolve_kv_cache_dtype
 
 ALL_PROMPT = 1 << 62  # a prompt_len no prefill reaches: every prefilled token is prompt
 POOL_FEW_ROWS = 8  # the takeover pool's limit where only few-row steps run all layers in one call (int4-a8)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_DTYPES = {**DTYPES, "int8": torch.int8}  # int8: codes and fp16 scales per head vector (csrc/kv_q8.h)
 
 
 @dataclass
@@ -112,7 +113,7 @@ class ModelRunner:
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported (supported: auto, {', '.join(DTYPES)})")
         weight_quant = resolve_weight_quant(weight_quant, self.device, DTYPES[dtype])
-        kv_dtype = DTYPES[resolve_kv_cache_dtype(kv_cache_dtype, self.device.type, dtype)]
+        kv_dtype = KV_DTYPES[resolve_kv_cache_dtype(kv_cache_dtype, self.device.type, dtype)]
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"the KV cache needs num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}")
         with open(os.path.join(model_dir, "config.json")) as f:
@@ -152,6 +153,12 @@ class ModelRunner:
                 self._takeover_pool = (one_call_rows > 0, pool_rows)
                 kernels.set_takeover_pool(*self._takeover_pool)
             self._attention_backend = getattr(self.model, "attention_backend", "torch")
+            if kv_dtype == torch.int8 and (self._attention_backend != "cpp" or self.model.head_dim % KV_Q8_BLOCK):
+                why = cpu_kernels()[1] or f"the {self._attention_backend} attention backend was chosen"
+                raise ValueError(
+                    f"kv_cache_dtype 'int8' needs the C++ CPU attention kernel ({why}) and a head_dim divisible by {KV_Q8_BLOCK} "
+                    f"(this model's: {self.model.head_dim})"
+                )
             # One GDN state slot per request the scheduler may run at once; it hands out ids 0..max_num_seqs-1.
             # With graphs, slot max_num_seqs past them is the dummy slot that padding rows run in.
             shape = self.model.gdn_shape

@@ -1,14 +1,15 @@
 """The C++ decode-attention kernel (the ``cpp`` backend, the CPU's default for fp32) against the torch
 path: decodes in place through out-of-order block tables beside prefill chunks, GQA groups of 1-4,
 contexts ending on, before and after block boundaries; queries read in place from the fused qkv rows;
-refusal of a plan that points outside the cache, for reads and for the step's cache write."""
+refusal of a plan that points outside the cache, for reads and for the step's cache write; an int8 cache
+(llama.cpp's q8_0 per head vector) written and read."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from services.worker.attention import paged_attention, paged_attention_cpp, select_attention_backend
+from services.worker.attention import paged_attention, paged_attention_cpp, q8_dequantize, q8_row_width, select_attention_backend
 from services.worker.cpu_kernels import cpu_kernels
 
 from .harness import ATTENTION_CASES, attention_step
@@ -145,3 +146,53 @@ def test_whole_row_items_answer_to_the_bit_as_one_row_at_a_time_does(dtype: torc
         alone = kernels.paged_decode_attention(q[row : row + 1], cache, tables[row : row + 1], context[row : row + 1], block_size, 0.125)
         torch.testing.assert_close(together[row : row + 1], alone, rtol=0, atol=0)
     torch.testing.assert_close(together, reference_attention(q, cache, tables, context, block_size, 0.125), rtol=1e-5, atol=1e-5)
+
+
+def test_an_int8_cache_holds_each_block_within_half_a_step() -> None:
+    """``store_kv_`` into an int8 cache: per head vector, codes and then one fp16 scale per 32 elements (the
+    block's largest magnitude / 127, rounded to fp16), each element the nearest multiple of its block's
+    stored scale; a zero vector stays zero. A head_dim that is not a multiple of 32, or a row of the
+    wrong width, is refused before anything is written."""
+    kernels, _ = cpu_kernels()
+    generator = torch.Generator().manual_seed(3)
+    kv = torch.randn(5, 2, 3, 64, generator=generator) * torch.logspace(-3, 2, 5)[:, None, None, None]
+    kv[2, 1, 0] = 0.0
+    cache = torch.zeros(8, 2, 3, q8_row_width(64), dtype=torch.int8)
+    kernels.store_kv_(cache, kv, torch.tensor([6, 0, 3, 7, 1]))
+    stored = cache[[6, 0, 3, 7, 1]]
+    blocks = kv.unflatten(-1, (2, 32))
+    scales = (blocks.abs().amax(-1) / 127).half().float()
+    torch.testing.assert_close(stored[..., 64:].contiguous().view(torch.float16).float(), scales, rtol=0, atol=0)
+    error = (q8_dequantize(stored) - kv).unflatten(-1, (2, 32)).abs().amax(-1)
+    assert bool((error <= scales / 2 * (1 + 1e-6)).all())
+    assert not q8_dequantize(stored)[2, 1, 0].any()
+    assert int(stored[..., :64].abs().amax()) == 127
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernels.store_kv_(torch.zeros(8, 2, 3, 40 + 2, dtype=torch.int8), torch.randn(1, 2, 3, 40), torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="row shape"):
+        kernels.store_kv_(torch.zeros(8, 2, 3, 64, dtype=torch.int8), torch.randn(1, 2, 3, 64), torch.tensor([0]))
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size"), [(9, 3, 64, 8), (8, 2, 128, 8), (16, 2, 32, 8), (6, 1, 96, 5)])
+def test_an_int8_cache_is_read_as_its_dequantized_values_to_the_bit(heads: int, kv_heads: int, dim: int, block_size: int) -> None:
+    """The kernel over an int8 cache gives the bits it gives over an fp32 cache holding the dequantized
+    values (a code times an fp16 scale is exact in fp32): kv-head items (few rows) and whole rows (enough
+    rows per thread: decode rows copied out of their blocks, a prefill chunk's later rows in place)."""
+    kernels, _ = cpu_kernels()
+    generator = torch.Generator().manual_seed(heads + dim)
+    lens = [5, 1, 64, 33, 120, 8, 37, 38, 39, 40, 41, 300]
+    requests = [0, 1, 2, 3, 4, 5, 6, 6, 6, 6, 6, 7]
+    width = -(-max(lens) // block_size)
+    tables = torch.randperm(8 * width, generator=generator).view(8, width).to(torch.int32)[requests].contiguous()
+    slots = 8 * width * block_size
+    cache = torch.zeros(slots, 2, kv_heads, q8_row_width(dim), dtype=torch.int8)
+    kernels.store_kv_(cache, 3 * torch.randn(slots, 2, kv_heads, dim, generator=generator), torch.arange(slots))
+    dequantized = q8_dequantize(cache)
+    q = torch.randn(len(lens), heads, dim, generator=generator)
+    context = torch.tensor(lens, dtype=torch.int32)
+    for rows in (slice(0, 2), slice(0, len(lens))):
+        ours = kernels.paged_decode_attention(q[rows], cache, tables[rows], context[rows], block_size, dim**-0.5)
+        torch.testing.assert_close(
+            ours, kernels.paged_decode_attention(q[rows], dequantized, tables[rows], context[rows], block_size, dim**-0.5), rtol=0, atol=0
+        )
+    torch.testing.assert_close(ours, reference_attention(q, dequantized, tables, context, block_size, dim**-0.5), rtol=1e-5, atol=1e-5)

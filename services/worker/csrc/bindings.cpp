@@ -4,8 +4,8 @@
 #include "takeover_pool.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (fp32, CPU)");
-  m.def("store_kv_", &store_kv_, "write each token's keys and values [tokens, 2, kv_heads, head_dim] into its cache slot (fp32 or fp16 cache, CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, "attention of each row over a paged KV cache (fp32, fp16 or int8 storage, CPU)");
+  m.def("store_kv_", &store_kv_, "write each token's keys and values [tokens, 2, kv_heads, head_dim] into its cache slot (fp32, fp16 or int8 cache, CPU)");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, dim=-1) of [rows, vocab] float32 logits (CPU)");
   m.def("sample_rows", &sample_rows,
         "a token per row of [rows, vocab] float32 logits: argmax at temperature 0, else top-k, top-p, min-p and an inverse-CDF draw "

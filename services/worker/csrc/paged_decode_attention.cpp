@@ -2,11 +2,12 @@
 // token of a prefill chunk) over positions [0, len) of its request, its keys and values read in place
 // from the paged KV cache through the block table (no gathered copy of the context).
 //
-// Layout (services/worker/attention.py): cache [slots, 2, kv_heads, head_dim], position p of a request
-// in slot table[p / block_size] * block_size + p % block_size. Query heads h*G .. h*G+G-1 share kv head
-// h (GQA), so each (row, kv head) work item reads its keys and values once for its G queries.
+// Layout (services/worker/attention.py): cache [slots, 2, kv_heads, head_dim] (an int8 cache: each head
+// vector's head_dim codes, then its fp16 scales, kv_q8.h), position p of a request in slot
+// table[p / block_size] * block_size + p % block_size. Query heads h*G .. h*G+G-1 share kv head h (GQA),
+// so each (row, kv head) work item reads its keys and values once for its G queries.
 //
-// Per item, in three passes over the whole context (fp32 arithmetic; fp16 storage is widened on load):
+// Per item, in three passes over the whole context (fp32 arithmetic; fp16 and int8 storage widened on load):
 //   1. scores [G, len] = q . k * scale, each key read once for the G heads; with AVX2, eight positions'
 //      dot products at a time, reduced together into one register of eight sums (no horizontal sum
 //      per score);
@@ -24,11 +25,14 @@
 // 1.2-1.35x for the kernel alone with the cache cold (bench.attention_kernel), ~1.15-1.2x inside the
 // model; 0.85x with the cache in L3, which a model step never leaves it. Not copied: a context too long
 // to stay in L2, and the rows of a prefill chunk after its first (they read what it fetched).
+// An int8 cache's slot is 0.53x fp16's bytes, so whole-row copies stream that much less (bench.kv_cache);
+// a head's 68-byte vectors still touch two cache lines each, so items read in place gain nothing.
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include "avx2_exp.h"
+#include "kv_q8.h"
 #include "takeover_pool.h"
 
 #include <algorithm>
@@ -56,9 +60,27 @@ char* copy_scratch(int64_t bytes) {
   return scratch.data();
 }
 
+// Elements of T per head vector in the cache: head_dim, and for an int8 cache its scales' bytes too (kv_q8.h).
+template <typename T>
+constexpr int64_t head_stride(int64_t dim) {
+  if constexpr (std::is_same_v<T, int8_t>)
+    return kv_q8::vector_bytes(dim);
+  else
+    return dim;
+}
+
+// Element i of a stored head vector of dim elements, as a float.
+template <typename T>
+inline float widen(const T* vec, int64_t dim, int64_t i) {
+  if constexpr (std::is_same_v<T, int8_t>)
+    return kv_q8::element(vec, dim, i);
+  else
+    return static_cast<float>(vec[i]);
+}
+
 // One (row, kv head) work item. keys[p] points at position p's key; its value is at keys[p] +
 // value_offset. scores is [group, stride] with stride >= len (a multiple of 8 on the AVX2 path).
-template <typename T>  // the cache's element type: float, or c10::Half (fp16 storage, fp32 arithmetic)
+template <typename T>  // the cache's element type: float, c10::Half (fp16 storage, fp32 arithmetic) or int8_t (kv_q8.h)
 struct Item {
   const float* queries;  // [group, dim]
   const T* const* keys;
@@ -71,6 +93,16 @@ struct Item {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }  // codes, unscaled
+
+// Eight elements [i, i + 8) of a stored head vector of dim elements, as floats (an int8 cache's codes scaled).
+template <typename T>
+inline __m256 load8_scaled(const T* vec, int64_t dim, int64_t i) {
+  if constexpr (std::is_same_v<T, int8_t>)
+    return _mm256_mul_ps(load8(vec + i), _mm256_set1_ps(kv_q8::scale(vec, dim, i / kv_q8::BLOCK)));
+  else
+    return load8(vec + i);
+}
 
 // [sum(a[0]), sum(a[1]), ..., sum(a[7])]: three rounds of pairwise adds instead of eight horizontal sums.
 inline __m256 reduce8(const __m256* a) {
@@ -84,14 +116,14 @@ inline __m256 reduce8(const __m256* a) {
 template <int R, auto hint, typename T>
 inline void prefetch8(const Item<T>& it, int64_t start, int64_t offset) {
   for (int i = 0; i < 8; ++i)
-    for (int64_t byte = 0; byte < static_cast<int64_t>(8 * R * sizeof(T)); byte += 64)
+    for (int64_t byte = 0; byte < head_stride<T>(8 * R) * static_cast<int64_t>(sizeof(T)); byte += 64)
       _mm_prefetch(reinterpret_cast<const char*>(it.keys[start + i] + offset) + byte, hint);
 }
 
-// Pass 1, R = dim / 8 registers per vector. Keys go eight positions at a time; fp16 keys are widened
-// once into `widened` [8, dim] and then meet every head's query from there. stride is a multiple of
-// 8 and keys[len .. stride) repeat a real key, so a block always has eight readable positions; the
-// scores past len are set to -inf, which pass 2 turns into probability 0.
+// Pass 1, R = dim / 8 registers per vector. Keys go eight positions at a time; fp16 and int8 keys are
+// widened (int8 codes times their scales) once into `widened` [8, dim] and then meet every head's query
+// from there. stride is a multiple of 8 and keys[len .. stride) repeat a real key, so a block always has
+// eight readable positions; the scores past len are set to -inf, which pass 2 turns into probability 0.
 template <int R, typename T>
 void score(const Item<T>& it, float* widened) {
   // Keys and values are scattered over the cache (L3 or memory): the keys of the block after next and
@@ -107,7 +139,14 @@ void score(const Item<T>& it, float* widened) {
         k[i] = it.keys[start + i];
       } else {
         float* w = widened + i * 8 * R;
-        for (int r = 0; r < R; ++r) _mm256_storeu_ps(w + 8 * r, load8(it.keys[start + i] + 8 * r));
+        if constexpr (std::is_same_v<T, int8_t>) {
+          for (int r0 = 0; r0 < R; r0 += 4) {  // a scale per four registers (32 elements)
+            const __m256 d = _mm256_set1_ps(kv_q8::scale(it.keys[start + i], 8 * R, r0 / 4));
+            for (int r = r0; r < r0 + 4; ++r) _mm256_storeu_ps(w + 8 * r, _mm256_mul_ps(load8(it.keys[start + i] + 8 * r), d));
+          }
+        } else {
+          for (int r = 0; r < R; ++r) _mm256_storeu_ps(w + 8 * r, load8(it.keys[start + i] + 8 * r));
+        }
         k[i] = w;
       }
     }
@@ -164,11 +203,11 @@ void weigh_slice(const Item<T>& it, int64_t g0, int64_t column, const float* sum
   for (int g = 0; g < GT; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = _mm256_setzero_ps();
   for (int64_t p = 0; p < it.len; ++p) {
-    const T* value = it.keys[p] + it.value_offset + column;
+    const T* value = it.keys[p] + it.value_offset;
     __m256 w[GT];
     for (int g = 0; g < GT; ++g) w[g] = _mm256_broadcast_ss(probs + g * it.stride + p);
     for (int c = 0; c < C; ++c) {
-      const __m256 v = load8(value + 8 * c);
+      const __m256 v = load8_scaled(value, it.dim, column + 8 * c);
       for (int g = 0; g < GT; ++g) acc[g][c] = _mm256_fmadd_ps(w[g], v, acc[g][c]);
     }
   }
@@ -223,7 +262,7 @@ void attend_generic(const Item<T>& it) {
     float max = kMinusInf;
     for (int64_t p = 0; p < it.len; ++p) {
       float dot = 0.f;
-      for (int64_t d = 0; d < it.dim; ++d) dot += query[d] * static_cast<float>(it.keys[p][d]);
+      for (int64_t d = 0; d < it.dim; ++d) dot += query[d] * widen(it.keys[p], it.dim, d);
       s[p] = dot * it.scale;
       max = std::max(max, s[p]);
     }
@@ -234,7 +273,7 @@ void attend_generic(const Item<T>& it) {
       const float prob = std::exp(s[p] - max);
       sum += prob;
       const T* value = it.keys[p] + it.value_offset;
-      for (int64_t d = 0; d < it.dim; ++d) o[d] += prob * static_cast<float>(value[d]);
+      for (int64_t d = 0; d < it.dim; ++d) o[d] += prob * widen(value, it.dim, d);
     }
     for (int64_t d = 0; d < it.dim; ++d) o[d] /= sum;
   }
@@ -298,9 +337,9 @@ struct Step {
     }
     for (int64_t h = first_head; h < end_head; ++h) {
       if (copied != nullptr) {
-        for (int64_t p = 0; p < len; ++p) keys[p] = copied + p * slot_stride + h * dim;
+        for (int64_t p = 0; p < len; ++p) keys[p] = copied + p * slot_stride + h * head_stride<T>(dim);
       } else {
-        point_at_cache(keys.data(), cache_ptr + h * dim, table_ptr + b * width, len, block_size, slot_stride);
+        point_at_cache(keys.data(), cache_ptr + h * head_stride<T>(dim), table_ptr + b * width, len, block_size, slot_stride);
       }
       std::fill(keys.begin() + len, keys.begin() + stride, keys[len - 1]);  // readable padding (scored -inf)
       const Item<T> it{q_ptr + b * q_row + h * group * dim, keys.data(), scores.data(), out + (h - first_head) * group * dim,
@@ -338,11 +377,14 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                                      const torch::Tensor& context_lens, int64_t block_size, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q must be [batch, heads, head_dim] float32");
   TORCH_CHECK(cache.dim() == 4 && cache.size(1) == 2 && cache.is_contiguous(), "cache must be contiguous [slots, 2, kv_heads, head_dim]");
-  TORCH_CHECK(cache.scalar_type() == torch::kFloat32 || cache.scalar_type() == torch::kHalf, "cache must be float32 or float16");
+  const bool q8 = cache.scalar_type() == torch::kInt8;
+  TORCH_CHECK(cache.scalar_type() == torch::kFloat32 || cache.scalar_type() == torch::kHalf || q8, "cache must be float32, float16 or int8");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == torch::kInt32, "block_tables must be [batch, width] int32");
   TORCH_CHECK(context_lens.dim() == 1 && context_lens.scalar_type() == torch::kInt32, "context_lens must be [batch] int32");
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = cache.size(2), slots = cache.size(0);
-  TORCH_CHECK(cache.size(3) == dim && heads % kv_heads == 0, "q and cache disagree on head_dim, or heads is not a multiple of kv_heads");
+  TORCH_CHECK(cache.size(3) == (q8 ? kv_q8::vector_bytes(dim) : dim) && (!q8 || dim % kv_q8::BLOCK == 0) && heads % kv_heads == 0,
+              "q and cache disagree on head_dim (an int8 cache's rows: head_dim codes + head_dim / ", kv_q8::BLOCK,
+              " fp16 scales, head_dim a multiple of ", kv_q8::BLOCK, "), or heads is not a multiple of kv_heads");
   TORCH_CHECK(block_tables.size(0) >= batch && context_lens.size(0) >= batch, "one block table row and one context length per request");
   const int64_t group = heads / kv_heads, width = block_tables.size(1);
 
@@ -357,7 +399,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   const int32_t* table_ptr = tables.data_ptr<int32_t>();
   const int32_t* len_ptr = lens.data_ptr<int32_t>();
   float* out_ptr = out.data_ptr<float>();
-  const int64_t slot_stride = 2 * kv_heads * dim, value_offset = kv_heads * dim;
+  const int64_t slot_stride = 2 * kv_heads * cache.size(3), value_offset = kv_heads * cache.size(3);  // in the cache's elements
   const float fscale = static_cast<float>(scale);
 
   for (int64_t b = 0; b < batch; ++b) {  // checked up front: a bad plan must not read outside the cache
@@ -397,7 +439,9 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
       }
     });
   };
-  if (cache.scalar_type() == torch::kHalf)
+  if (q8)
+    run(cache.data_ptr<int8_t>());
+  else if (cache.scalar_type() == torch::kHalf)
     run(cache.data_ptr<c10::Half>());
   else
     run(cache.data_ptr<float>());
