@@ -174,7 +174,10 @@ def test_the_cpu_worker_reports_its_device_backends_and_eager_decodes(tmp_path, 
     from services.worker.loop import WorkerLoop
     from shared.frames import Slice, StepPlan
 
-    config = StackConfig(model=tiny_llamas["untied"].path, run_dir=str(tmp_path), kv_cache_tokens=256, block_size=4, max_num_batched_tokens=8)
+    # worker_core off: load() would otherwise pin this test process's threads (--worker-core auto) for every later test
+    config = StackConfig(
+        model=tiny_llamas["untied"].path, run_dir=str(tmp_path), kv_cache_tokens=256, block_size=4, max_num_batched_tokens=8, worker_core="off"
+    )
     loop = WorkerLoop(config, structlog.get_logger())
     try:
         loop.load()
