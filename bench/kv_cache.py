@@ -21,7 +21,7 @@ import random
 import torch
 
 from bench.attention_kernel import DIM, KV_HEADS, call_layers, per_call_s, step
-from bench.quantization import TEXT, decode_step_s, perplexity, teacher_forced_logits, token_by_token_logits
+from bench.quantization import TEXT, accuracy_against, decode_step_s
 from bench.stack_client import write_results
 from services.worker.attention import q8_row_width
 from services.worker.cpu_kernels import cpu_kernels
@@ -67,22 +67,7 @@ def main() -> None:
     blocks = max(args.batches) * -(-(max(args.contexts) + args.steps + 8) // 16)  # decode_step_s's requests at once, blocks of 16
     runners = {fmt: ModelRunner(args.model, num_blocks=blocks, block_size=16, weight_quant="int4", kv_cache_dtype=fmt) for fmt in FORMATS}
     results: dict = {"model": args.model, "weight_quant": "int4", "text_tokens": len(ids), "kernel_ms_per_layer": {}, "decode_step_ms": {}}
-    for mode, run in (("prefill", teacher_forced_logits), ("token_by_token", token_by_token_logits)):
-        logits = {fmt: run(runner, ids) for fmt, runner in runners.items()}
-        exact = logits["model"]
-        results[mode] = {
-            fmt: {
-                "perplexity": perplexity(value, ids),
-                "logit_relative_error": float((value - exact).norm() / exact.norm()),
-                "top1_agreement": float((value.argmax(-1) == exact.argmax(-1)).float().mean()),
-            }
-            for fmt, value in logits.items()
-        }
-        for fmt, facts in results[mode].items():
-            print(
-                f"{mode:14s} {fmt:7s}: perplexity {facts['perplexity']:.3f}, logit rel. error {facts['logit_relative_error']:.2e}, "
-                f"top-1 agreement {facts['top1_agreement']:.3f}"
-            )
+    results.update(accuracy_against(runners, "model", ids))
     results["kv_bytes_per_token"] = {fmt: runner.describe()["kv_bytes_per_token"] for fmt, runner in runners.items()}
     results["kernel_ms_per_layer"] = kernel_ms_per_layer([(60, 200), (100, 300), (900, 1100)], repeats=3)
     for context in args.contexts:

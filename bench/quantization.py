@@ -60,6 +60,29 @@ def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
     return math.exp(float(nll))
 
 
+def accuracy_against(runners: dict[str, ModelRunner], reference: str, ids: list[int]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per mode (``ids`` as one prefill, and token by token) and runner: perplexity on ``ids``, and the
+    relative logit error and top-1 agreement against ``runners[reference]``; printed as they come."""
+    results = {}
+    for mode, run in (("prefill", teacher_forced_logits), ("token_by_token", token_by_token_logits)):
+        logits = {name: run(runner, ids) for name, runner in runners.items()}
+        exact = logits[reference]
+        results[mode] = {
+            name: {
+                "perplexity": perplexity(value, ids),
+                "logit_relative_error": float((value - exact).norm() / exact.norm()),
+                "top1_agreement": float((value.argmax(-1) == exact.argmax(-1)).float().mean()),
+            }
+            for name, value in logits.items()
+        }
+        for name, facts in results[mode].items():
+            print(
+                f"{mode:14s} {name:7s}: perplexity {facts['perplexity']:.3f}, logit rel. error {facts['logit_relative_error']:.2e}, "
+                f"top-1 agreement {facts['top1_agreement']:.3f}"
+            )
+    return results
+
+
 def decode_step_s(runner: ModelRunner, batch: int, context: int, steps: int) -> float:
     greedy = SamplingParams(temperature=0.0)
     per_request = -(-(context + steps + 8) // runner.block_size)
@@ -89,22 +112,7 @@ def main() -> None:
     formats = ("none", "fp16", "int8", "int4", "int4-a8")
     runners = {quant: ModelRunner(args.model, num_blocks=1024, block_size=16, weight_quant=quant) for quant in formats}
     results: dict = {"model": args.model, "text_tokens": len(ids), "decode_step_ms": {}}
-    for mode, run in (("prefill", teacher_forced_logits), ("token_by_token", token_by_token_logits)):
-        logits = {quant: run(runner, ids) for quant, runner in runners.items()}
-        exact = logits["none"]
-        results[mode] = {
-            quant: {
-                "perplexity": perplexity(value, ids),
-                "logit_relative_error": float((value - exact).norm() / exact.norm()),
-                "top1_agreement": float((value.argmax(-1) == exact.argmax(-1)).float().mean()),
-            }
-            for quant, value in logits.items()
-        }
-        for quant, facts in results[mode].items():
-            print(
-                f"{mode:14s} {quant:5s}: perplexity {facts['perplexity']:.3f}, logit rel. error {facts['logit_relative_error']:.2e}, "
-                f"top-1 agreement {facts['top1_agreement']:.3f}"
-            )
+    results.update(accuracy_against(runners, "none", ids))
     for quant, runner in runners.items():
         facts = runner.describe()
         results.setdefault("weight_bytes", {})[quant] = facts["param_bytes"] + facts["block_quant_bytes"]
