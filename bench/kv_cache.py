@@ -7,7 +7,7 @@ Formats, each with the default int4 weights: ``model`` (fp32, the reference), ``
   error and top-1 agreement, as one prefill and token by token.
 - The attention kernel alone, per layer, on a 32-row decode step whose 30 layers' caches are called in
   turn (cold, as a model step reads them), at three context spans; the formats alternate.
-- The model's decode step (median) at a few batch sizes and contexts, the formats alternating.
+- The model's decode step at a few batch sizes and contexts: the best of three alternating runs' medians.
 
     python -m bench.kv_cache [--model models/SmolLM2-135M-Instruct] [--out bench/results/kv_cache.json]
 """
@@ -66,7 +66,7 @@ def main() -> None:
     ids = load_tokenizer(args.model).encode(TEXT)
     blocks = max(args.batches) * -(-(max(args.contexts) + args.steps + 8) // 16)  # decode_step_s's requests at once, blocks of 16
     runners = {fmt: ModelRunner(args.model, num_blocks=blocks, block_size=16, weight_quant="int4", kv_cache_dtype=fmt) for fmt in FORMATS}
-    results: dict = {"model": args.model, "weight_quant": "int4", "text_tokens": len(ids), "kernel_ms_per_layer": {}, "decode_step_ms": {}}
+    results: dict = {"model": args.model, "weight_quant": "int4", "text_tokens": len(ids), "decode_step_ms": {}}
     results.update(accuracy_against(runners, "model", ids))
     results["kv_bytes_per_token"] = {fmt: runner.describe()["kv_bytes_per_token"] for fmt, runner in runners.items()}
     results["kernel_ms_per_layer"] = kernel_ms_per_layer([(60, 200), (100, 300), (900, 1100)], repeats=3)
