@@ -17,6 +17,13 @@ from dataclasses import dataclass
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "auto": 4}
 KV_Q8_BLOCK = 32  # an int8 KV cache's elements per fp16 scale
 
+
+def q8_row_width(head_dim: int) -> int:
+    """Bytes of one head vector in an int8 KV cache (services/worker/csrc/kv_q8.h, llama.cpp's q8_0): head_dim
+    int8 codes, then an fp16 scale per 32 of them; element i is code[i] * scale[i // 32]."""
+    return head_dim + head_dim // KV_Q8_BLOCK * 2
+
+
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 _KV_LAYER_TYPES = (FULL_ATTENTION, "sliding_attention")
 HYBRID_PREFIX_CACHE_OFF = "prefix cache off: the model's Gated DeltaNet layers keep a recurrent state per request that cached KV blocks cannot restore"
@@ -74,8 +81,8 @@ class ModelInfo:
 
     def kv_bytes_per_token(self, dtype: str) -> int:
         # At least one layer's worth, so a byte budget still bounds the positions of a model without attention layers.
-        if dtype == "int8":  # per head vector: its codes and an fp16 scale per 32 of them (services/worker/csrc/kv_q8.h)
-            return max(self.num_kv_layers, 1) * 2 * self.num_kv_heads * (self.head_dim + self.head_dim // KV_Q8_BLOCK * 2)
+        if dtype == "int8":
+            return max(self.num_kv_layers, 1) * 2 * self.num_kv_heads * q8_row_width(self.head_dim)
         return max(self.num_kv_layers, 1) * 2 * self.num_kv_heads * self.head_dim * _DTYPE_BYTES[dtype]
 
     def revision(self) -> str:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.cpu_kernels import cpu_kernels
-from shared.model_info import KV_Q8_BLOCK
+from shared.model_info import KV_Q8_BLOCK, q8_row_width
 
 
 class KVCache:
@@ -40,12 +40,6 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
-
-
-def q8_row_width(head_dim: int) -> int:
-    """Bytes of one head vector in an int8 cache (csrc/kv_q8.h, llama.cpp's q8_0): head_dim int8 codes, then
-    an fp16 scale per 32 of them; element i is code[i] * scale[i // 32]."""
-    return head_dim + head_dim // KV_Q8_BLOCK * 2
 
 
 def q8_dequantize(rows: torch.Tensor) -> torch.Tensor:

@@ -153,12 +153,11 @@ class ModelRunner:
                 self._takeover_pool = (one_call_rows > 0, pool_rows)
                 kernels.set_takeover_pool(*self._takeover_pool)
             self._attention_backend = getattr(self.model, "attention_backend", "torch")
-            if kv_dtype == torch.int8 and (self._attention_backend != "cpp" or self.model.head_dim % KV_Q8_BLOCK):
+            if kv_dtype == torch.int8 and self._attention_backend != "cpp":
                 why = cpu_kernels()[1] or f"the {self._attention_backend} attention backend was chosen"
-                raise ValueError(
-                    f"kv_cache_dtype 'int8' needs the C++ CPU attention kernel ({why}) and a head_dim divisible by {KV_Q8_BLOCK} "
-                    f"(this model's: {self.model.head_dim})"
-                )
+                raise ValueError(f"kv_cache_dtype 'int8' needs the C++ CPU attention kernel ({why})")
+            if kv_dtype == torch.int8 and self.model.head_dim % KV_Q8_BLOCK:
+                raise ValueError(f"kv_cache_dtype 'int8' needs a head_dim divisible by {KV_Q8_BLOCK} (this model's: {self.model.head_dim})")
             # One GDN state slot per request the scheduler may run at once; it hands out ids 0..max_num_seqs-1.
             # With graphs, slot max_num_seqs past them is the dummy slot that padding rows run in.
             shape = self.model.gdn_shape

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.attention import paged_attention, paged_attention_cpp, q8_dequantize, q8_row_width, select_attention_backend
+from services.worker.attention import paged_attention, paged_attention_cpp, q8_dequantize, select_attention_backend
 from services.worker.cpu_kernels import cpu_kernels
+from shared.model_info import q8_row_width
 
 from .harness import ATTENTION_CASES, attention_step
 
