@@ -46,6 +46,12 @@ constexpr int64_t PANEL = 8;                         // output channels per pane
 constexpr int64_t ROW_TILE = 4;                      // rows per register tile: 4 block sums + 4 accumulators + weights fit 16 registers
 constexpr int64_t ROW_CHUNK = 64;                    // rows a panel meets before the next panel (their activations stay in L2)
 constexpr int64_t MAX_PANELS_PER_RANGE = 32;          // panels a thread takes at a time: q8_0's stay well inside L2 (lm_head: 192 groups)
+// How far ahead of the record being multiplied the first row tile prefetches the weight stream (past
+// the panel's end too: the next panel follows it in memory). A one-row step is bound by the weights'
+// ~100 MB per step, and the hardware prefetcher alone leaves it waiting on memory: this makes it 1.15x
+// faster (5.2 -> 4.5 ms on the default model; no change at 32 rows). Non-temporal: the stream is read
+// once per step (measured a little faster than T0 or T1 too).
+constexpr int64_t WEIGHT_PREFETCH_BYTES = 2048;
 
 // The two record formats: their size, where the scales start, whether minimums follow them.
 struct Q4_1Panels {
@@ -177,6 +183,9 @@ void panel_tile(const uint8_t* panel, const QuantizedRows<T>& a, int64_t m0, flo
   }
   for (int64_t b = 0; b < a.blocks; ++b) {
     const uint8_t* rec = panel + b * F::RECORD;
+    if (m0 == 0)  // later tiles of rows find the panel in L1
+      for (int64_t byte = 0; byte < F::RECORD; byte += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(rec + WEIGHT_PREFETCH_BYTES + byte), _MM_HINT_NTA);
     const T* x[R];
     for (int r = 0; r < R; ++r) x[r] = xq[r] + b * BLOCK;
     __m256i dot[R];
