@@ -1,7 +1,7 @@
 """C++ kernels for the CPU worker (``services/worker/csrc``), compiled on first use by the machine that
 runs them and cached by torch (``~/.cache/torch_extensions``, or ``TORCH_EXTENSIONS_DIR``).
 
-The ISA flags come from what this machine's /proc/cpuinfo lists (AVX2 + FMA + F16C when present), never
+The ISA flags come from what this machine's /proc/cpuinfo lists (AVX2 + FMA + F16C, and AVX-512 VNNI, when present), never
 ``-march=native``, which may pick instructions a virtual machine advertises but does not execute.
 Without a compiler (or with ``TOKENYARD_CPU_KERNELS=0``) the worker keeps its torch paths, and the
 reason is reported in ``/instrumentation``.
@@ -42,7 +42,11 @@ def _isa_flags() -> list[str]:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     except OSError:
         flags = []
-    return ["-mavx2", "-mfma", "-mf16c"] if {"avx2", "fma", "f16c"} <= set(flags) else []
+    if not {"avx2", "fma", "f16c"} <= set(flags):
+        return []
+    # AVX-512 VNNI (on 256-bit vectors) for the integer block products of block_quant_gemm.cpp.
+    vnni = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"] if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= set(flags) else []
+    return ["-mavx2", "-mfma", "-mf16c", *vnni]
 
 
 @functools.cache

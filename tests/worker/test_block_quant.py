@@ -5,7 +5,10 @@ lossless (a checkpoint on the q4_1 grid, as one converted from a q4_1 GGUF)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,8 @@ from services.worker.cpu_kernels import cpu_kernels
 from services.worker.linear import BLOCK_QUANT_MAX_ROWS, Linear, RowSplitLinear
 from services.worker.runner import ModelRunner
 from shared.frames import Slice, StepPlan
+
+REPO = Path(__file__).resolve().parents[2]
 
 from .harness import GREEDY, Checkpoint, check_same_bits_at_every_thread_count, kernel_rounded, prompt_of
 
@@ -123,6 +128,35 @@ def test_gemm_results_do_not_depend_on_how_the_threads_share_the_panels(rows: in
     w, x = torch.randn(299, 192, generator=generator), torch.randn(rows, 192, generator=generator)
     panels = block_quant.to_panels(block_quant.quantize(w, "q4_1"))  # 38 panels, the last of 3 channels
     check_same_bits_at_every_thread_count(lambda: cpu_kernels()[0].block_quant_gemm(x, panels, 299, None, None, 16))
+
+
+_PRODUCTS_IN_A_FRESH_PROCESS = """
+import sys, torch
+from services.worker.cpu_kernels import cpu_kernels
+cases = torch.load(sys.argv[1])
+kernel = cpu_kernels()[0]
+torch.save([kernel.block_quant_gemm(x, panels, n, None, None, bits) for x, panels, n, bits in cases] + [kernel.block_quant_gemm_isa()], sys.argv[2])
+"""
+
+
+@kernels
+@pytest.mark.skipif(cpu_kernels()[0] is None or cpu_kernels()[0].block_quant_gemm_isa() != "avx512-vnni", reason="AVX-512 VNNI not built in")
+def test_vnni_block_products_equal_the_avx2_ones_to_the_bit(tmp_path: Path) -> None:
+    """The VNNI and AVX2 block products are the same exact integer sums; TOKENYARD_CPU_VNNI=0 (read once
+    per process) selects AVX2, so a second process computes the same cases with it."""
+    generator = torch.Generator().manual_seed(7)
+    cases = []
+    for fmt, bits in (("q4_1", 8), ("q4_1", 16), ("q8_0", 16)):
+        panels = block_quant.to_panels(block_quant.quantize(torch.randn(30, 288, generator=generator) * 3, fmt), fmt)
+        cases += [(torch.randn(rows, 288, generator=generator) * 5, panels, 30, bits) for rows in (1, 3, 4, 5, 33)]
+    torch.save(cases, tmp_path / "cases.pt")
+    env = {**os.environ, "TOKENYARD_CPU_VNNI": "0"}
+    subprocess.run([sys.executable, "-c", _PRODUCTS_IN_A_FRESH_PROCESS, tmp_path / "cases.pt", tmp_path / "avx2.pt"], env=env, check=True, cwd=REPO)
+    *avx2, isa = torch.load(tmp_path / "avx2.pt")
+    assert isa == "avx2"
+    kernel = cpu_kernels()[0]
+    for (x, panels, n, bits), theirs in zip(cases, avx2, strict=True):
+        assert torch.equal(kernel.block_quant_gemm(x, panels, n, None, None, bits), theirs), (x.shape, panels.shape, bits)
 
 
 @kernels

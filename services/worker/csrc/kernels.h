@@ -20,6 +20,7 @@ std::vector<torch::Tensor> logprobs_rows(const torch::Tensor& logits, const torc
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales, const std::optional<torch::Tensor>& bias);
 torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& panels, int64_t out_features, const std::optional<torch::Tensor>& bias,
                                const std::optional<torch::Tensor>& residual, int64_t activation_bits);
+std::string block_quant_gemm_isa();
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x, const std::optional<torch::Tensor>& residual, const torch::Tensor& weight,
                                                       double eps);
 torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
