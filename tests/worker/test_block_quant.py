@@ -142,13 +142,15 @@ torch.save([kernel.block_quant_gemm(x, panels, n, None, None, bits) for x, panel
 @kernels
 @pytest.mark.skipif(cpu_kernels()[0] is None or cpu_kernels()[0].block_quant_gemm_isa() != "avx512-vnni", reason="AVX-512 VNNI not built in")
 def test_vnni_block_products_equal_the_avx2_ones_to_the_bit(tmp_path: Path) -> None:
-    """The VNNI and AVX2 block products are the same exact integer sums; TOKENYARD_CPU_VNNI=0 (read once
-    per process) selects AVX2, so a second process computes the same cases with it."""
+    """The VNNI block products (two panels per 512-bit tile, one where a panel is left alone) and the AVX2
+    ones are the same exact integer sums; TOKENYARD_CPU_VNNI=0 (read once per process) selects AVX2, so a
+    second process computes the same cases with it."""
     generator = torch.Generator().manual_seed(7)
     cases = []
     for fmt, bits in (("q4_1", 8), ("q4_1", 16), ("q8_0", 16)):
-        panels = block_quant.to_panels(block_quant.quantize(torch.randn(30, 288, generator=generator) * 3, fmt), fmt)
-        cases += [(torch.randn(rows, 288, generator=generator) * 5, panels, 30, bits) for rows in (1, 3, 4, 5, 33)]
+        for n in (30, 40):  # 4 panels, the last of 6 channels (two pairs); 5 (two pairs and one alone)
+            panels = block_quant.to_panels(block_quant.quantize(torch.randn(n, 288, generator=generator) * 3, fmt), fmt)
+            cases += [(torch.randn(rows, 288, generator=generator) * 5, panels, n, bits) for rows in (1, 3, 4, 5, 8, 33)]
     torch.save(cases, tmp_path / "cases.pt")
     env = {**os.environ, "TOKENYARD_CPU_VNNI": "0"}
     subprocess.run([sys.executable, "-c", _PRODUCTS_IN_A_FRESH_PROCESS, tmp_path / "cases.pt", tmp_path / "avx2.pt"], env=env, check=True, cwd=REPO)

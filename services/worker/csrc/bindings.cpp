@@ -18,6 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_quant_gemm", &block_quant_gemm, "x @ dequantized(q4_1 or q8_0 panels).T (+ bias) (+ residual), x rounded to int16 or int8 per block of 32 (CPU)");
   m.def("block_quant_gemm_isa", &block_quant_gemm_isa,
         "the instructions of block_quant_gemm's integer block products: avx512-vnni, avx2 (also where TOKENYARD_CPU_VNNI=0) or portable");
+  m.def("set_block_quant_pair_tiles", &set_block_quant_pair_tiles,
+        "benchmarks: block_quant_gemm's many-row calls take two panels per 512-bit tile (on, the default, in VNNI builds) or one (off)");
   m.def("int8_linear", &int8_linear, "x @ (int8 weight * per-channel scale).T (+ bias), fp32 arithmetic (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(h) * weight, h) with h = x + residual written over x (fp32, CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] rows (fp32, CPU)");

@@ -17,7 +17,8 @@
 //   out[m, n] = sum_b d[n, b] * dx[m, b] * <q[n, b], qx[m, b]> (+ m[n, b] * sx[m, b])  (+ bias) (+ residual)
 // Each output lane is a channel, so no horizontal sums: a tile of rows keeps one accumulator per row.
 // The integer products use AVX2 (maddubs / madd), or AVX-512 VNNI where the build has it (cpu_kernels.py
-// adds its flags on a CPU that lists it): 1.3-1.5x the many-row speed, the same bits.
+// adds its flags on a CPU that lists it): 1.3-1.5x the many-row speed, and calls of 8 rows or more take
+// two panels per 512-bit tile, another 1.15-1.2x; the same bits throughout.
 // Threads share the panels in groups (shared_items.h); each panel meets a chunk of rows while its
 // weights are in L1.
 
@@ -29,6 +30,7 @@
 #include "takeover_pool.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -52,6 +54,7 @@ constexpr int64_t PANEL = 8;                         // output channels per pane
 constexpr int64_t ROW_TILE = 4;                      // rows per register tile: 4 block sums + 4 accumulators + weights fit 16 registers
 constexpr int64_t VNNI_ROW_TILE = 8;                 // AVX-512's 32 registers: 8 block sums + 8 accumulators + weights
 constexpr int64_t MAX_ROW_TILE = VNNI_ROW_TILE;
+constexpr int64_t PAIR_MIN_ROWS = 8;                 // calls of this many rows take two panels per tile (VNNI builds)
 constexpr int64_t ROW_CHUNK = 64;                    // rows a panel meets before the next panel (their activations stay in L2)
 constexpr int64_t MAX_PANELS_PER_RANGE = 32;          // panels a thread takes at a time: q8_0's stay well inside L2 (lm_head: 192 groups)
 // How far ahead of the record being multiplied the first row tile prefetches the weight stream (past
@@ -87,6 +90,17 @@ struct Q8_0Panels {
     return setting == nullptr || std::strcmp(setting, "0") != 0;
   }();
   return on;
+}
+
+// Whether tiles take two panels at a time in 512-bit vectors (VNNI builds; on unless
+// set_block_quant_pair_tiles turns it off, for A/B measurements in one process).
+std::atomic<bool> pair_tiles_on{true};
+bool pair_tiles() {
+#ifdef TOKENYARD_BLOCK_QUANT_GEMM_VNNI
+  return vnni_enabled() && pair_tiles_on.load(std::memory_order_relaxed);
+#else
+  return false;
+#endif
 }
 
 int64_t row_tile() {
@@ -315,11 +329,150 @@ void panel_tile(const uint8_t* panel, const QuantizedRows<T>& a, int64_t m0, flo
 }
 #endif
 
-// rows <= row_tile() rows of one panel into sums[r * PANEL + c].
+#ifdef TOKENYARD_BLOCK_QUANT_GEMM_VNNI
+// Two panels side by side in 512-bit vectors (lanes 0-7: panel p's channels, 8-15: panel p + 1's): the
+// same products in half the instructions, where the front end rather than the multipliers limited the
+// 256-bit tiles (32-row products 1.15-1.2x faster, the default model's 32-row decode step 1.10x, 16 rows
+// 1.05x). Lane for lane the arithmetic of the 256-bit tile, so the same bits.
+inline __m512i two_records(const uint8_t* rec0, const uint8_t* rec1, int64_t offset) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec0 + offset))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec1 + offset)), 1);
+}
+inline __m512 two_halves_to_float(const uint8_t* rec0, const uint8_t* rec1, int64_t offset) {  // 8 + 8 fp16
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec0 + offset))),
+                                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec1 + offset)), 1));
+}
+template <typename T>
+inline __m512i broadcast4_512(const T* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+template <int R, int S>
+inline __m512i sum_chains(__m512i (&sum)[S][R], int r) {
+  __m512i total = sum[0][r];
+  for (int i = 1; i < S; ++i) total = _mm512_add_epi32(total, sum[i][r]);
+  return total;
+}
+
+template <int R>
+inline void pair_dots(const uint8_t* rec0, const uint8_t* rec1, const int8_t* const* x, __m512i* dot) {
+  constexpr int S = sums_per_row<R>();
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  __m512i sum[S][R];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < S; ++i) sum[i][r] = _mm512_setzero_si512();
+  for (int j = 0; j < 4; ++j) {
+    const __m512i codes = two_records(rec0, rec1, 32 * j);
+    const __m512i low = _mm512_and_si512(codes, nibble), high = _mm512_and_si512(_mm512_srli_epi16(codes, 4), nibble);
+    for (int r = 0; r < R; ++r) {
+      sum[(2 * j) % S][r] = _mm512_dpbusd_epi32(sum[(2 * j) % S][r], low, broadcast4_512(x[r] + 4 * j));
+      sum[(2 * j + 1) % S][r] = _mm512_dpbusd_epi32(sum[(2 * j + 1) % S][r], high, broadcast4_512(x[r] + 16 + 4 * j));
+    }
+  }
+  for (int r = 0; r < R; ++r) dot[r] = sum_chains<R, S>(sum, r);
+}
+
+template <int R>
+inline void pair_dots(const uint8_t* rec0, const uint8_t* rec1, const int16_t* const* x, __m512i* dot) {
+  constexpr int S = sums_per_row<R>();
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  const __m512i pairs01 = _mm512_broadcast_i32x4(_mm_setr_epi8(0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1));
+  const __m512i pairs23 = _mm512_add_epi8(pairs01, _mm512_set1_epi16(2));
+  __m512i sum[S][R];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < S; ++i) sum[i][r] = _mm512_setzero_si512();
+  for (int j = 0; j < 4; ++j) {
+    const __m512i codes = two_records(rec0, rec1, 32 * j);
+    for (int half = 0; half < 2; ++half) {
+      const __m512i nibbles = _mm512_and_si512(half ? _mm512_srli_epi16(codes, 4) : codes, nibble);
+      const __m512i w01 = _mm512_shuffle_epi8(nibbles, pairs01), w23 = _mm512_shuffle_epi8(nibbles, pairs23);
+      const int64_t f = 16 * half + 4 * j;
+      const int i = 4 * j + 2 * half;
+      for (int r = 0; r < R; ++r) {
+        sum[i % S][r] = _mm512_dpwssd_epi32(sum[i % S][r], w01, broadcast4_512(x[r] + f));
+        sum[(i + 1) % S][r] = _mm512_dpwssd_epi32(sum[(i + 1) % S][r], w23, broadcast4_512(x[r] + f + 2));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) dot[r] = sum_chains<R, S>(sum, r);
+}
+
+template <int R>
+inline void q8_0_pair_dots(const uint8_t* rec0, const uint8_t* rec1, const int16_t* const* x, __m512i* dot) {
+  constexpr int S = sums_per_row<R>();
+  __m512i sum[S][R];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < S; ++i) sum[i][r] = _mm512_setzero_si512();
+  for (int j = 0; j < 8; ++j) {
+    const __m512i codes = two_records(rec0, rec1, 32 * j);
+    const __m512i w01 = _mm512_srai_epi16(_mm512_slli_epi16(codes, 8), 8), w23 = _mm512_srai_epi16(codes, 8);
+    for (int r = 0; r < R; ++r) {
+      sum[(2 * j) % S][r] = _mm512_dpwssd_epi32(sum[(2 * j) % S][r], w01, broadcast4_512(x[r] + 4 * j));
+      sum[(2 * j + 1) % S][r] = _mm512_dpwssd_epi32(sum[(2 * j + 1) % S][r], w23, broadcast4_512(x[r] + 4 * j + 2));
+    }
+  }
+  for (int r = 0; r < R; ++r) dot[r] = sum_chains<R, S>(sum, r);
+}
+
+// R rows x panels p and p + 1 (panel_bytes apart) into sums[q * MAX_ROW_TILE * PANEL + r * PANEL + c]
+// (panel p + q, row m0 + r, channel c).
+template <int R, typename F, typename T>
+void panel_pair_tile(const uint8_t* panel, int64_t panel_bytes, const QuantizedRows<T>& a, int64_t m0, float* sums) {
+  const T* xq[R];
+  const float *dx[R], *sx[R];
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) {
+    xq[r] = a.q.data() + (m0 + r) * a.k;
+    dx[r] = a.d.data() + (m0 + r) * a.blocks;
+    sx[r] = a.s.data() + (m0 + r) * a.blocks;
+    acc[r] = _mm512_setzero_ps();
+  }
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const uint8_t *rec0 = panel + b * F::RECORD, *rec1 = rec0 + panel_bytes;
+    if (m0 == 0)
+      for (int64_t byte = 0; byte < F::RECORD; byte += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(rec0 + WEIGHT_PREFETCH_BYTES + byte), _MM_HINT_NTA);
+        _mm_prefetch(reinterpret_cast<const char*>(rec1 + WEIGHT_PREFETCH_BYTES + byte), _MM_HINT_NTA);
+      }
+    const T* x[R];
+    for (int r = 0; r < R; ++r) x[r] = xq[r] + b * BLOCK;
+    __m512i dot[R];
+    if constexpr (F::HAS_MIN)
+      pair_dots<R>(rec0, rec1, x, dot);
+    else
+      q8_0_pair_dots<R>(rec0, rec1, x, dot);
+    const __m512 d = two_halves_to_float(rec0, rec1, F::SCALES);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(d, _mm512_set1_ps(dx[r][b])), acc[r]);
+    if constexpr (F::HAS_MIN) {
+      const __m512 mins = two_halves_to_float(rec0, rec1, F::SCALES + 2 * PANEL);
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(sx[r][b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(sums + r * PANEL, _mm512_castps512_ps256(acc[r]));
+    _mm256_storeu_ps(sums + MAX_ROW_TILE * PANEL + r * PANEL, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
+  }
+}
+#endif
+
+// rows <= row_tile() rows of `span` panels (1, or 2 where pair_tiles()) starting at `panel`, panel_bytes
+// apart, into sums[q * MAX_ROW_TILE * PANEL + r * PANEL + c] (panel q of the span, row m0 + r, channel c).
 template <typename F, typename T>
-void run_tile(const uint8_t* panel, const QuantizedRows<T>& a, int64_t m0, int64_t rows, float* sums) {
+void run_tile(const uint8_t* panel, int64_t panel_bytes, int64_t span, const QuantizedRows<T>& a, int64_t m0, int64_t rows, float* sums) {
 #ifdef TOKENYARD_BLOCK_QUANT_GEMM_AVX2
 #ifdef TOKENYARD_BLOCK_QUANT_GEMM_VNNI
+  if (span == 2) switch (rows) {
+      case 1: return panel_pair_tile<1, F, T>(panel, panel_bytes, a, m0, sums);
+      case 2: return panel_pair_tile<2, F, T>(panel, panel_bytes, a, m0, sums);
+      case 3: return panel_pair_tile<3, F, T>(panel, panel_bytes, a, m0, sums);
+      case 4: return panel_pair_tile<4, F, T>(panel, panel_bytes, a, m0, sums);
+      case 5: return panel_pair_tile<5, F, T>(panel, panel_bytes, a, m0, sums);
+      case 6: return panel_pair_tile<6, F, T>(panel, panel_bytes, a, m0, sums);
+      case 7: return panel_pair_tile<7, F, T>(panel, panel_bytes, a, m0, sums);
+      default: return panel_pair_tile<8, F, T>(panel, panel_bytes, a, m0, sums);
+    }
   if (vnni_enabled()) switch (rows) {
       case 1: return panel_tile<1, F, T, true>(panel, a, m0, sums);
       case 2: return panel_tile<2, F, T, true>(panel, a, m0, sums);
@@ -331,6 +484,7 @@ void run_tile(const uint8_t* panel, const QuantizedRows<T>& a, int64_t m0, int64
       default: return panel_tile<8, F, T, true>(panel, a, m0, sums);
     }
 #endif
+  (void)panel_bytes, (void)span;
   switch (rows) {
     case 1: return panel_tile<1, F, T, false>(panel, a, m0, sums);
     case 2: return panel_tile<2, F, T, false>(panel, a, m0, sums);
@@ -338,9 +492,15 @@ void run_tile(const uint8_t* panel, const QuantizedRows<T>& a, int64_t m0, int64
     default: return panel_tile<4, F, T, false>(panel, a, m0, sums);
   }
 #else
+  (void)panel_bytes, (void)span;
   panel_rows_generic<F>(panel, a, m0, rows, sums);
 #endif
 }
+
+// How many panels a tile takes from `p` on in a range ending at `end`: two where the pair tiles run and
+// the call has the rows to be bound by arithmetic. Fewer rows are bound by the weight stream, which one
+// panel at a time reads faster (two side by side made a one-row step 1.4x slower).
+inline int64_t tile_span(int64_t p, int64_t end, int64_t rows) { return pair_tiles() && rows >= PAIR_MIN_ROWS && p + 1 < end ? 2 : 1; }
 
 // A few rows' product as a takeover_pool job: an item is a range of panels, computed into scratch
 // [panel, row, channel] and committed into the output. The job owns the rounded activations (a helper
@@ -359,16 +519,20 @@ struct FewRowsJob : takeover_pool::Job {
   int64_t scratch_floats() const override { return panels_per_item * rows * PANEL; }
   void compute(int64_t item, float* scratch) const override {
     const int64_t begin = item * panels_per_item, end = std::min(panel_count, begin + panels_per_item);
-    float sums[MAX_ROW_TILE * PANEL];
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = p * PANEL, cols = std::min(PANEL, out_features - n0);
-      float* to = scratch + (p - begin) * rows * PANEL;
+    float sums[2 * MAX_ROW_TILE * PANEL];
+    for (int64_t p = begin, span; p < end; p += span) {
+      span = tile_span(p, end, rows);
       for (int64_t m0 = 0; m0 < rows; m0 += row_tile()) {
         const int64_t tile_rows = std::min(row_tile(), rows - m0);
-        run_tile<F>(w + p * blocks * F::RECORD, a, m0, tile_rows, sums);
-        for (int64_t r = 0; r < tile_rows; ++r)
-          for (int64_t c = 0; c < cols; ++c)
-            to[(m0 + r) * PANEL + c] = sums[r * PANEL + c] + (bias ? bias[n0 + c] : 0.f) + (residual ? residual[(m0 + r) * out_features + n0 + c] : 0.f);
+        run_tile<F>(w + p * blocks * F::RECORD, blocks * F::RECORD, span, a, m0, tile_rows, sums);
+        for (int64_t q = 0; q < span; ++q) {
+          const int64_t n0 = (p + q) * PANEL, cols = std::min(PANEL, out_features - n0);
+          float* to = scratch + (p + q - begin) * rows * PANEL;
+          const float* tile = sums + q * MAX_ROW_TILE * PANEL;
+          for (int64_t r = 0; r < tile_rows; ++r)
+            for (int64_t c = 0; c < cols; ++c)
+              to[(m0 + r) * PANEL + c] = tile[r * PANEL + c] + (bias ? bias[n0 + c] : 0.f) + (residual ? residual[(m0 + r) * out_features + n0 + c] : 0.f);
+        }
       }
     }
   }
@@ -404,18 +568,22 @@ void run(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out_
   const QuantizedRows<T> a = quantize_rows<T>(x, rows, k);
   const int64_t blocks = k / BLOCK, panel_count = (out_features + PANEL - 1) / PANEL;
   auto panels_times_rows = [&](int64_t begin, int64_t end) {
-    float sums[MAX_ROW_TILE * PANEL];
+    float sums[2 * MAX_ROW_TILE * PANEL];
     for (int64_t chunk = 0; chunk < rows; chunk += ROW_CHUNK)
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t n0 = p * PANEL, cols = std::min(PANEL, out_features - n0);
+      for (int64_t p = begin, span; p < end; p += span) {
+        span = tile_span(p, end, rows);
         for (int64_t m0 = chunk; m0 < std::min(rows, chunk + ROW_CHUNK); m0 += row_tile()) {
           const int64_t tile_rows = std::min(row_tile(), rows - m0);
-          run_tile<F>(w + p * blocks * F::RECORD, a, m0, tile_rows, sums);
-          for (int64_t r = 0; r < tile_rows; ++r)
-            for (int64_t c = 0; c < cols; ++c) {
-              const int64_t at = (m0 + r) * out_features + n0 + c;
-              out[at] = sums[r * PANEL + c] + (bias ? bias[n0 + c] : 0.f) + (residual ? residual[at] : 0.f);
-            }
+          run_tile<F>(w + p * blocks * F::RECORD, blocks * F::RECORD, span, a, m0, tile_rows, sums);
+          for (int64_t q = 0; q < span; ++q) {
+            const int64_t n0 = (p + q) * PANEL, cols = std::min(PANEL, out_features - n0);
+            const float* tile = sums + q * MAX_ROW_TILE * PANEL;
+            for (int64_t r = 0; r < tile_rows; ++r)
+              for (int64_t c = 0; c < cols; ++c) {
+                const int64_t at = (m0 + r) * out_features + n0 + c;
+                out[at] = tile[r * PANEL + c] + (bias ? bias[n0 + c] : 0.f) + (residual ? residual[at] : 0.f);
+              }
+          }
         }
       }
   };
@@ -483,3 +651,5 @@ std::string block_quant_gemm_isa() {
   return "portable";
 #endif
 }
+
+void set_block_quant_pair_tiles(bool on) { pair_tiles_on.store(on); }

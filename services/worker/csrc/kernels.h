@@ -21,6 +21,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& weight, c
 torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& panels, int64_t out_features, const std::optional<torch::Tensor>& bias,
                                const std::optional<torch::Tensor>& residual, int64_t activation_bits);
 std::string block_quant_gemm_isa();
+void set_block_quant_pair_tiles(bool on);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x, const std::optional<torch::Tensor>& residual, const torch::Tensor& weight,
                                                       double eps);
 torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
