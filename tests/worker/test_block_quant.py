@@ -4,6 +4,7 @@ lossless (a checkpoint on the q4_1 grid, as one converted from a q4_1 GGUF)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -21,9 +22,9 @@ from services.worker.linear import BLOCK_QUANT_MAX_ROWS, Linear, RowSplitLinear
 from services.worker.runner import ModelRunner
 from shared.frames import Slice, StepPlan
 
-REPO = Path(__file__).resolve().parents[2]
-
 from .harness import GREEDY, Checkpoint, check_same_bits_at_every_thread_count, kernel_rounded, prompt_of
+
+REPO = Path(__file__).resolve().parents[2]
 
 kernels = pytest.mark.skipif(cpu_kernels()[0] is None, reason=f"CPU kernels unavailable: {cpu_kernels()[1]}")
 
@@ -340,3 +341,16 @@ def test_decode_steps_run_on_the_takeover_pool_up_to_its_limit_for_the_format(
         assert pooled(8, 4)
     finally:
         torch.set_num_threads(threads)
+
+
+@kernels
+def test_the_isa_bench_times_each_variant_of_this_build(tiny_llamas: dict[str, Checkpoint]) -> None:
+    """bench.block_quant_isa's per-process measurement: a decode step time per batch for each variant the
+    build runs (avx2 alone, or both VNNI variants), and the pair tiles left on."""
+    from bench.block_quant_isa import VNNI_VARIANTS, measure
+
+    args = argparse.Namespace(model=tiny_llamas["untied"].path, batches=[1, 2], context=6, steps=2)
+    results = measure(args)
+    expected = {"avx2"} if cpu_kernels()[0].block_quant_gemm_isa() == "avx2" else set(VNNI_VARIANTS)
+    assert set(results) == expected
+    assert all(set(per) == {1, 2} and all(s > 0 for s in per.values()) for per in results.values())

@@ -17,7 +17,7 @@
 //   out[m, n] = sum_b d[n, b] * dx[m, b] * <q[n, b], qx[m, b]> (+ m[n, b] * sx[m, b])  (+ bias) (+ residual)
 // Each output lane is a channel, so no horizontal sums: a tile of rows keeps one accumulator per row.
 // The integer products use AVX2 (maddubs / madd), or AVX-512 VNNI where the build has it (cpu_kernels.py
-// adds its flags on a CPU that lists it): 1.3-1.5x the many-row speed, and calls of 8 rows or more take
+// adds its flags on a CPU that lists it): 1.3-1.5x the many-row speed, and calls of 16 rows or more take
 // two panels per 512-bit tile, another 1.15-1.2x; the same bits throughout.
 // Threads share the panels in groups (shared_items.h); each panel meets a chunk of rows while its
 // weights are in L1.
@@ -54,7 +54,7 @@ constexpr int64_t PANEL = 8;                         // output channels per pane
 constexpr int64_t ROW_TILE = 4;                      // rows per register tile: 4 block sums + 4 accumulators + weights fit 16 registers
 constexpr int64_t VNNI_ROW_TILE = 8;                 // AVX-512's 32 registers: 8 block sums + 8 accumulators + weights
 constexpr int64_t MAX_ROW_TILE = VNNI_ROW_TILE;
-constexpr int64_t PAIR_MIN_ROWS = 8;                 // calls of this many rows take two panels per tile (VNNI builds)
+constexpr int64_t PAIR_MIN_ROWS = 16;                // calls of this many rows take two panels per tile (VNNI builds)
 constexpr int64_t ROW_CHUNK = 64;                    // rows a panel meets before the next panel (their activations stay in L2)
 constexpr int64_t MAX_PANELS_PER_RANGE = 32;          // panels a thread takes at a time: q8_0's stay well inside L2 (lm_head: 192 groups)
 // How far ahead of the record being multiplied the first row tile prefetches the weight stream (past
@@ -332,8 +332,9 @@ void panel_tile(const uint8_t* panel, const QuantizedRows<T>& a, int64_t m0, flo
 #ifdef TOKENYARD_BLOCK_QUANT_GEMM_VNNI
 // Two panels side by side in 512-bit vectors (lanes 0-7: panel p's channels, 8-15: panel p + 1's): the
 // same products in half the instructions, where the front end rather than the multipliers limited the
-// 256-bit tiles (32-row products 1.15-1.2x faster, the default model's 32-row decode step 1.10x, 16 rows
-// 1.05x). Lane for lane the arithmetic of the 256-bit tile, so the same bits.
+// 256-bit tiles (32-row products 1.15-1.2x faster; the default model's decode step, fp16 cache, 8
+// alternating rounds in one process: 1.10x at 32 rows, 1.04x at 24, 1.07x at 16, 0.96x at 8). Lane for
+// lane the arithmetic of the 256-bit tile, so the same bits.
 inline __m512i two_records(const uint8_t* rec0, const uint8_t* rec1, int64_t offset) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec0 + offset))),
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec1 + offset)), 1);
@@ -498,8 +499,8 @@ void run_tile(const uint8_t* panel, int64_t panel_bytes, int64_t span, const Qua
 }
 
 // How many panels a tile takes from `p` on in a range ending at `end`: two where the pair tiles run and
-// the call has the rows to be bound by arithmetic. Fewer rows are bound by the weight stream, which one
-// panel at a time reads faster (two side by side made a one-row step 1.4x slower).
+// the call has the rows to be bound by arithmetic. Fewer rows lean on the weight stream, which one panel
+// at a time reads faster (two side by side made a one-row step 1.4x slower, an 8-row one 0.96x).
 inline int64_t tile_span(int64_t p, int64_t end, int64_t rows) { return pair_tiles() && rows >= PAIR_MIN_ROWS && p + 1 < end ? 2 : 1; }
 
 // A few rows' product as a takeover_pool job: an item is a range of panels, computed into scratch
