@@ -13,7 +13,7 @@ its variants twice per batch and takes the mean. The
 runner has the stack's settings (int4 weights, the KV cache dtype ``auto`` picks). The report gives each
 variant's median decode step time per batch and the ratios against ``avx2`` measured in the same run.
 
-    .venv/bin/python -m bench.block_quant_isa [--batches 1 8 16 32] [--context 128] [--rounds 3]
+    .venv/bin/python -m bench.block_quant_isa [--batches 1 8 16 32] [--context 128] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -28,30 +28,27 @@ import sys
 from bench.quantization import decode_step_s
 from bench.stack_client import write_results
 from services.worker.cpu_kernels import cpu_kernels
+from services.worker.runner import ModelRunner
 from shared.config import StackConfig
 
 VNNI_VARIANTS = {"vnni": False, "vnni-pairs": True}  # variant -> pair tiles
 
 
 def measure(args: argparse.Namespace) -> dict[str, dict[int, float]]:
-    """This process's variants: decode step seconds per batch (one set of steps each, alternating)."""
-    from services.worker.runner import ModelRunner
-
+    """This process's variants: decode step seconds per batch (the mean of two measurements, A B B A)."""
     kernels = cpu_kernels()[0]
     config = StackConfig(model=args.model)
     blocks = args.batches[-1] * -(-(args.context + args.steps + 8) // config.block_size)
     runner = ModelRunner(args.model, num_blocks=blocks, block_size=config.block_size, weight_quant="int4", kv_cache_dtype=config.kv_cache_dtype)
     variants = {"avx2": None} if kernels.block_quant_gemm_isa() == "avx2" else VNNI_VARIANTS
-    results: dict[str, dict[int, float]] = {name: {} for name in variants}
+    seconds: dict[str, dict[int, list[float]]] = {name: {b: [] for b in args.batches} for name in variants}
     for batch in args.batches:
-        order = list(variants)
-        for name in order + order[::-1]:  # A B B A: neither variant always goes first
+        for name in [*variants, *reversed(variants)]:  # A B B A: neither variant always goes first
             if variants[name] is not None:
                 kernels.set_block_quant_pair_tiles(variants[name])
-            seconds = decode_step_s(runner, batch, args.context, args.steps)
-            results[name][batch] = (results[name][batch] + seconds) / 2 if batch in results[name] else seconds
+            seconds[name][batch].append(decode_step_s(runner, batch, args.context, args.steps))
     kernels.set_block_quant_pair_tiles(True)
-    return results
+    return {name: {b: statistics.mean(ts) for b, ts in per.items()} for name, per in seconds.items()}
 
 
 def main() -> None:

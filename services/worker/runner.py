@@ -478,10 +478,13 @@ class ModelRunner:
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "attention_backend": getattr(self.model, "attention_backend", "torch"),
             **({"cpu_kernels": cpu_kernels()[1] or "built"} if self.device.type == "cpu" else {}),
-            # few-row calls' pool (csrc/takeover_pool.h): items taken over from a helper that was not running
-            **({"takeover_pool": cpu_kernels()[0].takeover_pool_stats()} if self.device.type == "cpu" and cpu_kernels()[0] is not None else {}),
-            # the integer block products' instructions (csrc/block_quant_gemm.cpp): avx512-vnni, avx2 or portable
-            **({"block_quant_isa": cpu_kernels()[0].block_quant_gemm_isa()} if self.device.type == "cpu" and cpu_kernels()[0] is not None else {}),
+            # takeover_pool: few-row calls' pool (csrc/takeover_pool.h), items taken over from a helper that was not running;
+            # block_quant_isa: the integer block products' instructions (csrc/block_quant_gemm.cpp), avx512-vnni, avx2 or portable
+            **(
+                {"takeover_pool": kernels.takeover_pool_stats(), "block_quant_isa": kernels.block_quant_gemm_isa()}
+                if self.device.type == "cpu" and (kernels := cpu_kernels()[0]) is not None
+                else {}
+            ),
             "fusion_kernels": getattr(getattr(self.model, "fusions", None), "names", None),
             "sampler": self.sampler,
             "structured_outputs": self._structured.describe() if self._structured is not None else None,

@@ -461,7 +461,8 @@ void panel_pair_tile(const uint8_t* panel, int64_t panel_bytes, const QuantizedR
 // rows <= row_tile() rows of `span` panels (1, or 2 where pair_tiles()) starting at `panel`, panel_bytes
 // apart, into sums[q * MAX_ROW_TILE * PANEL + r * PANEL + c] (panel q of the span, row m0 + r, channel c).
 template <typename F, typename T>
-void run_tile(const uint8_t* panel, int64_t panel_bytes, int64_t span, const QuantizedRows<T>& a, int64_t m0, int64_t rows, float* sums) {
+void run_tile(const uint8_t* panel, [[maybe_unused]] int64_t panel_bytes, [[maybe_unused]] int64_t span, const QuantizedRows<T>& a, int64_t m0,
+              int64_t rows, float* sums) {
 #ifdef TOKENYARD_BLOCK_QUANT_GEMM_AVX2
 #ifdef TOKENYARD_BLOCK_QUANT_GEMM_VNNI
   if (span == 2) switch (rows) {
@@ -485,7 +486,6 @@ void run_tile(const uint8_t* panel, int64_t panel_bytes, int64_t span, const Qua
       default: return panel_tile<8, F, T, true>(panel, a, m0, sums);
     }
 #endif
-  (void)panel_bytes, (void)span;
   switch (rows) {
     case 1: return panel_tile<1, F, T, false>(panel, a, m0, sums);
     case 2: return panel_tile<2, F, T, false>(panel, a, m0, sums);
@@ -493,7 +493,6 @@ void run_tile(const uint8_t* panel, int64_t panel_bytes, int64_t span, const Qua
     default: return panel_tile<4, F, T, false>(panel, a, m0, sums);
   }
 #else
-  (void)panel_bytes, (void)span;
   panel_rows_generic<F>(panel, a, m0, rows, sums);
 #endif
 }
