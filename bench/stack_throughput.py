@@ -20,7 +20,9 @@ Where the stack's difference goes: each stack run also records the CPU time per 
 every process (all its threads, ZMQ's included) and of the benchmark itself (the client, which
 shares the machine's cores with the stack but not with the in-process runner). Where the worker
 alone fills every core (a CPU worker at one stream), the others' CPU comes out of the worker's, so
-stack / worker tends to the worker's share of the total, which the report prints beside it.
+stack / worker tends to the worker's share of the total, which the report prints beside it. It
+also prints each process's wake-ups per token and what one wake-up costs this machine
+(bench.wake_cost): one stream wakes every process at least once per token.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from statistics import median
 
 import aiohttp
 
+from bench import wake_cost
 from bench.inprocess_engine import InProcessEngine
 from bench.stack_client import percentile, running_stack, served_model, stream_chat, write_results
 from services.scheduler.core import Scheduler
@@ -64,19 +67,20 @@ PROMPTS = [
 async def _stack_run(url: str, model: str, concurrency: int, output_tokens: int, pids: dict[str, int]) -> dict:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
         await stream_chat(session, url, model, [{"role": "user", "content": "Hello"}], 8)  # warm-up, not counted
-        cpu_before = _cpu_seconds(pids)
+        cpu_before, wakes_before = _cpu_seconds(pids), _wake_ups(pids)
         started = time.perf_counter()
         runs = await asyncio.gather(
             *(stream_chat(session, url, model, [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], output_tokens) for i in range(concurrency))
         )
         wall = time.perf_counter() - started
-        cpu_after = _cpu_seconds(pids)
+        cpu_after, wakes_after = _cpu_seconds(pids), _wake_ups(pids)
     tokens = sum(r["usage"].get("completion_tokens", 0) for r in runs)
     return {
         "output_tokens": tokens,
         "wall_s": wall,
         "output_tok_s": tokens / wall,
         "cpu_ms_per_token": {name: 1000 * (cpu_after[name] - cpu_before[name]) / max(tokens, 1) for name in cpu_before},
+        "wake_ups_per_token": {name: (wakes_after[name] - wakes_before[name]) / max(tokens, 1) for name in wakes_before},
         "ttft_p50_s": percentile([r["stamps"][0] - r["start"] for r in runs if r["stamps"]], 50),
         "itl_p50_s": percentile([b - a for r in runs for a, b in zip(r["stamps"], r["stamps"][1:])], 50),
     }
@@ -108,6 +112,24 @@ def _cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     """Each stack process's CPU time, and this process's as "client": during a stack run this process
     only drives the requests (the in-process runner's threads wait)."""
     return {**{name: process_cpu_seconds(pid) for name, pid in pids.items()}, "client": process_cpu_seconds(os.getpid())}
+
+
+def voluntary_switches(pid: int) -> int:
+    """How often the process's live threads went to sleep (each sleep ends in a wake-up): the sum of
+    ``voluntary_ctxt_switches`` over /proc/PID/task/*/status. Threads that ended are not counted."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches:"))
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            pass
+    return total
+
+
+def _wake_ups(pids: dict[str, int]) -> dict[str, int]:
+    """Each stack process's wake-ups so far, and this process's as "client" (as _cpu_seconds)."""
+    return {**{name: voluntary_switches(pid) for name, pid in pids.items()}, "client": voluntary_switches(os.getpid())}
 
 
 def _pids(url: str) -> dict[str, int]:
@@ -187,10 +209,12 @@ def main() -> None:
         parser.error("--rounds must be at least 1")
 
     levels = sorted({1, args.concurrency})  # one stream, and --concurrency streams (once, when that is 1 too)
+    wake_costs = wake_cost.measure()  # before the stack starts: nothing else wakes on the cores yet
     results: dict = {
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
         "output_tokens": args.output_tokens,
         "stack_flags": args.stack_flag,
+        "wake_cpu_us": wake_costs,
         "rounds": [],
     }
     with contextlib.ExitStack() as stack:
@@ -234,6 +258,14 @@ def main() -> None:
         print(f"stack, {n} stream(s): CPU ms per output token (medians over rounds):", ", ".join(f"{name} {ms:.3f}" for name, ms in cpu.items()))
         share = results["median"][f"stack_{n}_worker_cpu_share"] = cpu["worker"] / sum(cpu.values())
         print(f"stack, {n} stream(s): the worker's share of that CPU {share:.3f} (where the worker fills the cores, the ratio it leaves)")
+        wakes = {name: median([s["wake_ups_per_token"][name] for s in stacks]) for name in stacks[0]["wake_ups_per_token"]}
+        results["median"][f"stack_{n}_wake_ups_per_token"] = wakes
+        print(f"stack, {n} stream(s): wake-ups per output token (medians over rounds):", ", ".join(f"{name} {w:.2f}" for name, w in wakes.items()))
+    costs = results["wake_cpu_us"]
+    print(
+        f"this machine: a sleeping process's wake-up costs {costs['idle_core_us']:.0f} us of CPU on an idle core, "
+        f"{costs['streaming_core_us']:.0f} us on a core that streams memory (bench.wake_cost)"
+    )
     print("RSS idle after load (MB):", results["rss_mb_idle"])
     print("RSS peak under load (MB):", results["rss_mb_peak_under_load"])
     write_results(args.out, results)

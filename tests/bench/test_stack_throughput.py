@@ -1,4 +1,5 @@
-"""bench.stack_throughput's CPU accounting: a process's CPU time over all its threads, ended ones too."""
+"""bench.stack_throughput's accounting: a process's CPU time over all its threads, ended ones too; its
+wake-ups; and bench.wake_cost's CPU per wake-up."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import time
 
 import pytest
 
-from bench.stack_throughput import process_cpu_seconds
+from bench import wake_cost
+from bench.stack_throughput import process_cpu_seconds, voluntary_switches
 
 SPIN = "import time\nend = time.thread_time() + {seconds}\nwhile time.thread_time() < end:\n    pass\n"
 
@@ -46,3 +48,20 @@ def test_a_process_that_is_gone_is_a_clear_error():
     child.wait()
     with pytest.raises(OSError, match=f"no CPU clock for process {child.pid}"):
         process_cpu_seconds(child.pid)
+
+
+def test_wake_ups_count_the_sleeps_of_every_live_thread():
+    before = voluntary_switches(os.getpid())
+    sleeper = threading.Thread(target=lambda: [time.sleep(0.002) for _ in range(40)])
+    sleeper.start()
+    time.sleep(0.05)
+    counted = voluntary_switches(os.getpid()) - before  # read while it runs: ended threads drop out of the count
+    sleeper.join()
+    assert counted >= 10  # each of the other thread's sleeps so far, and the main thread's one
+
+
+def test_wake_cost_is_measured_in_the_woken_process(monkeypatch):
+    monkeypatch.setattr(wake_cost, "WAKES", 40)
+    for streams in (False, True):
+        cost = wake_cost.wake_cpu_us(streams)
+        assert 0 < cost < 4000, cost  # a wake-up's CPU, far below the 4 ms between wake-ups (a spinning sleeper would reach it)
