@@ -35,6 +35,18 @@ def test_cpp_backend_matches_the_torch_path(case: str) -> None:
     torch.testing.assert_close(cache_cpp, cache, rtol=0, atol=0)  # this step's keys stored alike
 
 
+def test_a_decode_only_step_builds_what_the_cpp_backend_reads_and_no_more() -> None:
+    """The cpp backend's decode-only metadata (its own short path): the torch path's positions, cache writes
+    and longest position; each row's block table and context length; none of the other backends' tensors."""
+    _, _, _, torch_meta = attention_step("decode-only-gqa4", torch.float32, backend="torch")
+    _, _, _, meta = attention_step("decode-only-gqa4", torch.float32, backend="cpp")
+    assert torch.equal(meta.positions, torch_meta.positions) and torch.equal(meta.write_slots, torch_meta.write_slots)
+    assert (meta.max_position, meta.num_decodes, meta.block_size) == (torch_meta.max_position, 4, 4)
+    assert torch.equal(meta.row_block_tables, torch_meta.block_tables) and meta.row_block_tables.dtype == torch.int32
+    assert meta.row_context_lens.tolist() == [p + 1 for p in torch_meta.positions.tolist()]
+    assert meta.decode_slots is None and meta.decode_mask is None and meta.query_starts is None and meta.prefills == ()
+
+
 @pytest.mark.parametrize("case", ["decode-only-gqa4", "mixed-gqa3-cached-prefix", "smollm2-shaped-decodes"])
 def test_an_fp16_cache_is_read_as_the_torch_path_reads_it(case: str) -> None:
     """fp16 storage: both backends round this step's keys alike and attend over the same fp16 values
