@@ -209,7 +209,7 @@ def main() -> None:
         parser.error("--rounds must be at least 1")
 
     levels = sorted({1, args.concurrency})  # one stream, and --concurrency streams (once, when that is 1 too)
-    wake_costs = wake_cost.measure()  # before the stack starts: nothing else wakes on the cores yet
+    wake_costs = wake_cost.measure()  # before the stack starts (one given by --url idles meanwhile)
     results: dict = {
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
         "output_tokens": args.output_tokens,
