@@ -97,8 +97,19 @@ class SchedulerLoop:
         self.next_step = 0
         self.stopping = False
         self.boot = f"{os.getpid()}-{time.time_ns()}"
-        KV_BLOCKS_TOTAL.set(num_blocks)
-        GDN_SLOTS_TOTAL.set(slots.num_slots if slots else 0)
+        self._gauge_state()
+
+    def _gauge_state(self) -> None:
+        """The state gauges read the core when Prometheus scrapes, instead of being set on every pass of the loop:
+        at one stream a pass runs per token, and each metric call costs microseconds there (its code is cold by then)."""
+        core = self.core
+        RUNNING.set_function(lambda: len(core.running))
+        WAITING.set_function(lambda: len(core.waiting))
+        KV_USAGE.set_function(lambda: core.pool.usage)  # core.pool: the worker may have resized it since (_adopt_kv_blocks)
+        KV_BLOCKS_USED.set_function(lambda: core.pool.num_used)
+        KV_BLOCKS_TOTAL.set_function(lambda: core.pool.num_blocks)
+        GDN_SLOTS_USED.set_function(lambda: core.slots.num_used if core.slots else 0)
+        GDN_SLOTS_TOTAL.set_function(lambda: core.slots.num_slots if core.slots else 0)
 
     # Readiness. ------------------------------------------------------------------------
 
@@ -145,7 +156,7 @@ class SchedulerLoop:
         while not self.stopping:
             can_plan = self.ready and len(self.in_flight) < self.config.pipeline_depth and not idle
             timeout_ms = 0 if can_plan else int(self.config.heartbeat_s * 1000)
-            changed = False  # the gauges are set once per pass, after all of its frames and its plan
+            changed = False  # the prefix-cache counters are counted once per pass, after all of its frames and its plan
             for frame in self.inbox.recv(timeout_ms):
                 idle, changed = False, True
                 self._handle(frame)
@@ -159,7 +170,7 @@ class SchedulerLoop:
                 changed = True
                 next_status = now + self.config.heartbeat_s
             if changed:
-                self._update_gauges()
+                self._count_prefix_lookups()
         self.log.info("scheduler_stopping")
 
     def _plan_and_send(self) -> bool:
@@ -277,7 +288,6 @@ class SchedulerLoop:
         old = self.core.pool
         self.core.pool = BlockPool(num_blocks, old.block_size, old.enable_prefix_cache)
         self._counted_queries = self._counted_hits = 0  # the new pool counts from zero
-        KV_BLOCKS_TOTAL.set(num_blocks)
         self.log.info("kv_blocks_adopted", previous=old.num_blocks, num_blocks=num_blocks)
 
     def _check_peers(self) -> None:
@@ -316,16 +326,12 @@ class SchedulerLoop:
                 FINISHED.labels(delta.finish).inc()
                 self.log.info("request_finished", rid=delta.rid, reason=delta.finish)
 
-    def _update_gauges(self) -> None:
-        RUNNING.set(len(self.core.running))
-        WAITING.set(len(self.core.waiting))
-        KV_USAGE.set(self.core.pool.usage)
-        KV_BLOCKS_USED.set(self.core.pool.num_used)
-        GDN_SLOTS_USED.set(self.core.slots.num_used if self.core.slots else 0)
+    def _count_prefix_lookups(self) -> None:
         pool = self.core.pool
-        PREFIX_QUERIES.inc(pool.queries - self._counted_queries)
-        PREFIX_HITS.inc(pool.hits - self._counted_hits)
-        self._counted_queries, self._counted_hits = pool.queries, pool.hits
+        if pool.queries != self._counted_queries:
+            PREFIX_QUERIES.inc(pool.queries - self._counted_queries)
+            PREFIX_HITS.inc(pool.hits - self._counted_hits)
+            self._counted_queries, self._counted_hits = pool.queries, pool.hits
 
     # Introspection. ----------------------------------------------------------------------
 
