@@ -50,6 +50,8 @@ class DetokenizerLoop:
         self.tokenizer = None
         self.token_texts: TokenTexts | None = None
         self.requests: dict[str, _Tracked] = {}
+        requests = self.requests
+        TRACKED.set_function(lambda: len(requests))  # read at scrape time, not set per token batch
         self.state = "loading"
         self.stopping = False
 
@@ -90,7 +92,6 @@ class DetokenizerLoop:
                 by_owner.setdefault(tracked.opened.reply_to, []).append(text)
         for reply_to, out in by_owner.items():
             self.to_api.send(reply_to, TextBatch(deltas=out))
-        TRACKED.set(len(self.requests))
         BATCH_TIME.observe(time.perf_counter() - started)
 
     def _detokenize(self, delta) -> TextDelta | None:

@@ -1,0 +1,25 @@
+"""The detokenizer's gauge of tracked requests is read when Prometheus scrapes: opened and finished requests show at once."""
+
+from __future__ import annotations
+
+import structlog
+from prometheus_client import REGISTRY
+
+from services.detokenizer.loop import DetokenizerLoop
+from shared.config import DEFAULT_MODEL_DIR, StackConfig
+from shared.frames import DetokOpen, TokenBatch, TokenDelta
+from shared.tokenizer import load_tokenizer
+
+
+def test_the_tracked_requests_gauge_follows_opening_and_finishing(tmp_path) -> None:
+    loop = DetokenizerLoop(StackConfig(model=DEFAULT_MODEL_DIR, run_dir=str(tmp_path)), structlog.get_logger())
+    loop.tokenizer = load_tokenizer(DEFAULT_MODEL_DIR)
+    tracked = lambda: REGISTRY.get_sample_value("tokenyard:detokenizer_requests")  # noqa: E731
+    assert tracked() == 0
+    loop.handle(TokenBatch(opened=[DetokOpen(rid=f"r{i}", prompt_tokens=3) for i in range(3)]))
+    assert tracked() == 3
+    loop.handle(TokenBatch(deltas=[TokenDelta(rid="r1", token_ids=loop.tokenizer.encode("Hi"), finish="length")]))
+    assert tracked() == 2
+    loop.to_api.close()
+    loop.to_scheduler.close()
+    loop.inbox.close()
