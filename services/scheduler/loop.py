@@ -156,21 +156,17 @@ class SchedulerLoop:
         while not self.stopping:
             can_plan = self.ready and len(self.in_flight) < self.config.pipeline_depth and not idle
             timeout_ms = 0 if can_plan else int(self.config.heartbeat_s * 1000)
-            changed = False  # the prefix-cache counters are counted once per pass, after all of its frames and its plan
             for frame in self.inbox.recv(timeout_ms):
-                idle, changed = False, True
+                idle = False
                 self._handle(frame)
             if self.ready and len(self.in_flight) < self.config.pipeline_depth:
                 idle = not self._plan_and_send()
-                changed = True  # a plan, or preemptions even where the plan came out empty
             now = time.monotonic()
             if now >= next_status:
                 self._check_peers()
                 self._send_status()
-                changed = True
                 next_status = now + self.config.heartbeat_s
-            if changed:
-                self._count_prefix_lookups()
+            self._count_prefix_lookups()  # once per pass, after all of its frames and its plan
         self.log.info("scheduler_stopping")
 
     def _plan_and_send(self) -> bool:
