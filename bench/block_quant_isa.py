@@ -8,10 +8,10 @@ On a CPU whose build has AVX-512 VNNI (``block_quant_gemm_isa() == "avx512-vnni"
 - ``vnni-pairs``: the default, calls of 16 rows or more take two panels per 512-bit tile.
 
 Each round runs two processes, one per build setting (``TOKENYARD_CPU_VNNI`` is read once per process);
-the VNNI process alternates its two variants (A B B A, ``set_block_quant_pair_tiles``), each process measures
-its variants twice per batch and takes the mean. The
-runner has the stack's settings (int4 weights, the KV cache dtype ``auto`` picks). The report gives each
-variant's median decode step time per batch and the ratios against ``avx2`` measured in the same run.
+the VNNI process alternates its two variants (A B B A, ``set_block_quant_pair_tiles``), each process
+measures its variants twice per batch and takes the mean. The runner has the stack's settings (int4
+weights, the KV cache dtype ``auto`` picks). The report gives each variant's median decode step time per
+batch and the ratios against ``avx2`` measured in the same run.
 
     .venv/bin/python -m bench.block_quant_isa [--batches 1 8 16 32] [--context 128] [--rounds 5]
 """
@@ -29,7 +29,7 @@ from bench.quantization import decode_step_s
 from bench.stack_client import write_results
 from services.worker.cpu_kernels import cpu_kernels
 from services.worker.runner import ModelRunner
-from shared.config import StackConfig
+from shared.config import DEFAULT_MODEL_DIR, StackConfig
 
 VNNI_VARIANTS = {"vnni": False, "vnni-pairs": True}  # variant -> pair tiles
 
@@ -38,7 +38,7 @@ def measure(args: argparse.Namespace) -> dict[str, dict[int, float]]:
     """This process's variants: decode step seconds per batch (the mean of two measurements, A B B A)."""
     kernels = cpu_kernels()[0]
     config = StackConfig(model=args.model)
-    blocks = args.batches[-1] * -(-(args.context + args.steps + 8) // config.block_size)
+    blocks = max(args.batches) * -(-(args.context + args.steps + 8) // config.block_size)
     runner = ModelRunner(args.model, num_blocks=blocks, block_size=config.block_size, weight_quant="int4", kv_cache_dtype=config.kv_cache_dtype)
     variants = {"avx2": None} if kernels.block_quant_gemm_isa() == "avx2" else VNNI_VARIANTS
     seconds: dict[str, dict[int, list[float]]] = {name: {b: [] for b in args.batches} for name in variants}
@@ -53,7 +53,7 @@ def measure(args: argparse.Namespace) -> dict[str, dict[int, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="models/SmolLM2-135M-Instruct")
+    parser.add_argument("--model", default=DEFAULT_MODEL_DIR)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 32])
     parser.add_argument("--context", type=int, default=128, help="tokens of context per request")
     parser.add_argument("--steps", type=int, default=16, help="decode steps per measurement (their median counts)")

@@ -346,7 +346,7 @@ def test_decode_steps_run_on_the_takeover_pool_up_to_its_limit_for_the_format(
 @kernels
 def test_the_isa_bench_times_each_variant_of_this_build(tiny_llamas: dict[str, Checkpoint]) -> None:
     """bench.block_quant_isa's per-process measurement: a decode step time per batch for each variant the
-    build runs (avx2 alone, or both VNNI variants), and the pair tiles left on."""
+    build runs (avx2 alone, or both VNNI variants)."""
     from bench.block_quant_isa import VNNI_VARIANTS, measure
 
     args = argparse.Namespace(model=tiny_llamas["untied"].path, batches=[1, 2], context=6, steps=2)
