@@ -2,7 +2,8 @@
 
 A step's token budget goes first to running decodes (one token each), then to the
 prefill chunks of running requests, then to new admissions; so decodes never stall
-behind a long prompt. Blocks are allocated as positions are scheduled, never for a
+behind a long prompt. A step that carries decodes also keeps to a target time
+(step_cost.py), so that a prefill chunk never holds the streams' next tokens for long. Blocks are allocated as positions are scheduled, never for a
 request's whole max_tokens up front; when a decode finds no free block, the most
 recently admitted running request is preempted and later recomputed. Full blocks enter
 the prefix cache as soon as their KV is scheduled; an admission starts after the longest
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from services.scheduler.kv_blocks import BlockPool
 from services.scheduler.requests import Phase, Request
 from services.scheduler.state_slots import SlotPool
+from services.scheduler.step_cost import StepCost
 from shared.frames import DetokOpen, FinishReason, Slice, StepPlan, StepResult, Submit, TokenDelta
 
 
@@ -44,12 +46,15 @@ class Outcome:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_waiting: int, slots: SlotPool | None = None) -> None:
+    def __init__(
+        self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_waiting: int, slots: SlotPool | None = None, mixed_step_target_s: float = 0.0
+    ) -> None:
         self.pool = pool
         self.slots = slots  # GDN state slots: hybrid models only
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_waiting = max_waiting
+        self.step_cost = StepCost(mixed_step_target_s)  # sizes the prefill of steps that carry decodes
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.requests: dict[str, Request] = {}
@@ -94,6 +99,7 @@ class Scheduler:
                 if self._grow_for_decode(request):
                     slices.append(self._slice(request, 1))
                     budget -= 1
+        budget = self.step_cost.prefill_budget(budget, len(slices))
         for request in self.running:
             if budget == 0 or len(slices) == self.max_num_seqs:
                 break
@@ -107,6 +113,7 @@ class Scheduler:
             if scheduled == 0:
                 break
             budget -= scheduled
+        self.step_cost.planned(step, sum(s.num_tokens for s in slices))
         return StepPlan(step=step, slices=slices)
 
     def _admit(self, request: Request, budget: int, slices: list[Slice]) -> int:
@@ -236,6 +243,7 @@ class Scheduler:
 
     def on_result(self, result: StepResult) -> Outcome:
         outcome = Outcome()
+        self.step_cost.observed(result.step, result.forward_s)
         for sampled in result.sampled:
             request = self.requests.get(sampled.rid)
             if request is None or request.pending_samples == 0:

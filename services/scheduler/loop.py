@@ -81,7 +81,7 @@ class SchedulerLoop:
         self.prefix_cache_off_reason = self.model.prefix_cache_unsupported if config.enable_prefix_cache else "disabled by --enable-prefix-cache false"
         pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_cache and not self.prefix_cache_off_reason)
         slots = SlotPool(config.max_num_seqs) if self.model.uses_state_slots else None
-        self.core = Scheduler(pool, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting, slots)
+        self.core = Scheduler(pool, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting, slots, config.mixed_step_target_ms / 1000)
         self._counted_queries = self._counted_hits = 0
         ctx = zmq.Context()
         curve = Curve.from_file(config.curve_key_file)
@@ -344,6 +344,11 @@ class SchedulerLoop:
             "kv_cache_tokens": pool.num_blocks * pool.block_size,
             "max_num_seqs": core.max_num_seqs,
             "max_num_batched_tokens": core.max_num_batched_tokens,
+            "mixed_step": {
+                "target_ms": self.config.mixed_step_target_ms,
+                "ms_per_token": None if core.step_cost.seconds_per_token is None else round(core.step_cost.seconds_per_token * 1000, 4),
+                "token_cap": core.step_cost.token_cap(),
+            },
             "max_waiting": core.max_waiting,
             "pipeline_depth": self.config.pipeline_depth,
             "running": len(core.running),
