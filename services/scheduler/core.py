@@ -2,9 +2,9 @@
 
 A step's token budget goes first to running decodes (one token each), then to the
 prefill chunks of running requests, then to new admissions; so decodes never stall
-behind a long prompt. A step that carries decodes also keeps to a target time
-(step_cost.py), so that a prefill chunk never holds the streams' next tokens for long. Blocks are allocated as positions are scheduled, never for a
-request's whole max_tokens up front; when a decode finds no free block, the most
+behind a long prompt; with a target step time (step_cost.py), a step that carries
+decodes holds only the prefill that the target fits. Blocks are allocated as positions are
+scheduled, never for a request's whole max_tokens up front; when a decode finds no free block, the most
 recently admitted running request is preempted and later recomputed. Full blocks enter
 the prefix cache as soon as their KV is scheduled; an admission starts after the longest
 cached prefix of its tokens. For a hybrid (GDN) model each running request also holds one
