@@ -44,6 +44,8 @@ KV_BLOCKS_USED = Gauge(f"{PREFIX}kv_blocks_used", "KV blocks held by requests")
 KV_BLOCKS_TOTAL = Gauge(f"{PREFIX}kv_blocks_total", "KV blocks in the cache")
 GDN_SLOTS_USED = Gauge(f"{PREFIX}gdn_state_slots_used", "GDN state slots held by running requests (hybrid models)")
 GDN_SLOTS_TOTAL = Gauge(f"{PREFIX}gdn_state_slots_total", "GDN state slots on the worker (0: the model has no GDN layers)")
+STEP_TOKEN_CAP = Gauge(f"{PREFIX}scheduler_mixed_step_token_cap", "Most tokens a step that carries decodes holds now (0: no cap, or none measured yet)")
+SECONDS_PER_TOKEN = Gauge(f"{PREFIX}scheduler_step_seconds_per_token", "The worker's time per token of large steps, averaged (0 until measured)")
 PREFIX_QUERIES = Counter(f"{PREFIX}prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
 PREFIX_HITS = Counter(f"{PREFIX}prefix_cache_hits", "Prompt tokens found in the prefix cache")
 PREEMPTIONS = Counter(f"{PREFIX}num_preemptions", "Running requests preempted for recomputation")
@@ -110,6 +112,8 @@ class SchedulerLoop:
         KV_BLOCKS_TOTAL.set_function(lambda: core.pool.num_blocks)
         GDN_SLOTS_USED.set_function(lambda: core.slots.num_used if core.slots else 0)
         GDN_SLOTS_TOTAL.set_function(lambda: core.slots.num_slots if core.slots else 0)
+        STEP_TOKEN_CAP.set_function(lambda: core.step_cost.token_cap() or 0)
+        SECONDS_PER_TOKEN.set_function(lambda: core.step_cost.seconds_per_token or 0.0)
 
     # Readiness. ------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import structlog
+from prometheus_client import REGISTRY
 
 from services.scheduler.core import Scheduler
 from services.scheduler.kv_blocks import BlockPool
@@ -115,6 +116,23 @@ def test_the_flag_reaches_the_scheduler_process_and_its_results_feed_the_estimat
         (step,) = loop.in_flight
         loop._handle(StepResult(step=step, sampled=[Sampled(rid="r1", token_id=7)], forward_s=0.2))  # 1 ms per token
         assert loop.instrumentation()["mixed_step"] == {"target_ms": 100.0, "ms_per_token": 1.0, "token_cap": 100}
+    finally:
+        for outbox in (loop.to_worker, loop.to_detokenizer):
+            outbox.close()
+        loop.to_api.close()
+        loop.inbox.close()
+
+
+def test_prometheus_reads_the_cap_and_the_time_per_token_when_it_scrapes(tmp_path) -> None:
+    config = StackConfig.from_argv(["--model", DEFAULT_MODEL_DIR, "--run-dir", str(tmp_path), "--mixed-step-target-ms", "50"])
+    loop = SchedulerLoop(config, structlog.get_logger())
+    try:
+        assert REGISTRY.get_sample_value("tokenyard:scheduler_mixed_step_token_cap") == 0  # nothing measured yet
+        assert REGISTRY.get_sample_value("tokenyard:scheduler_step_seconds_per_token") == 0
+        loop.core.step_cost.planned(0, 100)
+        loop.core.step_cost.observed(0, 0.1)  # 1 ms per token
+        assert REGISTRY.get_sample_value("tokenyard:scheduler_mixed_step_token_cap") == 50
+        assert REGISTRY.get_sample_value("tokenyard:scheduler_step_seconds_per_token") == 0.001
     finally:
         for outbox in (loop.to_worker, loop.to_detokenizer):
             outbox.close()
