@@ -99,7 +99,8 @@ class Scheduler:
                 if self._grow_for_decode(request):
                     slices.append(self._slice(request, 1))
                     budget -= 1
-        budget = self.step_cost.prefill_budget(budget, len(slices))
+        decodes = len(slices)
+        budget = prefill_budget = self.step_cost.prefill_budget(budget, decodes)
         for request in self.running:
             if budget == 0 or len(slices) == self.max_num_seqs:
                 break
@@ -113,7 +114,7 @@ class Scheduler:
             if scheduled == 0:
                 break
             budget -= scheduled
-        self.step_cost.planned(step, sum(s.num_tokens for s in slices))
+        self.step_cost.planned(step, decodes + prefill_budget - budget)  # the step's tokens, one per decode
         return StepPlan(step=step, slices=slices)
 
     def _admit(self, request: Request, budget: int, slices: list[Slice]) -> int:
