@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.scheduler.core import Scheduler
+from services.worker.plan_runs import PlanRuns
 from shared.frames import StepPlan, StepResult, Submit
 
 
@@ -35,6 +36,7 @@ class InProcessEngine:
     def __init__(self, scheduler: Scheduler, runner, pipeline_depth: int = 2) -> None:
         self.scheduler = scheduler
         self.runner = runner
+        self.plan_runs = PlanRuns(runner.execute)  # plans of several decode steps, as the worker runs them
         self.depth = pipeline_depth
         self.step = 0
 
@@ -50,9 +52,9 @@ class InProcessEngine:
         while self.scheduler.requests or in_flight or arrivals:
             for submit in arrivals.pop(self.step - first_step, []):
                 self.scheduler.submit(submit)
-            plan = self._plan()
+            plan = self._plan(run)
             if plan.slices:
-                in_flight.append(self.runner.execute(plan))
+                in_flight.append(self.plan_runs.run(plan, lambda *_: None))
             elif not in_flight and self.scheduler.requests:
                 raise RuntimeError("the scheduler planned nothing with requests pending and no step in flight")
             if in_flight and (len(in_flight) >= self.depth or not plan.slices):
@@ -61,12 +63,15 @@ class InProcessEngine:
         run.steps = self.step - first_step
         return run
 
-    def _plan(self) -> StepPlan:
+    def _plan(self, run: EngineRun) -> StepPlan:
         plan = self.scheduler.plan(self.step)
         self.step += 1
+        for s in plan.slices:
+            if s.opened is not None and s.opened.cached_tokens:
+                run.cached_tokens[s.rid] = s.opened.cached_tokens
         released = self.scheduler.take_released()
         if released:
-            self.runner.release(released)
+            self._release(released)
         return plan
 
     def _apply(self, result: StepResult, run: EngineRun) -> None:
@@ -76,9 +81,11 @@ class InProcessEngine:
             run.outputs.setdefault(delta.rid, []).extend(delta.token_ids)
             run.token_times.setdefault(delta.rid, []).extend([now] * len(delta.token_ids))
             run.token_steps.setdefault(delta.rid, []).extend([result.step] * len(delta.token_ids))
-            if delta.cached_tokens:
-                run.cached_tokens[delta.rid] = delta.cached_tokens
             if delta.finish:
                 run.finish[delta.rid] = delta.finish
         if outcome.released:
-            self.runner.release(outcome.released)
+            self._release(outcome.released)
+
+    def _release(self, rids: list[str]) -> None:
+        self.plan_runs.release(rids)
+        self.runner.release(rids)

@@ -191,7 +191,14 @@ def _in_process_runner(model: str, flags: list[str]):
     runner.warmup()
 
     pool = BlockPool(runner.num_blocks, runner.block_size, config.enable_prefix_cache)
-    scheduler = Scheduler(pool, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting, mixed_step_target_s=config.mixed_step_target_ms / 1000)
+    scheduler = Scheduler(
+        pool,
+        config.max_num_seqs,
+        config.max_num_batched_tokens,
+        config.max_waiting,
+        mixed_step_target_s=config.mixed_step_target_ms / 1000,
+        decode_plan_s=config.decode_plan_ms / 1000,
+    )
     return runner, load_tokenizer(model), scheduler, config.pipeline_depth
 
 

@@ -67,6 +67,13 @@ class StackConfig:
         "against 0.72 s without; 100 ms gives 0.13 s but ITL p50 85 ms instead of 30 and 4-8 % fewer output tokens/s",
         minimum=0,
     )
+    decode_plan_ms: float = _opt(
+        20.0,
+        "while nothing waits or prefills, a plan of decodes alone runs as many decode steps as fit this time by the worker's "
+        "measured step time (at most 16), streaming each step's tokens, with one result for the scheduler: fewer wake-ups per "
+        "token where steps are short (a CPU at few streams), a new request held back by up to about twice this (0: one step per plan)",
+        minimum=0,
+    )
     max_waiting: int = _opt(1024, "most requests waiting for admission before 429", minimum=0)
     enable_prefix_cache: bool = _opt(True, "reuse the KV of full blocks shared with earlier prompts")
     pipeline_depth: int = _opt(2, "step plans in flight at once (1: strictly alternate plan and result)", minimum=1)

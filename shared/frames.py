@@ -80,6 +80,26 @@ class Abort(_Frame):
     reason: str = "client disconnected"
 
 
+class DetokOpen(_Part):
+    """What the detokenizer needs to know about a request before its first tokens.
+
+    The scheduler attaches it to the request's first slice and the worker sends it ahead of the
+    request's first token, on the path its tokens take. The detokenizer ends the request by the same
+    rule as the scheduler (``shared/stop_rule.py``): a stop token once ``min_tokens`` are out (none
+    with ignore_eos), or ``max_tokens``.
+    """
+
+    rid: str
+    prompt_tokens: int
+    max_tokens: int
+    stop_token_ids: list[int] = []  # empty with ignore_eos
+    min_tokens: int = 0
+    stop: list[str] = []
+    skip_special_tokens: bool = True
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache at admission
+    reply_to: str = ""
+
+
 class Slice(_Part):
     """One request's share of a step: ``num_tokens`` positions starting at ``start``.
 
@@ -101,11 +121,21 @@ class Slice(_Part):
     prompt_len: int = 0
     prefix_ids: list[int] = []
     slot: int = -1  # GDN state slot, on every slice of a hybrid model's request
+    opened: DetokOpen | None = None  # on the first slice of the first admission: the worker forwards it to the detokenizer
+    stop_token_ids: list[int] = []  # with ``sampling``: the tokens that end the request within a run of decode steps (none with ignore_eos)
 
 
 class StepPlan(_Frame):
+    """One step, or with ``decode_steps > 1`` (plans of decodes alone) a run of steps: the worker runs the plan
+    that many times, each step feeding back its samples (a slice computes positions ``start``, ``start + 1``, ...;
+    its ``new_blocks`` cover them all), sends each step's tokens to the detokenizer as it goes, and answers with one
+    ``StepResult`` holding every token in order. A request that samples one of its stop tokens leaves the run and
+    is skipped by later plans until released (the scheduler runs several steps only where that token ends it).
+    """
+
     step: int
     slices: list[Slice]
+    decode_steps: int = 1
 
 
 class Release(_Frame):
@@ -135,25 +165,17 @@ class StepResult(_Frame):
     error: str = ""  # non-empty: the step failed and none of its slices produced a token
 
 
-class DetokOpen(_Part):
-    """What the detokenizer needs to know about a request before its first tokens."""
-
-    rid: str
-    prompt_tokens: int
-    stop: list[str] = []
-    skip_special_tokens: bool = True
-    reply_to: str = ""
-
-
 class TokenDelta(_Part):
     rid: str
     token_ids: list[int] = []
-    finish: str = ""  # a FinishReason value once the scheduler has finished the request
-    cached_tokens: int = 0  # prompt tokens reused from the prefix cache; sent with the first token
+    finish: str = ""  # from the scheduler, without tokens: the request was aborted or failed
     logprobs: list[TokenLogprobs] = []  # one per token id, when the request asked for logprobs
 
 
 class TokenBatch(_Frame):
+    """To the detokenizer: from the worker after each step, the requests it opened and the tokens it
+    sampled; from the scheduler, the requests it ended from outside (aborted or failed)."""
+
     opened: list[DetokOpen] = []
     deltas: list[TokenDelta] = []
 

@@ -1,7 +1,12 @@
 """The detokenizer process: token batches in, text batches out, stop strings reported back.
 
-Frames for unknown or already finished requests are counted and ignored; they are
-normal (a token from a step that was in flight when its request finished).
+Tokens come from the worker, each request's opening ahead of its first token; a request ends at
+its stop token or max_tokens (the scheduler's rule, shared/stop_rule.py, applied here to the same
+tokens), at a stop string (then the scheduler is told), or when the scheduler ends it from outside
+(aborted, failed). Frames for unknown or already finished requests are counted and ignored; they
+are normal (a token from a step that was in flight when its request finished). An ending can
+overtake the opening it follows (they take different paths), so a request ended before it opened
+is remembered, and its opening, when it comes, is ignored.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ from prometheus_client import Counter, Gauge, Histogram
 from services.detokenizer.request import RequestDetokState
 from shared.config import StackConfig
 from shared.cpu_placement import keep_off_worker_core
-from shared.frames import DetokOpen, Finish, FinishReason, Heartbeat, TextBatch, TextDelta, TextLogprobs, TokenBatch, TokenLogprobs, TokenText
+from shared.frames import DetokOpen, Finish, FinishReason, Heartbeat, TextBatch, TextDelta, TextLogprobs, TokenBatch, TokenDelta, TokenLogprobs, TokenText
 from shared.metrics import FRAMES_UNEXPECTED, PREFIX, PROCESS_UP, start_metrics_server
+from shared.stop_rule import finish_for_token
 from shared.token_texts import TokenTexts
 from shared.tokenizer import load_tokenizer
 from shared.transport import Curve, Inbox, Outbox, ReplyOutboxes
@@ -29,20 +35,24 @@ IGNORED = Counter(f"{PREFIX}detokenizer_ignored_deltas", "Token deltas for unkno
 TRACKED = Gauge(f"{PREFIX}detokenizer_requests", "Requests being detokenized")
 
 
+ENDED_BEFORE_OPENED_KEPT = 4096  # rids remembered; an opening trails its ending by a step or two at most
+
+
 class _Tracked:
-    __slots__ = ("state", "opened", "cached_tokens")
+    __slots__ = ("state", "opened", "generated", "stop_token_ids")
 
     def __init__(self, state: RequestDetokState, opened: DetokOpen) -> None:
         self.state = state
         self.opened = opened
-        self.cached_tokens = 0
+        self.generated = 0  # output tokens received, stop strings aside: what the stop rule counts
+        self.stop_token_ids = frozenset(opened.stop_token_ids)
 
 
 class DetokenizerLoop:
     def __init__(self, config: StackConfig, log: structlog.stdlib.BoundLogger) -> None:
         self.config = config
         self.log = log
-        ctx = zmq.Context()
+        self.ctx = ctx = zmq.Context()  # tests destroy it: every socket of the loop
         curve = Curve.from_file(config.curve_key_file)
         self.inbox = Inbox(ctx, config.detokenizer_address, "detokenizer_inbox", curve)
         self.to_api = ReplyOutboxes(ctx, config.api_address, "detokenizer_to_api", curve)  # by each request's reply_to
@@ -50,6 +60,7 @@ class DetokenizerLoop:
         self.tokenizer = None
         self.token_texts: TokenTexts | None = None
         self.requests: dict[str, _Tracked] = {}
+        self.ended_before_opened: dict[str, None] = {}  # insertion-ordered, bounded
         requests = self.requests
         TRACKED.set_function(lambda: len(requests))  # read at scrape time, not set per token batch
         self.state = "loading"
@@ -81,6 +92,10 @@ class DetokenizerLoop:
     def handle(self, batch: TokenBatch) -> None:
         started = time.perf_counter()
         for opened in batch.opened:
+            if opened.rid in self.ended_before_opened:
+                del self.ended_before_opened[opened.rid]
+                self.log.info("request_ended_before_opened", rid=opened.rid)
+                continue
             state = RequestDetokState(self.tokenizer, opened.stop, opened.skip_special_tokens)
             self.requests[opened.rid] = _Tracked(state, opened)
             self.log.info("request_opened", rid=opened.rid, stop_strings=len(opened.stop))
@@ -94,10 +109,12 @@ class DetokenizerLoop:
             self.to_api.send(reply_to, TextBatch(deltas=out))
         BATCH_TIME.observe(time.perf_counter() - started)
 
-    def _detokenize(self, delta) -> TextDelta | None:
+    def _detokenize(self, delta: TokenDelta) -> TextDelta | None:
         tracked = self.requests.get(delta.rid)
         if tracked is None:
             IGNORED.inc()
+            if delta.finish:
+                self._remember_ended(delta.rid)
             return None
         if delta.finish == FinishReason.ERROR.value:
             # The scheduler failed it and told its api why (an Error frame); a finishing delta from here
@@ -105,11 +122,11 @@ class DetokenizerLoop:
             del self.requests[delta.rid]
             self.log.info("request_failed", rid=delta.rid)
             return None
-        tracked.cached_tokens = max(tracked.cached_tokens, delta.cached_tokens)
+        token_ids, finish = self._take_until_end(tracked, delta.token_ids, delta.finish)
         before = tracked.state.completion_tokens
-        update = tracked.state.push(delta.token_ids)
+        update = tracked.state.push(token_ids)
         consumed = tracked.state.completion_tokens - before  # tokens after a matched stop string carry no logprobs
-        text, finish = update.text, delta.finish
+        text = update.text
         if update.finished_by_stop is not None:
             STOP_MATCHES.inc()
             finish = FinishReason.STOP.value
@@ -125,10 +142,27 @@ class DetokenizerLoop:
             completion_tokens=tracked.state.completion_tokens,
             finish=finish,
             prompt_tokens=tracked.opened.prompt_tokens,
-            cached_tokens=tracked.cached_tokens if finish else 0,
+            cached_tokens=tracked.opened.cached_tokens if finish else 0,
             matched=update.finished_by_stop or "",
-            logprobs=[self._text_logprobs(token_id, lp) for token_id, lp in zip(delta.token_ids[:consumed], delta.logprobs)],
+            logprobs=[self._text_logprobs(token_id, lp) for token_id, lp in zip(token_ids[:consumed], delta.logprobs)],
         )
+
+    @staticmethod
+    def _take_until_end(tracked: _Tracked, token_ids: list[int], finish: str) -> tuple[list[int], str]:
+        """The delta's tokens up to the one that ends the request by the stop rule, and the ending (the
+        delta's own, an abort, when the rule ends nothing)."""
+        opened = tracked.opened
+        for i, token_id in enumerate(token_ids):
+            tracked.generated += 1
+            reason = finish_for_token(token_id, tracked.generated, tracked.stop_token_ids, opened.min_tokens, opened.max_tokens)
+            if reason is not None:
+                return token_ids[: i + 1], reason.value
+        return token_ids, finish
+
+    def _remember_ended(self, rid: str) -> None:
+        self.ended_before_opened[rid] = None
+        if len(self.ended_before_opened) > ENDED_BEFORE_OPENED_KEPT:
+            del self.ended_before_opened[next(iter(self.ended_before_opened))]
 
     def _text_logprobs(self, token_id: int, logprobs: TokenLogprobs) -> TextLogprobs:
         def text(token: int, logprob: float) -> TokenText:

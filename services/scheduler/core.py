@@ -11,6 +11,9 @@ cached prefix of its tokens. For a hybrid (GDN) model each running request also 
 state slot, taken at admission and given back when it finishes or is preempted; every slice
 names it.
 
+While nothing waits or prefills, a plan of decodes alone may run several decode steps
+(decode_runs.py), its result arriving once for them all.
+
 Pipelining: plans may be sent before earlier results are back. A decode slice carries
 no token (the worker feeds back its own last sample), so ``num_scheduled`` runs ahead
 of the tokens known here, and a token that arrives for a finished request is dropped.
@@ -22,11 +25,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from services.scheduler.decode_runs import DecodeRuns
 from services.scheduler.kv_blocks import BlockPool
 from services.scheduler.requests import Phase, Request
 from services.scheduler.state_slots import SlotPool
 from services.scheduler.step_cost import StepCost
 from shared.frames import DetokOpen, FinishReason, Slice, StepPlan, StepResult, Submit, TokenDelta
+from shared.stop_rule import finish_for_token
 
 
 class AdmissionError(Exception):
@@ -38,16 +43,24 @@ class AdmissionError(Exception):
 
 @dataclass
 class Outcome:
-    """What the loop must send after a scheduler event."""
+    """What a scheduler event produced: the requests' new tokens and endings (the detokenizer hears
+    the tokens from the worker and ends requests by the same rule; only endings from outside reach it
+    from the scheduler), and the worker-side state to drop."""
 
-    opened: list[DetokOpen] = field(default_factory=list)
     deltas: list[TokenDelta] = field(default_factory=list)
-    released: list[str] = field(default_factory=list)  # worker-side state to drop
+    released: list[str] = field(default_factory=list)
 
 
 class Scheduler:
     def __init__(
-        self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_waiting: int, slots: SlotPool | None = None, mixed_step_target_s: float = 0.0
+        self,
+        pool: BlockPool,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_waiting: int,
+        slots: SlotPool | None = None,
+        mixed_step_target_s: float = 0.0,
+        decode_plan_s: float = 0.0,
     ) -> None:
         self.pool = pool
         self.slots = slots  # GDN state slots: hybrid models only
@@ -55,6 +68,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_waiting = max_waiting
         self.step_cost = StepCost(mixed_step_target_s)  # sizes the prefill of steps that carry decodes
+        self.decode_runs = DecodeRuns(decode_plan_s)  # how many steps a plan of decodes alone runs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.requests: dict[str, Request] = {}
@@ -63,7 +77,7 @@ class Scheduler:
 
     # Admission. ----------------------------------------------------------------------
 
-    def submit(self, submit: Submit) -> Outcome:
+    def submit(self, submit: Submit) -> None:
         if submit.rid in self.requests:
             raise AdmissionError(400, f"request id {submit.rid!r} is already in use")
         capacity = self.pool.num_blocks * self.pool.block_size
@@ -78,26 +92,19 @@ class Scheduler:
         request = Request(submit=submit)
         self.requests[submit.rid] = request
         self.waiting.append(request)
-        opened = DetokOpen(
-            rid=submit.rid,
-            prompt_tokens=len(submit.prompt_ids),
-            stop=submit.stop,
-            skip_special_tokens=submit.skip_special_tokens,
-            reply_to=submit.reply_to,
-        )
-        return Outcome(opened=[opened])
 
     # Planning. -----------------------------------------------------------------------
 
     def plan(self, step: int) -> StepPlan:
         slices: list[Slice] = []
         budget = self.max_num_batched_tokens
+        decode_steps = self._decode_steps()
         for request in list(self.running):
             if budget == 0 or len(slices) == self.max_num_seqs:
                 break
             if request.phase is Phase.RUNNING and not request.prefilling and self._wants_decode(request):
-                if self._grow_for_decode(request):
-                    slices.append(self._slice(request, 1))
+                if self._grow_for_decode(request, decode_steps):
+                    slices.append(self._slice(request, 1, decode_steps=decode_steps))
                     budget -= 1
         decodes = len(slices)
         budget = prefill_budget = self.step_cost.prefill_budget(budget, decodes)
@@ -114,8 +121,30 @@ class Scheduler:
             if scheduled == 0:
                 break
             budget -= scheduled
-        self.step_cost.planned(step, decodes + prefill_budget - budget)  # the step's tokens, one per decode
-        return StepPlan(step=step, slices=slices)
+        # The step's tokens, one per decode; a run's time is several steps', not a sample of a step's.
+        self.step_cost.planned(step, decodes + prefill_budget - budget if decode_steps == 1 else 0)
+        if decodes and decodes == len(slices):
+            self.decode_runs.planned(step, decode_steps, decodes)
+        return StepPlan(step=step, slices=slices, decode_steps=decode_steps)
+
+    def _decode_steps(self) -> int:
+        """How many decode steps the next plan runs (decode_runs.py): several only while nothing waits or
+        prefills (a run would hold them back), no running request needs fewer tokens than the run makes or
+        could sample a stop token that does not end it (min_tokens), and the free blocks cover the run."""
+        steps = self.decode_runs.steps()
+        if steps == 1 or self.waiting:
+            return 1
+        needed_blocks = 0
+        for request in self.running:
+            if request.prefilling:
+                return 1
+            submit = request.submit
+            promised = request.outputs_promised
+            if promised < submit.min_tokens:
+                return 1
+            steps = min(steps, max(submit.max_tokens - promised, 1))
+            needed_blocks += max(0, self.pool.blocks_for(request.num_scheduled + steps) - len(request.blocks))
+        return steps if needed_blocks <= self.pool.num_free else 1
 
     def _admit(self, request: Request, budget: int, slices: list[Slice]) -> int:
         """Starts (or restarts) the request's prefill after its cached prefix; 0 if nothing fits."""
@@ -136,8 +165,6 @@ class Scheduler:
             self._free_slot(request)
             return 0
         self.pool.count_lookup(request.prefill_len - 1, request.num_scheduled - scheduled)
-        if request.cached_tokens is None:  # usage reports the first admission's reuse
-            request.cached_tokens = request.num_scheduled - scheduled
         self.waiting.popleft()
         request.phase = Phase.RUNNING
         request.admitted_at = time.monotonic()
@@ -160,12 +187,12 @@ class Scheduler:
         slices.append(self._slice(request, chunk, token_ids=request.tokens[start : start + chunk]))
         return chunk
 
-    def _grow_for_decode(self, request: Request) -> bool:
-        """Gives the request's next position a slot, preempting newer requests if needed.
+    def _grow_for_decode(self, request: Request, decode_steps: int) -> bool:
+        """Gives the request's next positions (one per decode step) a slot, preempting newer requests if needed.
 
         False if the request itself had to be preempted.
         """
-        needed = self.pool.blocks_for(request.num_scheduled + 1) - len(request.blocks)
+        needed = self.pool.blocks_for(request.num_scheduled + decode_steps) - len(request.blocks)
         while True:
             blocks = self.pool.allocate(needed)
             if blocks is not None:
@@ -176,16 +203,20 @@ class Scheduler:
             if victim is request:
                 return False
 
-    def _slice(self, request: Request, num_tokens: int, token_ids: list[int] | None = None) -> Slice:
+    def _slice(self, request: Request, num_tokens: int, token_ids: list[int] | None = None, decode_steps: int = 1) -> Slice:
+        """``num_tokens`` prompt positions, or a decode (one position) in each of ``decode_steps`` steps."""
         start = request.num_scheduled
         sample = start + num_tokens >= request.prefill_len
-        request.num_scheduled += num_tokens
-        request.pending_samples += sample
+        request.num_scheduled += num_tokens * decode_steps
+        request.pending_samples += sample * decode_steps
         sampling = None if request.sampling_sent else request.submit.sampling
         request.sampling_sent = True
+        opened = None if request.detokenizer_opened else self._detok_open(request, cached_tokens=start)  # the first admission's first slice
+        request.detokenizer_opened = True
         prompt_len, prefix_ids = 0, []
         if sampling is not None and sampling.follows_outputs:  # the worker's penalties and grammars need every token, cached ones too
             prompt_len, prefix_ids = len(request.submit.prompt_ids), request.tokens[:start]
+        stop_token_ids = [] if sampling is None or request.submit.ignore_eos else request.submit.stop_token_ids
         new_blocks = request.blocks[request.blocks_sent :]  # the worker's table grows by these
         request.blocks_sent = len(request.blocks)
         self._register_full_blocks(request)
@@ -200,6 +231,23 @@ class Scheduler:
             prompt_len=prompt_len,
             prefix_ids=prefix_ids,
             slot=request.slot,
+            opened=opened,
+            stop_token_ids=stop_token_ids,
+        )
+
+    @staticmethod
+    def _detok_open(request: Request, cached_tokens: int) -> DetokOpen:
+        submit = request.submit
+        return DetokOpen(
+            rid=submit.rid,
+            prompt_tokens=len(submit.prompt_ids),
+            max_tokens=submit.max_tokens,
+            stop_token_ids=[] if submit.ignore_eos else submit.stop_token_ids,
+            min_tokens=submit.min_tokens,
+            stop=submit.stop,
+            skip_special_tokens=submit.skip_special_tokens,
+            cached_tokens=cached_tokens,
+            reply_to=submit.reply_to,
         )
 
     def _register_full_blocks(self, request: Request) -> None:
@@ -245,18 +293,18 @@ class Scheduler:
     def on_result(self, result: StepResult) -> Outcome:
         outcome = Outcome()
         self.step_cost.observed(result.step, result.forward_s)
+        self.decode_runs.observed(result.step, result.forward_s, len(result.sampled))
         for sampled in result.sampled:
             request = self.requests.get(sampled.rid)
             if request is None or request.pending_samples == 0:
                 continue  # finished while this step was in flight: the extra token is dropped
             request.pending_samples -= 1
             request.output_ids.append(sampled.token_id)
-            reason = self._finish_reason(request, sampled.token_id)
-            cached = (request.cached_tokens or 0) if len(request.output_ids) == 1 else 0  # sent once, with the first token
+            submit = request.submit
+            stop_ids = () if submit.ignore_eos else submit.stop_token_ids
+            reason = finish_for_token(sampled.token_id, len(request.output_ids), stop_ids, submit.min_tokens, submit.max_tokens)
             logprobs = [sampled.logprobs] if sampled.logprobs is not None else []
-            outcome.deltas.append(
-                TokenDelta(rid=request.rid, token_ids=[sampled.token_id], finish=reason.value if reason else "", cached_tokens=cached, logprobs=logprobs)
-            )
+            outcome.deltas.append(TokenDelta(rid=request.rid, token_ids=[sampled.token_id], finish=reason.value if reason else "", logprobs=logprobs))
             if reason is None:
                 self._register_full_blocks(request)
             else:
@@ -274,15 +322,6 @@ class Scheduler:
             self.pool.forget(request.blocks)
             self._end(request, Outcome())
         return [r.rid for r in failed]
-
-    def _finish_reason(self, request: Request, token_id: int) -> FinishReason | None:
-        submit = request.submit
-        generated = len(request.output_ids)
-        if not submit.ignore_eos and token_id in submit.stop_token_ids and generated >= submit.min_tokens:
-            return FinishReason.STOP
-        if generated >= submit.max_tokens:
-            return FinishReason.LENGTH
-        return None
 
     def finish(self, rid: str, reason: FinishReason) -> Outcome:
         """Ends a request from outside (abort, stop string); unknown or finished rids are ignored."""

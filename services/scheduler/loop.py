@@ -45,6 +45,9 @@ KV_BLOCKS_TOTAL = Gauge(f"{PREFIX}kv_blocks_total", "KV blocks in the cache")
 GDN_SLOTS_USED = Gauge(f"{PREFIX}gdn_state_slots_used", "GDN state slots held by running requests (hybrid models)")
 GDN_SLOTS_TOTAL = Gauge(f"{PREFIX}gdn_state_slots_total", "GDN state slots on the worker (0: the model has no GDN layers)")
 STEP_TOKEN_CAP = Gauge(f"{PREFIX}scheduler_mixed_step_token_cap", "Most tokens a step that carries decodes holds now (0: no cap, or none measured yet)")
+DECODE_STEPS_PER_PLAN = Gauge(
+    f"{PREFIX}scheduler_decode_steps_per_plan", "Decode steps the next plan of decodes alone runs (1 while anything waits or prefills)"
+)
 SECONDS_PER_TOKEN = Gauge(f"{PREFIX}scheduler_step_seconds_per_token", "The worker's time per token of large steps, averaged (0 until measured)")
 PREFIX_QUERIES = Counter(f"{PREFIX}prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
 PREFIX_HITS = Counter(f"{PREFIX}prefix_cache_hits", "Prompt tokens found in the prefix cache")
@@ -83,7 +86,15 @@ class SchedulerLoop:
         self.prefix_cache_off_reason = self.model.prefix_cache_unsupported if config.enable_prefix_cache else "disabled by --enable-prefix-cache false"
         pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_cache and not self.prefix_cache_off_reason)
         slots = SlotPool(config.max_num_seqs) if self.model.uses_state_slots else None
-        self.core = Scheduler(pool, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting, slots, config.mixed_step_target_ms / 1000)
+        self.core = Scheduler(
+            pool,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.max_waiting,
+            slots,
+            config.mixed_step_target_ms / 1000,
+            config.decode_plan_ms / 1000,
+        )
         self._counted_queries = self._counted_hits = 0
         ctx = zmq.Context()
         curve = Curve.from_file(config.curve_key_file)
@@ -114,6 +125,7 @@ class SchedulerLoop:
         GDN_SLOTS_TOTAL.set_function(lambda: core.slots.num_slots if core.slots else 0)
         STEP_TOKEN_CAP.set_function(lambda: core.step_cost.token_cap() or 0)
         SECONDS_PER_TOKEN.set_function(lambda: core.step_cost.seconds_per_token or 0.0)
+        DECODE_STEPS_PER_PLAN.set_function(lambda: core.decode_runs.steps())
 
     # Readiness. ------------------------------------------------------------------------
 
@@ -202,8 +214,8 @@ class SchedulerLoop:
         elif isinstance(frame, Submit):
             self._on_submit(frame)
         elif isinstance(frame, Abort):
-            self._send(self.core.finish(frame.rid, FinishReason.ABORT))
-        elif isinstance(frame, Finish):
+            self._send(self.core.finish(frame.rid, FinishReason.ABORT), tell_detokenizer=True)
+        elif isinstance(frame, Finish):  # the detokenizer ended it already
             self._send(self.core.finish(frame.rid, FinishReason.STOP))
         elif isinstance(frame, Heartbeat):
             self._on_heartbeat(frame)
@@ -220,7 +232,7 @@ class SchedulerLoop:
             self._reject(submit, 503, "the engine is not ready")
             return
         try:
-            self._send(self.core.submit(submit))
+            self.core.submit(submit)
             self.log.info("request_queued", rid=submit.rid, prompt_tokens=len(submit.prompt_ids), max_tokens=submit.max_tokens)
         except AdmissionError as exc:
             self.log.info("request_rejected", rid=submit.rid, status=exc.status, reason=exc.message)
@@ -249,7 +261,7 @@ class SchedulerLoop:
         rids = [rid for rid, request in self.core.requests.items() if request.submit.reply_to == address]
         (self.log.warning if rids else self.log.info)("api_lost", address=address, aborted_requests=len(rids))
         for rid in rids:
-            self._send(self.core.finish(rid, FinishReason.ABORT))
+            self._send(self.core.finish(rid, FinishReason.ABORT), tell_detokenizer=True)
 
     def _on_result(self, result: StepResult) -> None:
         if result.step not in self.in_flight:
@@ -316,11 +328,14 @@ class SchedulerLoop:
         self.to_worker.send(Release(rids=rids))
         self.to_detokenizer.send(TokenBatch(deltas=[TokenDelta(rid=rid, finish=FinishReason.ERROR.value) for rid in rids]))
 
-    def _send(self, outcome: Outcome) -> None:
+    def _send(self, outcome: Outcome, tell_detokenizer: bool = False) -> None:
+        """Releases the ended requests' worker state. The detokenizer has their tokens from the worker and
+        ends them at the same token by the same rule (shared/stop_rule.py), or ended them itself (a stop
+        string): only an ending from outside (an abort) is news to it."""
         if outcome.released:
             self.to_worker.send(Release(rids=outcome.released))
-        if outcome.opened or outcome.deltas:
-            self.to_detokenizer.send(TokenBatch(opened=outcome.opened, deltas=outcome.deltas))
+        if tell_detokenizer and outcome.deltas:
+            self.to_detokenizer.send(TokenBatch(deltas=outcome.deltas))
         for delta in outcome.deltas:
             if delta.finish:
                 FINISHED.labels(delta.finish).inc()
@@ -352,6 +367,11 @@ class SchedulerLoop:
                 "target_ms": self.config.mixed_step_target_ms,
                 "ms_per_token": None if core.step_cost.seconds_per_token is None else round(core.step_cost.seconds_per_token * 1000, 4),
                 "token_cap": core.step_cost.token_cap(),
+            },
+            "decode_plan": {
+                "target_ms": self.config.decode_plan_ms,
+                "ms_per_step": None if core.decode_runs.seconds_per_step is None else round(core.decode_runs.seconds_per_step * 1000, 4),
+                "steps": core.decode_runs.steps(),
             },
             "max_waiting": core.max_waiting,
             "pipeline_depth": self.config.pipeline_depth,

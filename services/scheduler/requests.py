@@ -22,11 +22,11 @@ class Request:
     blocks: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the leading full blocks
     blocks_sent: int = 0  # how many of ``blocks`` the worker's block table has
-    cached_tokens: int | None = None  # prompt tokens reused from the prefix cache at first admission
     num_scheduled: int = 0  # positions whose KV is computed or in a plan already sent
     prefill_len: int = 0  # positions to prefill since admission: the prompt, plus outputs when recomputed
     pending_samples: int = 0  # sampling slices sent whose token has not come back
     sampling_sent: bool = False  # the worker has this request's sampling params
+    detokenizer_opened: bool = False  # a slice carried its DetokOpen (once, at the first admission)
     slot: int = -1  # GDN state slot while running (hybrid models), else -1
     phase: Phase = Phase.WAITING
     admitted_at: float = 0.0

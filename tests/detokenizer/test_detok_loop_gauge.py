@@ -16,9 +16,10 @@ def test_the_tracked_requests_gauge_follows_opening_and_finishing(tmp_path) -> N
     loop.tokenizer = load_tokenizer(DEFAULT_MODEL_DIR)
     tracked = lambda: REGISTRY.get_sample_value("tokenyard:detokenizer_requests")  # noqa: E731
     assert tracked() == 0
-    loop.handle(TokenBatch(opened=[DetokOpen(rid=f"r{i}", prompt_tokens=3) for i in range(3)]))
+    hi = loop.tokenizer.encode("Hi")
+    loop.handle(TokenBatch(opened=[DetokOpen(rid=f"r{i}", prompt_tokens=3, max_tokens=len(hi)) for i in range(3)]))
     assert tracked() == 3
-    loop.handle(TokenBatch(deltas=[TokenDelta(rid="r1", token_ids=loop.tokenizer.encode("Hi"), finish="length")]))
+    loop.handle(TokenBatch(deltas=[TokenDelta(rid="r1", token_ids=hi)]))  # its max_tokens: the request ends
     assert tracked() == 2
     loop.to_api.close()
     loop.to_scheduler.close()

@@ -179,8 +179,8 @@ def test_prefix_cache_reuses_full_blocks_and_reports_cached_tokens() -> None:
     b = next(x for x in plan.slices if x.rid == "b")
     assert (b.start, b.num_tokens, b.token_ids) == (8, 3, [1, 200, 201])
     assert b.new_blocks[:2] == a.new_blocks[:2] and len(b.new_blocks) == 3  # the worker's table gets the shared blocks
-    out = s.on_result(StepResult(step=1, sampled=[Sampled(rid="a", token_id=5), Sampled(rid="b", token_id=5)]))
-    assert {d.rid: d.cached_tokens for d in out.deltas} == {"b": 8, "a": 0}
+    assert (a.opened.cached_tokens, b.opened.cached_tokens) == (0, 8)  # the detokenizer reports them in the usage
+    s.on_result(StepResult(step=1, sampled=[Sampled(rid="a", token_id=5), Sampled(rid="b", token_id=5)]))
     assert (s.pool.queries, s.pool.hits) == (9 + 10, 8)
     s.finish("a", FinishReason.ABORT)
     s.finish("b", FinishReason.ABORT)

@@ -34,12 +34,22 @@ def model(tmp_path_factory):
     return path, expected
 
 
-def run(path: str, num_blocks: int, budget: int, prefix_cache: bool, depth: int = 2):
+def run(path: str, num_blocks: int, budget: int, prefix_cache: bool, depth: int = 2, decode_plan_s: float = 0.0, stop: int | None = None):
     block_size = 4
     runner = ModelRunner(path, num_blocks=num_blocks, block_size=block_size)
-    scheduler = Scheduler(BlockPool(num_blocks, block_size, prefix_cache), max_num_seqs=8, max_num_batched_tokens=budget, max_waiting=100)
+    scheduler = Scheduler(
+        BlockPool(num_blocks, block_size, prefix_cache), max_num_seqs=8, max_num_batched_tokens=budget, max_waiting=100, decode_plan_s=decode_plan_s
+    )
     submits = [
-        Submit(rid=f"r{i}", prompt_ids=prompt, max_tokens=NEW_TOKENS, sampling=SamplingParams(temperature=0), ignore_eos=True)
+        Submit(
+            rid=f"r{i}",
+            prompt_ids=prompt,
+            max_tokens=NEW_TOKENS,
+            sampling=SamplingParams(temperature=0),
+            ignore_eos=stop is None,
+            stop_token_ids=[] if stop is None else [stop],
+            min_tokens=3 if i == 1 else 0,
+        )
         for i, prompt in enumerate(PROMPTS)
     ]
     # The last two arrive later, while the others decode, so they can hit the cache of scheduled blocks.
@@ -49,25 +59,42 @@ def run(path: str, num_blocks: int, budget: int, prefix_cache: bool, depth: int 
 
 
 @pytest.mark.parametrize(
-    "num_blocks,budget,prefix_cache,depth",
+    "num_blocks,budget,prefix_cache,depth,decode_plan_s",
     [
-        (64, 256, False, 2),  # no chunking, no cache
-        (64, 256, True, 2),  # prefix cache
-        (64, 7, True, 2),  # chunks of 7 tokens mixed with decodes
-        (64, 3, False, 1),  # tiny chunks, strictly alternating steps
-        (64, 5, True, 1),
-        (12, 16, True, 2),  # 48 KV slots for 5 requests of up to 37 tokens: preemption and recompute
-        (12, 16, False, 2),
+        (64, 256, False, 2, 0.0),  # no chunking, no cache
+        (64, 256, True, 2, 0.0),  # prefix cache
+        (64, 7, True, 2, 0.0),  # chunks of 7 tokens mixed with decodes
+        (64, 3, False, 1, 0.0),  # tiny chunks, strictly alternating steps
+        (64, 5, True, 1, 0.0),
+        (12, 16, True, 2, 0.0),  # 48 KV slots for 5 requests of up to 37 tokens: preemption and recompute
+        (12, 16, False, 2, 0.0),
+        (64, 256, True, 2, 1.0),  # plans of decodes alone run up to MAX_DECODE_STEPS steps
+        (64, 7, True, 1, 1.0),
+        (12, 16, False, 2, 1.0),  # ... under preemption
     ],
 )
-def test_greedy_outputs_match_transformers(model, num_blocks: int, budget: int, prefix_cache: bool, depth: int) -> None:
+def test_greedy_outputs_match_transformers(model, num_blocks: int, budget: int, prefix_cache: bool, depth: int, decode_plan_s: float) -> None:
     path, expected = model
-    result, scheduler = run(path, num_blocks, budget, prefix_cache, depth)
+    result, scheduler = run(path, num_blocks, budget, prefix_cache, depth, decode_plan_s)
     assert result.outputs == expected
+    if decode_plan_s:
+        assert scheduler.decode_runs.steps() > 1 and result.steps < 60, "plans of several decode steps were meant to run"
     if prefix_cache and num_blocks == 64:
         assert result.cached_tokens.get("r4", 0) >= 16, "the late request with the shared prefix should reuse it"
     if num_blocks == 12:
         assert scheduler.num_preemptions > 0, "the tiny pool was meant to force preemption"
+
+
+@pytest.mark.parametrize("decode_plan_s", [0.0, 1.0])
+def test_a_stop_token_ends_each_request_where_the_reference_continuation_has_it(model, decode_plan_s: float) -> None:
+    path, expected = model
+    stop = expected["r0"][5]
+    result, _ = run(path, 64, 256, True, 2, decode_plan_s, stop=stop)
+    for rid, tokens in expected.items():
+        min_tokens = 3 if rid == "r1" else 0
+        ends = [i for i, t in enumerate(tokens) if t == stop and i + 1 >= min_tokens]
+        assert result.outputs[rid] == tokens[: ends[0] + 1 if ends else None]
+        assert result.finish[rid] == ("stop" if ends else "length")
 
 
 def test_running_streams_keep_decoding_while_a_long_prompt_prefills(tmp_path) -> None:

@@ -57,6 +57,13 @@ EXAMPLES = [
         slices=[
             Slice(rid="r1", start=0, num_tokens=3, token_ids=[1, 2, 3], new_blocks=[4], sample=True, sampling=SamplingParams(seed=1), slot=2),
             Slice(rid="r2", start=7, num_tokens=1),
+            Slice(
+                rid="r4",
+                start=8,
+                num_tokens=2,
+                token_ids=[5, 6],
+                opened=DetokOpen(rid="r4", prompt_tokens=10, max_tokens=5, stop_token_ids=[2], cached_tokens=8),
+            ),
             Slice(rid="r3", start=2, num_tokens=1, token_ids=[3], sampling=SamplingParams(frequency_penalty=1.0), prompt_len=3, prefix_ids=[1, 2]),
         ],
     ),
@@ -67,8 +74,10 @@ EXAMPLES = [
     TokenBatch(deltas=[TokenDelta(rid="r3", token_ids=[4], logprobs=[TokenLogprobs(0.0)])]),
     TextBatch(deltas=[TextDelta(rid="r3", text="\ufffd", logprobs=[TextLogprobs(TokenText("\ufffd", b"\xf0\x9f", -0.5), [TokenText("a", b"a", -1.0)])])]),
     TokenBatch(
-        opened=[DetokOpen(rid="r1", prompt_tokens=3, stop=["x"], skip_special_tokens=False, reply_to="api-0")],
-        deltas=[TokenDelta(rid="r1", token_ids=[42], finish="length")],
+        opened=[
+            DetokOpen(rid="r1", prompt_tokens=3, max_tokens=4, stop_token_ids=[2, 7], min_tokens=1, stop=["x"], skip_special_tokens=False, reply_to="api-0")
+        ],
+        deltas=[TokenDelta(rid="r1", token_ids=[42]), TokenDelta(rid="r2", finish="abort")],
     ),
     TextBatch(deltas=[TextDelta(rid="r1", text="héllo 👋", completion_tokens=2, finish="stop", prompt_tokens=3)]),
     Finish(rid="r1", matched="\n\n"),

@@ -196,8 +196,7 @@ def test_the_cpu_worker_reports_its_device_backends_and_eager_decodes(tmp_path, 
         assert eager_decodes() == before + 1
         assert REGISTRY.get_sample_value("tokenyard:worker_decode_steps_total", {"mode": "graph"}) == 0
     finally:
-        for socket in (loop.inbox, loop.to_scheduler):
-            socket.close()
+        loop.ctx.destroy(0)  # every socket of the loop's
 
 
 def test_the_state_bytes_per_slot_are_what_the_state_cache_allocates() -> None:
@@ -230,5 +229,4 @@ def test_the_worker_shows_the_measured_figures_in_its_memory_arithmetic(tmp_path
         assert shown["activation_peak_bytes"] == GIB // 4 and shown["activation_profile"]["peak_bytes"] == GIB // 2 + GIB // 8 + GIB // 4
         assert shown["graph_pool_bytes"] == GRAPH_POOL_RESERVE and shown["reserve_bytes"] == GIB // 4 + GRAPH_POOL_RESERVE
     finally:
-        for socket in (loop.inbox, loop.to_scheduler):
-            socket.close()
+        loop.ctx.destroy(0)  # every socket of the loop's

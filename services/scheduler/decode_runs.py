@@ -1,0 +1,51 @@
+"""How many decode steps one plan of decodes alone may run: the worker's measured step time against a target.
+
+Each plan costs every process a wake-up: the scheduler plans it and takes its result, the worker decodes
+the plan and encodes the result. Where a step is short (one stream on a CPU: ~5 ms) those passes are a
+visible share of the machine, beside the api's and detokenizer's, which streaming needs per token anyway.
+A plan of decodes alone can instead run several steps in a row: the worker feeds each step's samples to
+the next, streams each step's tokens to the detokenizer as before, and answers the scheduler once. The
+scheduler wakes once per run instead of once per token.
+
+The run's length is a time (``--decode-plan-ms``) rather than a count: a run delays whatever the scheduler
+would decide meanwhile, an admission above all, by up to its whole length (twice that with a plan queued
+behind it), so the delay stays bounded wherever a step is long (a large batch) and runs grow only where
+steps are short. Runs happen only when nothing waits and nothing prefills (core.py decides). Until a
+decode plan's time has come back there is no estimate and each plan runs one step.
+"""
+
+from __future__ import annotations
+
+MAX_DECODE_STEPS = 16  # at most this many steps in one plan, however short a step
+SMOOTHING = 0.25  # weight of the newest sample in the average
+_MAX_PENDING = 64  # plans remembered awaiting their result (pipelining keeps ~2; results of lost steps never come)
+
+
+class DecodeRuns:
+    def __init__(self, target_s: float) -> None:
+        self.target_s = target_s  # 0: one step per plan
+        self.seconds_per_step: float | None = None
+        self._pending: dict[int, tuple[int, int]] = {}  # step -> (decode steps its plan runs, rows)
+
+    def planned(self, step: int, decode_steps: int, rows: int) -> None:
+        """A plan of ``rows`` decodes alone was sent, running ``decode_steps`` steps."""
+        if self.target_s > 0:
+            if len(self._pending) >= _MAX_PENDING:
+                self._pending.pop(next(iter(self._pending)))
+            self._pending[step] = (decode_steps, rows)
+
+    def observed(self, step: int, forward_s: float, samples: int) -> None:
+        """The worker's time for a plan (0 when it did not time it, or the plan failed) and the tokens it
+        returned: a run that every row left early (stop tokens) says little about a step's time."""
+        steps, rows = self._pending.pop(step, (0, 0))
+        if not steps or forward_s <= 0 or samples < steps * rows:
+            return
+        sample = forward_s / steps
+        previous = self.seconds_per_step
+        self.seconds_per_step = sample if previous is None else previous + SMOOTHING * (sample - previous)
+
+    def steps(self) -> int:
+        """How many decode steps the next plan of decodes alone should run."""
+        if self.target_s <= 0 or self.seconds_per_step is None:
+            return 1
+        return max(1, min(MAX_DECODE_STEPS, round(self.target_s / self.seconds_per_step)))
