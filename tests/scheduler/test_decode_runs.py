@@ -4,10 +4,15 @@ and only with blocks for every position of the run."""
 
 from __future__ import annotations
 
+import structlog
+from prometheus_client import REGISTRY
+
 from services.scheduler.core import Scheduler
 from services.scheduler.decode_runs import MAX_DECODE_STEPS, DecodeRuns
 from services.scheduler.kv_blocks import BlockPool
-from shared.frames import FinishReason, Sampled, StepPlan, StepResult, Submit
+from services.scheduler.loop import SchedulerLoop
+from shared.config import DEFAULT_MODEL_DIR, StackConfig
+from shared.frames import Abort, FinishReason, Sampled, StepPlan, StepResult, Submit
 
 STOP = 0
 
@@ -125,3 +130,29 @@ def test_slices_tell_the_worker_the_stop_tokens_that_end_a_run() -> None:
     plan = s.plan(0)
     assert {x.rid: x.stop_token_ids for x in plan.slices} == {"a": [STOP], "b": []}
     assert all(x.stop_token_ids == [] for x in s.plan(1).slices)  # sent with the sampling params only
+
+
+def test_the_flag_reaches_the_scheduler_process_which_reports_the_run_length(tmp_path) -> None:
+    config = StackConfig.from_argv(["--model", DEFAULT_MODEL_DIR, "--run-dir", str(tmp_path), "--decode-plan-ms", "30"])
+    loop = SchedulerLoop(config, structlog.get_logger())
+    sent = []
+    loop.to_detokenizer.send = sent.append
+    try:
+        for peer in loop.peers.values():
+            peer.state, peer.seen, peer.serving = "ready", 1e18, True
+        assert REGISTRY.get_sample_value("tokenyard:scheduler_decode_steps_per_plan") == 1  # nothing measured yet
+        loop._handle(Submit(rid="r1", prompt_ids=[1, 2, 3], max_tokens=100))
+        for _ in range(2):  # the prompt, then a plan of decodes alone
+            loop._plan_and_send()
+            step = min(loop.in_flight)
+            loop._handle(StepResult(step=step, sampled=[Sampled(rid="r1", token_id=7)], forward_s=0.01))
+        assert loop.instrumentation()["decode_plan"] == {"target_ms": 30.0, "ms_per_step": 10.0, "steps": 3}
+        assert REGISTRY.get_sample_value("tokenyard:scheduler_decode_steps_per_plan") == 3
+        assert sent == []  # the tokens reach the detokenizer from the worker, not from here
+        loop._handle(Abort(rid="r1"))
+        assert [(d.rid, d.finish) for batch in sent for d in batch.deltas] == [("r1", "abort")]  # an ending from outside does
+    finally:
+        for outbox in (loop.to_worker, loop.to_detokenizer):
+            outbox.close()
+        loop.to_api.close()
+        loop.inbox.close()
