@@ -52,7 +52,7 @@ class DetokenizerLoop:
     def __init__(self, config: StackConfig, log: structlog.stdlib.BoundLogger) -> None:
         self.config = config
         self.log = log
-        self.ctx = ctx = zmq.Context()  # tests destroy it: every socket of the loop
+        ctx = zmq.Context()
         curve = Curve.from_file(config.curve_key_file)
         self.inbox = Inbox(ctx, config.detokenizer_address, "detokenizer_inbox", curve)
         self.to_api = ReplyOutboxes(ctx, config.api_address, "detokenizer_to_api", curve)  # by each request's reply_to

@@ -216,7 +216,7 @@ class Scheduler:
         prompt_len, prefix_ids = 0, []
         if sampling is not None and sampling.follows_outputs:  # the worker's penalties and grammars need every token, cached ones too
             prompt_len, prefix_ids = len(request.submit.prompt_ids), request.tokens[:start]
-        stop_token_ids = [] if sampling is None or request.submit.ignore_eos else request.submit.stop_token_ids
+        stop_token_ids = [] if sampling is None else request.stop_token_ids  # for the worker's runs
         new_blocks = request.blocks[request.blocks_sent :]  # the worker's table grows by these
         request.blocks_sent = len(request.blocks)
         self._register_full_blocks(request)
@@ -242,7 +242,7 @@ class Scheduler:
             rid=submit.rid,
             prompt_tokens=len(submit.prompt_ids),
             max_tokens=submit.max_tokens,
-            stop_token_ids=[] if submit.ignore_eos else submit.stop_token_ids,
+            stop_token_ids=request.stop_token_ids,
             min_tokens=submit.min_tokens,
             stop=submit.stop,
             skip_special_tokens=submit.skip_special_tokens,
@@ -301,8 +301,7 @@ class Scheduler:
             request.pending_samples -= 1
             request.output_ids.append(sampled.token_id)
             submit = request.submit
-            stop_ids = () if submit.ignore_eos else submit.stop_token_ids
-            reason = finish_for_token(sampled.token_id, len(request.output_ids), stop_ids, submit.min_tokens, submit.max_tokens)
+            reason = finish_for_token(sampled.token_id, len(request.output_ids), request.stop_token_ids, submit.min_tokens, submit.max_tokens)
             logprobs = [sampled.logprobs] if sampled.logprobs is not None else []
             outcome.deltas.append(TokenDelta(rid=request.rid, token_ids=[sampled.token_id], finish=reason.value if reason else "", logprobs=logprobs))
             if reason is None:

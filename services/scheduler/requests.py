@@ -37,6 +37,11 @@ class Request:
         return self.submit.rid
 
     @property
+    def stop_token_ids(self) -> list[int]:
+        """The tokens that end the request (after its min_tokens): none with ignore_eos."""
+        return [] if self.submit.ignore_eos else self.submit.stop_token_ids
+
+    @property
     def tokens(self) -> list[int]:
         return self.submit.prompt_ids + self.output_ids
 
