@@ -151,3 +151,22 @@ def test_layer_kinds_and_kv_size_come_from_layer_types_or_the_full_attention_int
     assert (info.num_kv_layers, info.num_gdn_layers, info.uses_state_slots) == (1, 3, True)
     assert info.kv_bytes_per_token("float32") == 1 * 2 * 2 * 32 * 4
     assert info.prefix_cache_unsupported
+
+
+def test_greedy_matches_transformers_through_the_scheduler_with_runs_of_decode_steps(tiny_qwen3_next: Checkpoint) -> None:
+    """The scheduler's own plans, state slots and plans of several decode steps (each step moving every
+    request's GDN state on by one token) give transformers' continuations."""
+    from bench.inprocess_engine import InProcessEngine
+    from services.scheduler.core import Scheduler
+    from services.scheduler.kv_blocks import BlockPool
+    from services.scheduler.state_slots import SlotPool
+    from shared.frames import Submit
+
+    prompts = {f"r{i}": prompt_of(40 + i, n) for i, n in enumerate((5, 37, 70))}
+    runner = ModelRunner(tiny_qwen3_next.path, num_blocks=128, block_size=4, max_num_seqs=6)
+    scheduler = Scheduler(BlockPool(128, 4, False), 6, 50, 100, SlotPool(6), decode_plan_s=1.0)
+    submits = [Submit(rid=rid, prompt_ids=prompt, max_tokens=MAX_NEW, sampling=GREEDY, ignore_eos=True) for rid, prompt in prompts.items()]
+    result = InProcessEngine(scheduler, runner).run(submits)
+    assert scheduler.decode_runs.steps() > 1 and result.steps < MAX_NEW, "plans of several decode steps were meant to run"
+    for rid, prompt in prompts.items():
+        assert result.outputs[rid] == reference_greedy(tiny_qwen3_next.reference, prompt, MAX_NEW), rid
