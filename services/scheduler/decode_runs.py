@@ -16,33 +16,29 @@ decode plan's time has come back there is no estimate and each plan runs one ste
 
 from __future__ import annotations
 
+from services.scheduler.plan_timing import TimePerUnit
+
 MAX_DECODE_STEPS = 16  # at most this many steps in one plan, however short a step
-SMOOTHING = 0.25  # weight of the newest sample in the average
-_MAX_PENDING = 64  # plans remembered awaiting their result (pipelining keeps ~2; results of lost steps never come)
 
 
 class DecodeRuns:
     def __init__(self, target_s: float) -> None:
         self.target_s = target_s  # 0: one step per plan
-        self.seconds_per_step: float | None = None
-        self._pending: dict[int, tuple[int, int]] = {}  # step -> (decode steps its plan runs, rows)
+        self.timing = TimePerUnit()  # seconds per decode step
+
+    @property
+    def seconds_per_step(self) -> float | None:
+        return self.timing.seconds
 
     def planned(self, step: int, decode_steps: int, rows: int) -> None:
-        """A plan of ``rows`` decodes alone was sent, running ``decode_steps`` steps."""
+        """A plan of ``rows`` decodes alone was sent, running ``decode_steps`` steps. A run that rows left early
+        (stop tokens) says little about a step's time: only a result with every token is a sample."""
         if self.target_s > 0:
-            if len(self._pending) >= _MAX_PENDING:
-                self._pending.pop(next(iter(self._pending)))
-            self._pending[step] = (decode_steps, rows)
+            self.timing.expect(step, decode_steps, samples=decode_steps * rows)
 
     def observed(self, step: int, forward_s: float, samples: int) -> None:
-        """The worker's time for a plan (0 when it did not time it, or the plan failed) and the tokens it
-        returned: a run that every row left early (stop tokens) says little about a step's time."""
-        steps, rows = self._pending.pop(step, (0, 0))
-        if not steps or forward_s <= 0 or samples < steps * rows:
-            return
-        sample = forward_s / steps
-        previous = self.seconds_per_step
-        self.seconds_per_step = sample if previous is None else previous + SMOOTHING * (sample - previous)
+        """The worker's time for a plan (0 when it did not time it, or the plan failed) and the tokens it returned."""
+        self.timing.observed(step, forward_s, samples)
 
     def steps(self) -> int:
         """How many decode steps the next plan of decodes alone should run."""

@@ -11,39 +11,35 @@ for the worst inter-token latency; smaller targets trade more (README, "On a CPU
 
 Seconds per token come from the worker's own step timings (``StepResult.forward_s``) over the steps of
 at least ``MIN_SAMPLE_TOKENS`` tokens, where the per-step fixed cost (reading every weight once, the
-step's glue) is small beside the tokens'; an exponential average follows a context that grows.
+step's glue) is small beside the tokens' (plan_timing.py averages them).
 Until the first such step has come back there is no estimate and no cap.
 """
 
 from __future__ import annotations
 
+from services.scheduler.plan_timing import TimePerUnit
+
 MIN_SAMPLE_TOKENS = 64  # steps smaller than this say more about the fixed per-step cost than about tokens
 MIN_PREFILL_TOKENS = 16  # a step with decodes still takes this much prefill when the decodes alone fill the target
-SMOOTHING = 0.25  # weight of the newest sample in the average
-_MAX_PENDING = 64  # steps remembered awaiting their result (pipelining keeps ~2; results of lost steps never come)
 
 
 class StepCost:
     def __init__(self, target_s: float) -> None:
         self.target_s = target_s  # 0: no cap
-        self.seconds_per_token: float | None = None
-        self._pending: dict[int, int] = {}  # step -> tokens, for the steps whose timing will be a sample
+        self.timing = TimePerUnit()  # seconds per token
+
+    @property
+    def seconds_per_token(self) -> float | None:
+        return self.timing.seconds
 
     def planned(self, step: int, tokens: int) -> None:
         """A step was planned with this many tokens."""
         if self.target_s > 0 and tokens >= MIN_SAMPLE_TOKENS:
-            if len(self._pending) >= _MAX_PENDING:
-                self._pending.pop(next(iter(self._pending)))
-            self._pending[step] = tokens
+            self.timing.expect(step, tokens)
 
     def observed(self, step: int, forward_s: float) -> None:
         """The worker's time for a step (0 when it did not time it, or the step failed)."""
-        tokens = self._pending.pop(step, 0)
-        if not tokens or forward_s <= 0:
-            return
-        sample = forward_s / tokens
-        previous = self.seconds_per_token
-        self.seconds_per_token = sample if previous is None else previous + SMOOTHING * (sample - previous)
+        self.timing.observed(step, forward_s, samples=0)
 
     def token_cap(self) -> int | None:
         """The most tokens a step with decodes should hold, or None while there is no cap."""

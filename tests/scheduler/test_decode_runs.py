@@ -58,7 +58,7 @@ def test_the_estimate_sets_the_run_length_within_bounds() -> None:
     runs.planned(2, 4, 2)
     runs.observed(2, 4 * 0.0001, samples=8)
     assert runs.steps() == round(0.02 / (0.005 + 0.25 * (0.0001 - 0.005)))
-    runs.seconds_per_step = 1e-6
+    runs.timing.seconds = 1e-6
     assert runs.steps() == MAX_DECODE_STEPS
     assert DecodeRuns(0.0).steps() == 1
 

@@ -100,7 +100,7 @@ def test_steps_whose_results_never_come_are_not_remembered_forever() -> None:
     cost = StepCost(target_s=0.1)
     for step in range(1000):
         cost.planned(step, 100)
-    assert len(cost._pending) <= 64
+    assert len(cost.timing._pending) <= 64
     cost.observed(999, 0.1)
     assert cost.seconds_per_token == 0.001
 
