@@ -25,7 +25,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from shared.codec import FrameDecodeError, decode, encode
 from shared.frames import Frame
-from shared.metrics import FRAME_BYTES, FRAME_DECODE_ERRORS, FRAMES
+from shared.metrics import FRAME_COUNTS, FRAME_DECODE_ERRORS
 
 _HWM = 100_000  # frames queued per socket before a send would block
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enum arithmetic costs microseconds per frame
@@ -137,14 +137,13 @@ class _Receiver:
         self.socket.setsockopt(zmq.LINGER, 0)
         _secure_server(self.socket, ctx, address, curve)
         self.socket.bind(address)
-        # Every frame is counted: the labelled children are looked up once, not per frame.
-        self._frames = FRAMES.labels(name, "received")
-        self._bytes = FRAME_BYTES.labels(name, "received")
+        self._counts = FRAME_COUNTS.pair(name, "received")  # [frames, bytes], added to per frame
         self._decode_errors = FRAME_DECODE_ERRORS.labels(name)
 
     def _decode(self, data: bytes) -> Frame | None:
-        self._frames.inc()
-        self._bytes.inc(len(data))
+        counts = self._counts
+        counts[0] += 1
+        counts[1] += len(data)
         try:
             return decode(data)
         except FrameDecodeError as exc:
@@ -153,12 +152,25 @@ class _Receiver:
             return None
 
     def _queued(self) -> Iterator[Frame]:
-        """Every frame already queued, read without blocking while ZMQ_EVENTS says one is there (cheaper
-        than reading until zmq.Again is raised, and what re-arms an edge-signalling ZMQ_FD)."""
-        while self.socket.getsockopt(_EVENTS) & _POLLIN:
-            frame = self._decode(self.socket.recv(zmq.NOBLOCK))
+        """Every frame already queued, read without blocking.
+
+        Each read that finds nothing (zmq.Again), and each ZMQ_EVENTS query, processes ZeroMQ's pending
+        commands, which re-arms an edge-signalling ZMQ_FD. A wake-up mostly brings one frame: read it
+        first, then ask ZMQ_EVENTS whether another is there (two calls into ZeroMQ for one frame, each
+        with system calls, rather than a query before every read and one after the last).
+        """
+        socket = self.socket
+        try:
+            data = socket.recv(zmq.NOBLOCK)
+        except zmq.Again:  # a wake-up for ZeroMQ's own commands, or an edge already drained
+            return
+        while True:
+            frame = self._decode(data)
             if frame is not None:
                 yield frame
+            if not socket.getsockopt(_EVENTS) & _POLLIN:
+                return
+            data = socket.recv(zmq.NOBLOCK)
 
     def close(self) -> None:
         self.socket.close(0)
@@ -213,14 +225,14 @@ class Outbox:
         self.socket.setsockopt(zmq.LINGER, 0)
         _secure_client(self.socket, curve)
         self.socket.connect(address)
-        self._frames = FRAMES.labels(name, "sent")
-        self._bytes = FRAME_BYTES.labels(name, "sent")
+        self._counts = FRAME_COUNTS.pair(name, "sent")
 
     def send(self, frame: Frame) -> None:
         data = encode(frame)
         self.socket.send(data, zmq.NOBLOCK)
-        self._frames.inc()
-        self._bytes.inc(len(data))
+        counts = self._counts
+        counts[0] += 1
+        counts[1] += len(data)
 
     def close(self) -> None:
         self.socket.close(0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import Counter
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.metrics import FRAMES, exposition
+from shared.metrics import FRAME_COUNTS, exposition
 
 OWN_LABEL = Counter("tokenyard:test_own_model_label", "a metric that sets model_name itself", ["model_name"])
 
@@ -19,7 +19,7 @@ def _samples(text: bytes) -> dict[str, list[dict[str, str]]]:
 
 
 def test_process_labels_reach_every_sample() -> None:
-    FRAMES.labels("test_socket", "received").inc()
+    FRAME_COUNTS.pair("test_socket", "received")[0] += 1
     samples = _samples(exposition({"model_name": "m", "replica": "r0"}))
     assert {"socket": "test_socket", "direction": "received", "model_name": "m", "replica": "r0"} in samples["tokenyard:frames_total"]
     assert all("model_name" in labels for many in samples.values() for labels in many)
