@@ -25,10 +25,10 @@ VERSION = "0.1.0"
 class FrameCounts(Collector):
     """``tokenyard:frames_total`` and ``tokenyard:frame_bytes_total`` by socket and direction, kept as plain ints.
 
-    A socket adds to its own pair for every frame without prometheus_client's per-increment lock (at one
-    stream that lock and its bookkeeping were a measurable share of a service's pass per token). Each pair
-    is written by the one thread that uses its socket (ZeroMQ sockets are not shared between threads);
-    a scrape only reads.
+    A socket adds to its name's pair for every frame without prometheus_client's per-increment lock (at one
+    stream that lock and its bookkeeping were a measurable share of a service's pass per token). So sockets
+    that share a name must be used from one thread, as each ZeroMQ socket already is (a process's other
+    threads, its heartbeats for one, send on sockets of their own names); a scrape only reads.
     """
 
     def __init__(self) -> None:
