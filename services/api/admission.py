@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import structlog
 
@@ -25,14 +25,21 @@ _DRAIN_ABORT_GRACE_S = 5.0  # after the deadline, for interrupted handlers to wr
 
 
 class Ticket:
-    """One admitted HTTP request: its engine request count, and the queue its merged stream reads (the gate can put an error there)."""
+    """One admitted HTTP request: its engine request count, and how the gate interrupts it.
+
+    Whoever runs its engine requests sets ``on_interrupt`` (which fails them with the error); an interrupt
+    that comes before that is kept in ``error``, for them to raise when they start.
+    """
 
     def __init__(self, count: int) -> None:
         self.count = count
-        self.outcomes: asyncio.Queue = asyncio.Queue()
+        self.error: ApiError | None = None
+        self.on_interrupt: Callable[[ApiError], None] | None = None
 
     def interrupt(self, error: ApiError) -> None:
-        self.outcomes.put_nowait((0, error))
+        self.error = error
+        if self.on_interrupt is not None:
+            self.on_interrupt(error)
 
 
 class Admission:

@@ -36,7 +36,8 @@ class Engine(Protocol):
     """What the api's handlers need from the engine; ``EngineClient`` over ZeroMQ, or a scripted stand-in in tests.
 
     ``generate`` yields a request's deltas up to and including the finishing one, raises
-    ApiError if the engine refuses or fails it, and aborts it if closed early.
+    ApiError if the engine refuses or fails it, and aborts it if closed early; ``interrupt``
+    makes a request's ``generate`` raise the api's own error (and stops it in the engine).
     """
 
     status: EngineStatus
@@ -56,6 +57,8 @@ class Engine(Protocol):
     def describe_replicas(self) -> list[dict]: ...
 
     def generate(self, submit: Submit) -> AsyncIterator[TextDelta]: ...
+
+    def interrupt(self, rid: str, error: ApiError) -> None: ...
 
 
 class EngineReplica:
@@ -229,6 +232,15 @@ class EngineClient:
             if outcome == "aborted":
                 replica.outbox.send(Abort(rid=submit.rid))
             log.info("request_ended", rid=submit.rid, replica=replica.name, outcome=outcome)
+
+    def interrupt(self, rid: str, error: ApiError) -> None:
+        """Ends a request in flight with the api's own error (a drain's deadline): its ``generate`` raises
+        it, and its replica is told to stop. A request not (or no longer) in flight is left alone."""
+        queue, replica = self.streams.get(rid), self.owner.get(rid)
+        if queue is None or replica is None:
+            return
+        queue.put_nowait(error)
+        replica.outbox.send(Abort(rid=rid, reason="interrupted by the api"))
 
     # Receiving. ------------------------------------------------------------------------
 

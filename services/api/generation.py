@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from services.api.admission import Ticket
 from services.api.engine_client import Engine
 from services.api.errors import ApiError
 from services.api.metrics import IN_FLIGHT, RequestTimer
@@ -91,22 +92,25 @@ def build_submits(generation: Generation, prompts: list[list[int]], max_tokens: 
     return submits
 
 
-async def merged_stream(engine: Engine, submits: list[Submit], model_name: str, queue: asyncio.Queue) -> AsyncIterator[tuple[int, TextDelta]]:
+async def merged_stream(engine: Engine, submits: list[Submit], model_name: str, ticket: Ticket) -> AsyncIterator[tuple[int, TextDelta]]:
     """(choice index, delta) pairs from every engine request until all have finished.
 
-    Deltas meet in ``queue``, where the admission gate may also put an error (drain). An
-    ApiError from any engine request, or put there, is raised here (and the others are aborted).
+    An ApiError from any engine request is raised here (and the others are aborted); the admission
+    gate's interrupt (a drain) fails every engine request still running with its error.
     """
+    ticket.on_interrupt = lambda error: [engine.interrupt(s.rid, error) for s in submits]
+    if len(submits) == 1:  # read in place: a task between the engine's stream and the handler costs a hop per token
+        async with contextlib.aclosing(_timed(engine, submits[0], model_name, ticket)) as deltas:  # closed with this one: aborted
+            async for delta in deltas:
+                yield 0, delta
+        return
+
+    queue: asyncio.Queue[tuple[int, TextDelta | ApiError]] = asyncio.Queue()
 
     async def pump(index: int, submit: Submit) -> None:
-        timer = RequestTimer(model_name, len(submit.prompt_ids))
         try:
-            async with contextlib.aclosing(engine.generate(submit)) as deltas:
-                async for delta in deltas:
-                    timer.on_delta()
-                    if delta.finish:
-                        timer.on_finish(delta.finish, delta.completion_tokens)
-                    queue.put_nowait((index, delta))
+            async for delta in _timed(engine, submit, model_name, ticket):
+                queue.put_nowait((index, delta))
         except ApiError as exc:
             queue.put_nowait((index, exc))
 
@@ -126,13 +130,27 @@ async def merged_stream(engine: Engine, submits: list[Submit], model_name: str, 
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def _timed(engine: Engine, submit: Submit, model_name: str, ticket: Ticket) -> AsyncIterator[TextDelta]:
+    """One engine request's deltas, timed for the latency metrics; raises an interrupt that came before it
+    started (from then on ``engine.interrupt`` reaches it: nothing awaits between the check and its start)."""
+    if ticket.error is not None:
+        raise ticket.error
+    timer = RequestTimer(model_name, len(submit.prompt_ids))
+    async with contextlib.aclosing(engine.generate(submit)) as deltas:
+        async for delta in deltas:
+            timer.on_delta()
+            if delta.finish:
+                timer.on_finish(delta.finish, delta.completion_tokens)
+            yield delta
+
+
 @contextlib.asynccontextmanager
 async def engine_run(state: ApiState, submits: list[Submit]) -> AsyncIterator[AsyncIterator[tuple[int, TextDelta]]]:
     """One HTTP request's engine requests as one merged stream, admitted (429 when full, 503 when draining),
     counted in flight, and aborted if the answer ends early."""
     model_name = state.model_id
     with state.admission.admit(len(submits)) as ticket:
-        stream = merged_stream(state.engine, submits, model_name, ticket.outcomes)
+        stream = merged_stream(state.engine, submits, model_name, ticket)
         IN_FLIGHT.labels(model_name).inc()
         try:
             yield stream

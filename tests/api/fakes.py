@@ -35,6 +35,7 @@ class ScriptedEngine:
     aborted: list[str] = field(default_factory=list)
     status: EngineStatus = field(default_factory=lambda: EngineStatus(state="ready", detail="scripted"))
     streams: dict = field(default_factory=dict)
+    running: dict = field(default_factory=dict)  # rid -> a future an interrupt sets to its error
 
     def script(self, *pieces: str, **options) -> ScriptedEngine:
         self.scripts.append(Script(list(pieces), **options))
@@ -59,6 +60,12 @@ class ScriptedEngine:
     def describe_replicas(self) -> list[dict]:
         return [{"name": "scripted", "state": self.status.state}]
 
+    def interrupt(self, rid: str, error: ApiError) -> None:
+        interrupted = self.running.get(rid)
+        if interrupted is not None and not interrupted.done():
+            self.aborted.append(rid)  # as EngineClient tells the replica to stop
+            interrupted.set_result(error)
+
     async def generate(self, submit: Submit) -> AsyncIterator[TextDelta]:
         if not self.ready:
             raise ApiError(503, "the engine is not ready (scripted)", headers={"Retry-After": "1"})
@@ -66,10 +73,14 @@ class ScriptedEngine:
         script = self.scripts.pop(0) if self.scripts else Script(["Hello", " world"])
         finished = False
         wanted = submit.sampling.logprobs
+        interrupted = self.running[submit.rid] = asyncio.get_running_loop().create_future()
         try:
             for i, piece in enumerate(script.pieces):
                 if script.delay_s:
-                    await asyncio.sleep(script.delay_s)
+                    await asyncio.wait({interrupted}, timeout=script.delay_s)
+                if interrupted.done():
+                    finished = True  # the interrupt recorded the abort
+                    raise interrupted.result()
                 last = i == len(script.pieces) - 1 and script.error is None
                 tokens = min(i + 1, submit.max_tokens)
                 logprobs = [] if wanted is None else [scripted_logprobs(piece, i, wanted)]
@@ -92,6 +103,7 @@ class ScriptedEngine:
                 finished = True
                 raise script.error
         finally:
+            del self.running[submit.rid]
             if not finished:
                 self.aborted.append(submit.rid)
 

@@ -7,12 +7,14 @@ import time
 from dataclasses import dataclass
 
 import pytest
+import zmq
 
 from services.api.engine_client import EngineClient
 from services.api.errors import ApiError
 from services.api.router import LeastLoad, PrefixAffinity, RoundRobin, make_policy
 from shared.config import StackConfig
-from shared.frames import EngineStatus, Submit, TextDelta
+from shared.frames import Abort, ApiAnnounce, EngineStatus, Submit, TextDelta
+from shared.transport import Inbox
 
 
 @dataclass
@@ -85,5 +87,34 @@ def test_a_silent_replica_fails_only_its_requests_and_leaves_rotation(tmp_path) 
             assert lost.in_rotation and lost.ready
         finally:
             await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_interrupt_fails_the_request_with_the_apis_error_and_stops_it_in_its_replica(tmp_path) -> None:
+    async def scenario() -> None:
+        scheduler_address = f"ipc://{tmp_path}/s0.sock"
+        ctx = zmq.Context()
+        scheduler = Inbox(ctx, scheduler_address, "test_scheduler_inbox")
+        client = EngineClient(StackConfig(run_dir=str(tmp_path), engines=f"e0={scheduler_address}"))
+        try:
+            client._on_status(EngineStatus(state="ready", boot="b1", engine="e0"))
+            task = asyncio.create_task(_collect(client, Submit(rid="r0", prompt_ids=[1], max_tokens=8)))
+            await asyncio.sleep(0.01)
+            client.interrupt("r0", ApiError(503, "drain deadline passed"))
+            client.interrupt("unknown", ApiError(503, "drain deadline passed"))  # not in flight: nothing happens
+            with pytest.raises(ApiError, match="drain deadline passed"):
+                await task
+            assert "r0" not in client.streams and not client.replicas["e0"].rids
+            frames = []
+            for _ in range(50):
+                frames += list(scheduler.recv(100))
+                if any(isinstance(f, Abort) for f in frames):
+                    break
+            assert [(type(f).__name__, f.rid) for f in frames if not isinstance(f, ApiAnnounce)] == [("Submit", "r0"), ("Abort", "r0")]
+        finally:
+            await client.close()
+            scheduler.close()
+            ctx.destroy(0)
 
     asyncio.run(scenario())
