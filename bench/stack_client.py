@@ -89,9 +89,9 @@ def served_model(url: str) -> str:
         return json.load(response)["data"][0]["id"]
 
 
-async def stream_chat(session: aiohttp.ClientSession, url: str, model: str, messages: list[dict], output_tokens: int) -> dict:
-    """One greedy streamed chat request with ignore_eos; returns its start, token timestamps and usage."""
-    body = {
+def chat_body(model: str, messages: list[dict], output_tokens: int) -> dict:
+    """The benchmarks' chat request: greedy, ``output_tokens`` with ignore_eos, streamed with usage."""
+    return {
         "model": model,
         "messages": messages,
         "max_tokens": output_tokens,
@@ -100,6 +100,11 @@ async def stream_chat(session: aiohttp.ClientSession, url: str, model: str, mess
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+
+
+async def stream_chat(session: aiohttp.ClientSession, url: str, model: str, messages: list[dict], output_tokens: int) -> dict:
+    """One greedy streamed chat request with ignore_eos; returns its start, token timestamps and usage."""
+    body = chat_body(model, messages, output_tokens)
     started = time.perf_counter()
     stamps: list[float] = []
     usage: dict = {}

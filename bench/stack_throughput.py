@@ -18,7 +18,8 @@ runner loads beside the running stack (whose worker idles meanwhile), so both ar
 
 Where the stack's difference goes: each stack run also records the CPU time per output token of
 every process (all its threads, ZMQ's included) and of the benchmark itself (the client, which
-shares the machine's cores with the stack but not with the in-process runner). Where the worker
+shares the machine's cores with the stack but not with the in-process runner; a lean one,
+bench/sse_client.py, that costs about half of aiohttp's reader per token). Where the worker
 alone fills every core (a CPU worker at one stream), the others' CPU comes out of the worker's, so
 stack / worker tends to the worker's share of the total, which the report prints beside it. It
 also prints each process's wake-ups per token and what one wake-up costs this machine
@@ -39,11 +40,10 @@ import time
 import urllib.request
 from statistics import median
 
-import aiohttp
-
 from bench import wake_cost
 from bench.inprocess_engine import InProcessEngine
-from bench.stack_client import percentile, running_stack, served_model, stream_chat, write_results
+from bench.sse_client import stream_chat
+from bench.stack_client import percentile, running_stack, served_model, write_results
 from services.scheduler.core import Scheduler
 from services.scheduler.kv_blocks import BlockPool
 from shared.config import DEFAULT_MODEL_DIR, StackConfig
@@ -65,15 +65,13 @@ PROMPTS = [
 
 
 async def _stack_run(url: str, model: str, concurrency: int, output_tokens: int, pids: dict[str, int]) -> dict:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
-        await stream_chat(session, url, model, [{"role": "user", "content": "Hello"}], 8)  # warm-up, not counted
-        cpu_before, wakes_before = _cpu_seconds(pids), _wake_ups(pids)
-        started = time.perf_counter()
-        runs = await asyncio.gather(
-            *(stream_chat(session, url, model, [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], output_tokens) for i in range(concurrency))
-        )
-        wall = time.perf_counter() - started
-        cpu_after, wakes_after = _cpu_seconds(pids), _wake_ups(pids)
+    # The lean client (bench/sse_client.py): its CPU shares the cores with the stack, not with the in-process run.
+    await stream_chat(url, model, [{"role": "user", "content": "Hello"}], 8)  # warm-up, not counted
+    cpu_before, wakes_before = _cpu_seconds(pids), _wake_ups(pids)
+    started = time.perf_counter()
+    runs = await asyncio.gather(*(stream_chat(url, model, [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], output_tokens) for i in range(concurrency)))
+    wall = time.perf_counter() - started
+    cpu_after, wakes_after = _cpu_seconds(pids), _wake_ups(pids)
     tokens = sum(r["usage"].get("completion_tokens", 0) for r in runs)
     return {
         "output_tokens": tokens,
