@@ -98,7 +98,12 @@ async def merged_stream(engine: Engine, submits: list[Submit], model_name: str, 
     An ApiError from any engine request is raised here (and the others are aborted); the admission
     gate's interrupt (a drain) fails every engine request still running with its error.
     """
-    ticket.on_interrupt = lambda error: [engine.interrupt(s.rid, error) for s in submits]
+
+    def interrupt(error: ApiError) -> None:
+        for submit in submits:
+            engine.interrupt(submit.rid, error)
+
+    ticket.on_interrupt = interrupt
     if len(submits) == 1:  # read in place: a task between the engine's stream and the handler costs a hop per token
         async with contextlib.aclosing(_timed(engine, submits[0], model_name, ticket)) as deltas:  # closed with this one: aborted
             async for delta in deltas:
