@@ -105,3 +105,19 @@ async def test_a_request_interrupted_before_its_first_token_gets_503() -> None:
         assert status == 503 and body["type"] == "error" and "drain deadline" in body["error"]["message"]
     finally:
         await api.close()
+
+
+async def test_a_drain_interrupts_every_engine_request_of_a_request_with_several_choices() -> None:
+    api = await start_api(DEFAULT_MODEL_DIR)
+    try:
+        for _ in range(2):
+            api.engine.script(*[f"t{i} " for i in range(50)], delay_s=0.1)
+        pending = asyncio.create_task(api.post("/v1/completions", {**_completion(api), "n": 2}))
+        await _until(lambda: api.state.admission.in_flight == 2)
+        assert await api.state.admission.drain(timeout_s=0.2) == 1
+        status, body = await pending
+        assert status == 503 and "drain deadline" in body["error"]["message"]
+        assert sorted(api.engine.aborted) == sorted(s.rid for s in api.engine.submits)  # both told to stop
+        assert api.state.admission.in_flight == 0
+    finally:
+        await api.close()
