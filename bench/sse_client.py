@@ -124,6 +124,8 @@ async def stream_chat(url: str, model: str, messages: list[dict], output_tokens:
     """One greedy streamed chat request with ignore_eos and usage; returns its start, the arrival time of each
     chunk with content, its end and the usage (as bench.stack_client.stream_chat, whose request it sends)."""
     parts = urlsplit(url)
+    if parts.scheme != "http":
+        raise StreamError(f"bench.sse_client speaks plain http only, not {url!r}")
     body = msgspec.json.encode(chat_body(model, messages, output_tokens))
     head = (
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"

@@ -48,3 +48,8 @@ def test_a_failed_stream_is_a_clear_error(behaviour: FakeBehaviour, message: str
 
     with FakeOpenAI(behaviour) as server, pytest.raises(sse_client.StreamError, match=message):
         asyncio.run(run(server.url))
+
+
+def test_only_plain_http_is_spoken() -> None:
+    with pytest.raises(sse_client.StreamError, match="plain http only"):
+        asyncio.run(sse_client.stream_chat("https://127.0.0.1:1", "fake-model", ASK, 8))
