@@ -3,7 +3,7 @@ bench.stack_throughput's one-stream ratio.
 
 The worker runs in process with the stack's settings, its threads placed as the stack places them (the
 main thread on a core of its own, the pool's helpers on the others). Beside it a burner process on those
-other cores wakes every --period-ms and burns --burn-us of CPU, either in registers only or walking
+other cores wakes every --period-ms and burns --burn-us of CPU, either in registers (and one cache line) or walking
 --touch-mb of memory (as a service's cold pass does). Rounds alternate: no burner, each burner, and the
 worker on one thread. For each burner the report gives output tokens/s, the extra milliseconds per token
 against no burner, the burner's milliseconds per token, and their quotient u, what the worker loses per
@@ -73,10 +73,10 @@ def main() -> None:
 
     import torch
 
-    from bench.stack_throughput import _in_process_run, _in_process_runner
+    from bench.stack_throughput import in_process_run, in_process_runner
     from shared.cpu_placement import take_worker_core
 
-    runner, tokenizer, scheduler, depth = _in_process_runner(args.model, [])
+    runner, tokenizer, scheduler, depth = in_process_runner(args.model, [])
     config = StackConfig.from_argv(["--model", args.model, "--device", "cpu"])
     allowed = os.sched_getaffinity(0)
     core = take_worker_core(config)
@@ -98,14 +98,14 @@ def main() -> None:
             if name == "one thread":
                 torch.set_num_threads(1)
             try:
-                tok_s[name].append(_in_process_run(1, args.output_tokens, runner, tokenizer, scheduler, depth)["output_tok_s"])
+                tok_s[name].append(in_process_run(1, args.output_tokens, runner, tokenizer, scheduler, depth)["output_tok_s"])
             finally:
                 if burner is not None:
                     burner.kill()
                     burner.wait()
                 if name == "one thread":  # the pool is rebuilt, its new helpers started on this thread's core: place them again
                     torch.set_num_threads(threads)
-                    _in_process_run(1, 2, runner, tokenizer, scheduler, depth)
+                    in_process_run(1, 2, runner, tokenizer, scheduler, depth)
                     take_worker_core(config)
         print(f"round {index + 1}: " + ", ".join(f"{name} {values[-1]:.1f}" for name, values in tok_s.items()) + " tok/s", flush=True)
 

@@ -84,7 +84,7 @@ async def _stack_run(url: str, model: str, concurrency: int, output_tokens: int,
     }
 
 
-def _in_process_run(concurrency: int, output_tokens: int, runner, tokenizer, scheduler: Scheduler, pipeline_depth: int) -> dict:
+def in_process_run(concurrency: int, output_tokens: int, runner, tokenizer, scheduler: Scheduler, pipeline_depth: int) -> dict:
     """The same workload through the scheduler core and the runner in one process."""
     submits = []
     for i in range(concurrency):
@@ -170,7 +170,7 @@ def _rss_mb(pid: int) -> float:
     return 0.0
 
 
-def _in_process_runner(model: str, flags: list[str]):
+def in_process_runner(model: str, flags: list[str]):
     """A warm ModelRunner, the tokenizer, and a scheduler core with the stack's settings. The core serves
     every in-process run, so its prefix cache warms over the rounds as the stack's does."""
     import torch
@@ -227,14 +227,14 @@ def main() -> None:
         model_id = served_model(url)
         pids = _pids(url)
         results["rss_mb_idle"] = {name: round(_rss_mb(pid), 1) for name, pid in pids.items()}
-        runner, tokenizer, scheduler, depth = _in_process_runner(args.model, args.stack_flag)
+        runner, tokenizer, scheduler, depth = in_process_runner(args.model, args.stack_flag)
         peak = _PeakRss(pids)
         for index in range(args.rounds):
             round_results: dict = {}
             for n in levels:
                 runs = {
                     "stack": lambda n=n: asyncio.run(_stack_run(url, model_id, n, args.output_tokens, pids)),
-                    "worker": lambda n=n: _in_process_run(n, args.output_tokens, runner, tokenizer, scheduler, depth),
+                    "worker": lambda n=n: in_process_run(n, args.output_tokens, runner, tokenizer, scheduler, depth),
                 }
                 for name in ("stack", "worker") if index % 2 == 0 else ("worker", "stack"):
                     round_results[f"{name}_{n}"] = runs[name]()

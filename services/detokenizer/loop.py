@@ -102,15 +102,15 @@ class DetokenizerLoop:
         by_owner: dict[str, list[TextDelta]] = {}
         for delta in batch.deltas:
             tracked = self.requests.get(delta.rid)
-            text = self._detokenize(delta)
+            text = self._detokenize(delta, tracked)
             if text is not None:
                 by_owner.setdefault(tracked.opened.reply_to, []).append(text)
         for reply_to, out in by_owner.items():
             self.to_api.send(reply_to, TextBatch(deltas=out))
         BATCH_TIME.observe(time.perf_counter() - started)
 
-    def _detokenize(self, delta: TokenDelta) -> TextDelta | None:
-        tracked = self.requests.get(delta.rid)
+    def _detokenize(self, delta: TokenDelta, tracked: _Tracked | None) -> TextDelta | None:
+        """The delta's text for its request (``tracked``: None when unknown or already ended)."""
         if tracked is None:
             IGNORED.inc()
             if delta.finish:
