@@ -277,18 +277,21 @@ class SchedulerLoop:
         peer = self.peers.get(beat.process)
         if peer is None:
             return
+        lost = None
         if peer.serving and beat.pid != peer.pid:  # restarted between two heartbeats
-            self._peer_lost(beat.process, f"restarted (pid {peer.pid} -> {beat.pid})")
+            lost = f"restarted (pid {peer.pid} -> {beat.pid})"
         elif peer.serving and beat.state == "failed":  # e.g. a worker whose tensor-parallel rank died
-            self._peer_lost(beat.process, f"failed: {beat.detail}")
+            lost = f"failed: {beat.detail}"
         changed = peer.state != beat.state
         if changed:
             self.log.info("peer_state", peer=beat.process, state=beat.state, detail=beat.detail, pid=beat.pid)
         peer.state, peer.detail, peer.progress, peer.seen, peer.pid = beat.state, beat.detail, beat.progress, time.monotonic(), beat.pid
+        if lost is not None:  # after taking the beat: the status sent before the requests' errors says what the peer said
+            self._peer_lost(beat.process, lost)
         peer.serving = peer.serving or beat.state == "ready"
         if beat.kv_blocks and beat.kv_blocks != self.core.pool.num_blocks:
             self._adopt_kv_blocks(beat.kv_blocks)
-        if changed:  # readiness changes reach the api at once, not at the next periodic status
+        if changed and lost is None:  # readiness changes reach the api at once, not at the next periodic status
             self._send_status()
 
     def _adopt_kv_blocks(self, num_blocks: int) -> None:
@@ -305,12 +308,13 @@ class SchedulerLoop:
     def _check_peers(self) -> None:
         for name, peer in self.peers.items():
             if peer.serving and not peer.alive(self.config.engine_timeout_s):
+                peer.state = "lost"
                 self._peer_lost(name, f"silent for {self.config.engine_timeout_s:g}s")
 
     def _peer_lost(self, name: str, why: str) -> None:
-        """A process that held request state is gone: every request fails now, none hangs."""
-        peer = self.peers[name]
-        peer.serving, peer.state = False, "lost"
+        """A process that held request state is gone: every request fails now, none hangs. The api
+        hears the status (the peer's state, already taken) before the requests' errors, on one socket."""
+        self.peers[name].serving = False
         self.in_flight.clear()
         self.log.error("peer_lost", peer=name, why=why, failed_requests=len(self.core.requests))
         self._send_status()

@@ -107,16 +107,19 @@ class WorkerLoop:
         """
         if self.stopping:
             return
-        self.rank_lost = why
-        self.state, self.detail = "failed", f"{why}; the worker exits to be restarted with its ranks"
+        self._mark_rank_lost(why)
         self.log.error("tensor_parallel_rank_lost", why=why, exit_in_s=RANK_LOST_EXIT_S)
         outbox = Outbox(self.ctx, self.config.scheduler_address, "worker_rank_lost", self.curve)
         outbox.send(self._heartbeat())  # now, not at the next heartbeat: the scheduler fails the requests
-        PROCESS_UP.labels("worker").set(0)
         time.sleep(RANK_LOST_EXIT_S)
         outbox.close()
         sys.stderr.flush()
         os._exit(EXIT_RANK_LOST)
+
+    def _mark_rank_lost(self, why: str) -> None:
+        self.rank_lost = why
+        self.state, self.detail = "failed", f"{why}; the worker exits to be restarted with its ranks"
+        PROCESS_UP.labels("worker").set(0)
 
     def load(self) -> None:
         from services.worker.runner import ModelRunner
@@ -282,8 +285,10 @@ class WorkerLoop:
             STEP_ERRORS.inc()
             # A collective that failed because a rank died says so in the peer's terms, not gloo's.
             lost = self.tp.liveness.dead_peer(timeout_s=0.5) if self.tp is not None and isinstance(exc, RuntimeError) else None
-            if lost is not None:
+            if lost is not None:  # the liveness thread reports it too, maybe later than this step's error
                 self.log.error("step_failed", step=plan.step, why=lost)
+                self._mark_rank_lost(lost)
+                self.to_scheduler.send(self._heartbeat())  # ahead of the error on this socket: /health says why first
                 return StepResult(step=plan.step, sampled=[], error=lost)
             self.log.exception("step_failed", step=plan.step)
             self.runner.release([s.rid for s in plan.slices])

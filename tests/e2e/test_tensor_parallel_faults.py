@@ -39,6 +39,7 @@ def tp_stack(tmp_path_factory) -> Stack:
 def stream_until_killed(stack: Stack, client: openai.OpenAI, kill: Callable[[], None]) -> tuple[list[str], float]:
     """Two long greedy streams; once both are generating, ``kill()``; each stream's outcome and the
     seconds from the kill to the last one's end."""
+    wait_healthy(stack, 120)  # an earlier test's restart has finished, whatever that test found
     generating = threading.Barrier(3)
     outcomes: dict[int, tuple[str, float]] = {}
 

@@ -5,42 +5,57 @@ silent (killed) has its requests aborted, not left to run to max_tokens."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
+import pytest
 import structlog
 import zmq
 
 from services.scheduler.loop import SchedulerLoop
 from shared.config import DEFAULT_MODEL_DIR, StackConfig
-from shared.frames import ApiAnnounce, Error, Heartbeat, Submit
+from shared.frames import ApiAnnounce, EngineStatus, Error, Heartbeat, Submit
 from shared.transport import Inbox
 
 log = structlog.get_logger()
 WHY = "tensor-parallel rank 1 (pid 4242 at 127.0.0.1:5000) is gone: it closed its connection (the process ended)"
 
 
-def _errors(inbox: Inbox) -> list[Error]:
+def _frames(inbox: Inbox) -> list:
     frames: list = []
     for _ in range(20):
         got = list(inbox.recv(50))
         frames += got
         if not got and frames:
             break
-    return [f for f in frames if isinstance(f, Error)]
+    return frames
 
 
-def test_a_serving_worker_reporting_failed_fails_every_request_with_its_reason(tmp_path) -> None:
+def _errors(inbox: Inbox) -> list[Error]:
+    return [f for f in _frames(inbox) if isinstance(f, Error)]
+
+
+@pytest.fixture
+def api(tmp_path) -> Iterator[Inbox]:
     ctx = zmq.Context()
-    api = Inbox(ctx, f"ipc://{tmp_path}/api.sock", "api")
+    yield Inbox(ctx, f"ipc://{tmp_path}/api.sock", "api")
+    ctx.destroy(0)  # also when the test failed: a context left open blocks the interpreter's exit
+
+
+def test_a_serving_worker_reporting_failed_fails_every_request_with_its_reason(tmp_path, api: Inbox) -> None:
     loop = SchedulerLoop(StackConfig(model=DEFAULT_MODEL_DIR, run_dir=str(tmp_path / "run")), log)
     for process in ("worker", "detokenizer"):
         loop._handle(Heartbeat(process=process, pid=100, state="ready"))
     assert loop.ready
+    loop._handle(ApiAnnounce(replica="api-a", address=api.address, engine="engine-0"))  # it hears statuses too
     for rid in ("running", "waiting"):
         loop._handle(Submit(rid=rid, prompt_ids=list(range(40)), max_tokens=8, reply_to=api.address))
     loop._plan_and_send()  # one request planned into a step in flight, both held
-    _errors(api)
+    _frames(api)
     loop._handle(Heartbeat(process="worker", pid=100, state="failed", detail=WHY))
-    errors = _errors(api)
+    frames = _frames(api)
+    # The api hears why before the errors: a client that sees its stream fail and asks /health learns the reason.
+    assert isinstance(frames[0], EngineStatus) and frames[0].state == "failed" and WHY in frames[0].detail, frames
+    errors = [f for f in frames if isinstance(f, Error)]
     assert sorted(e.rid for e in errors) == ["running", "waiting"]
     assert all(e.status == 503 and WHY in e.message for e in errors), errors
     assert not loop.core.requests and loop.core.pool.num_used == 0 and not loop.in_flight
@@ -48,7 +63,6 @@ def test_a_serving_worker_reporting_failed_fails_every_request_with_its_reason(t
     assert status.state == "failed" and WHY in status.detail
     loop._handle(Heartbeat(process="worker", pid=100, state="failed", detail=WHY))  # said again: nothing more to fail
     assert _errors(api) == []
-    ctx.destroy(0)
 
 
 def test_requests_of_an_api_replica_that_went_silent_are_aborted(tmp_path) -> None:
