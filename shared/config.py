@@ -74,6 +74,13 @@ class StackConfig:
         "token where steps are short (a CPU at few streams), a new request held back by up to about twice this (0: one step per plan)",
         minimum=0,
     )
+    stream_interval: int = _opt(
+        1,
+        "steps whose sampled tokens the worker gathers into one frame for the detokenizer (and so one chunk for the "
+        "client): fewer wake-ups of the detokenizer, api and client per token where a step is short (few streams on a "
+        "CPU), a burstier stream; a token waits at most this many steps less one, a request's first and stop tokens none",
+        minimum=1,
+    )
     max_waiting: int = _opt(1024, "most requests waiting for admission before 429", minimum=0)
     enable_prefix_cache: bool = _opt(True, "reuse the KV of full blocks shared with earlier prompts")
     pipeline_depth: int = _opt(2, "step plans in flight at once (1: strictly alternate plan and result)", minimum=1)

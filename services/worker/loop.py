@@ -1,7 +1,8 @@
 """The worker process: loads the model, warms it up, then runs step plans in the order they arrive.
 
-After each step it sends the sampled tokens to the detokenizer; after each plan (one step, or a run of
-decode steps: plan_runs.py) the result to the scheduler.
+After each step it sends the sampled tokens to the detokenizer (or gathers them over a few steps:
+token_stream.py); after each plan (one step, or a run of decode steps: plan_runs.py) the result to the
+scheduler.
 
 A heartbeat thread reports loading progress and liveness to the scheduler on its own
 socket (ZMQ sockets are not shared across threads), so the scheduler hears from the
@@ -29,9 +30,10 @@ from prometheus_client import Counter, Gauge, Histogram
 from services.worker.device import cpu_name, describe_device, device_memory, resolve_device, resolve_dtype
 from services.worker.device_memory import GRAPH_POOL_RESERVE, ActivationProfile, MemoryPlan, gdn_bytes_per_slot, plan_memory
 from services.worker.plan_runs import PlanRuns
+from services.worker.token_stream import TokenStream
 from shared.config import StackConfig
 from shared.cpu_placement import take_worker_core
-from shared.frames import Heartbeat, Release, SamplingParams, Slice, StepPlan, StepResult, TokenBatch, TokenDelta
+from shared.frames import Heartbeat, Release, SamplingParams, Slice, StepPlan, StepResult
 from shared.metrics import FRAMES_UNEXPECTED, PREFIX, PROCESS_UP, start_metrics_server
 from shared.model_info import kv_cache_blocks, load_model_info, resolve_kv_cache_dtype
 from shared.transport import Curve, Inbox, Outbox
@@ -88,6 +90,7 @@ class WorkerLoop:
         self.rank_lost = ""  # why the group broke, once a rank is gone
         self.worker_core: int | None = None  # the CPU the main thread keeps to itself (shared/cpu_placement.py)
         self.plan_runs = PlanRuns(self._execute)
+        self.tokens = TokenStream(self.to_detokenizer.send, config.stream_interval, self.plan_runs.stop_token_ids)
 
     def _heartbeat(self) -> Heartbeat:
         return Heartbeat(process="worker", pid=os.getpid(), state=self.state, detail=self.detail, progress=self.progress, kv_blocks=self.num_blocks)
@@ -236,8 +239,9 @@ class WorkerLoop:
         while not self.stopping:
             for frame in self.inbox.recv(200):
                 if isinstance(frame, StepPlan):
-                    self.to_scheduler.send(self.plan_runs.run(frame, self._send_tokens))
+                    self.to_scheduler.send(self.plan_runs.run(frame, self.tokens.add))
                 elif isinstance(frame, Release):
+                    self.tokens.flush()
                     self.plan_runs.release(frame.rids)
                     if not self.rank_lost:  # a broken group takes no more collectives
                         self.runner.release(frame.rids)
@@ -245,17 +249,8 @@ class WorkerLoop:
                 else:
                     self.log.warning("unexpected_frame", frame=type(frame).__name__)
                     FRAMES_UNEXPECTED.labels(self.inbox.name).inc()
+            self.tokens.flush()  # nothing is queued: tokens gathered over a stream interval go now
         self._close()
-
-    def _send_tokens(self, plan: StepPlan, result: StepResult) -> None:
-        """After each step (of a run too): its sampled tokens, and the requests it opened, straight to the
-        detokenizer. A token reaches the client without waiting on the scheduler, which keeps to planning."""
-        if result.error:
-            return  # the scheduler fails the step's requests
-        opened = [s.opened for s in plan.slices if s.opened is not None]
-        deltas = [TokenDelta(s.rid, [s.token_id], logprobs=[] if s.logprobs is None else [s.logprobs]) for s in result.sampled]
-        if opened or deltas:
-            self.to_detokenizer.send(TokenBatch(opened=opened, deltas=deltas))
 
     def _close(self) -> None:
         """Stops the follower ranks (they leave first, so none takes the stop for the leader's death)."""

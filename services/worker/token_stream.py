@@ -1,0 +1,58 @@
+"""The tokens each step samples, on their way to the detokenizer: after every step, or gathered over several.
+
+Each frame to the detokenizer wakes it, then the api, then the client, once per frame however many tokens
+it carries. With ``--stream-interval N`` (vLLM and SGLang have an option of that name) a request's tokens
+are gathered over up to N steps into one delta, which reaches the client as one chunk: fewer wake-ups per
+token where a step is short (a few streams on a CPU), for a burstier stream. A token waits at most N - 1
+steps, and some not at all: a step that opens a request (its first token, so the time to first token is
+unchanged) or samples a request's stop token sends what is gathered at once, and the worker sends it too
+before it releases requests and whenever it has no frame queued (it would otherwise hold tokens while idle).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from shared.frames import DetokOpen, StepPlan, StepResult, TokenBatch, TokenDelta
+
+
+class TokenStream:
+    def __init__(self, send: Callable[[TokenBatch], None], interval: int, stop_token_ids: Mapping[str, frozenset[int]]) -> None:
+        self.send = send
+        self.interval = interval
+        self.stop_token_ids = stop_token_ids  # each running request's, kept by PlanRuns
+        self.opened: list[DetokOpen] = []
+        self.deltas: dict[str, TokenDelta] = {}  # rid -> its tokens gathered so far, in order
+        self.steps = 0  # steps gathered since the last send
+
+    def add(self, plan: StepPlan, result: StepResult) -> None:
+        """After each step (of a run too): the requests it opened and the tokens it sampled."""
+        if result.error:
+            return  # the scheduler fails the step's requests
+        opened = [s.opened for s in plan.slices if s.opened is not None]
+        if self.interval == 1:
+            deltas = [TokenDelta(s.rid, [s.token_id], logprobs=[] if s.logprobs is None else [s.logprobs]) for s in result.sampled]
+            if opened or deltas:
+                self.send(TokenBatch(opened=opened, deltas=deltas))
+            return
+        self.opened += opened
+        ends = False
+        for s in result.sampled:
+            held = self.deltas.get(s.rid)
+            if held is None:
+                self.deltas[s.rid] = TokenDelta(s.rid, [s.token_id], logprobs=[] if s.logprobs is None else [s.logprobs])
+            else:
+                held.token_ids.append(s.token_id)
+                if s.logprobs is not None:
+                    held.logprobs.append(s.logprobs)
+            ends = ends or s.token_id in self.stop_token_ids.get(s.rid, ())
+        self.steps += 1
+        if opened or ends or self.steps >= self.interval:
+            self.flush()
+
+    def flush(self) -> None:
+        """Sends whatever is gathered."""
+        if self.opened or self.deltas:
+            self.send(TokenBatch(opened=self.opened, deltas=list(self.deltas.values())))
+            self.opened, self.deltas = [], {}
+        self.steps = 0
