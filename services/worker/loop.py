@@ -312,6 +312,7 @@ class WorkerLoop:
             "block_size": self.config.block_size,
             "max_num_seqs": self.config.max_num_seqs,
             "steps_run": self.steps_run,
+            "stream_interval": self.config.stream_interval,
             "warmup_lengths": warmup_lengths(self.config.max_num_batched_tokens, self.num_blocks * self.config.block_size),
             "addresses": {"inbox": self.inbox.address, "scheduler": self.to_scheduler.address, "detokenizer": self.to_detokenizer.address},
         }

@@ -36,7 +36,8 @@ def ask(oai: openai.OpenAI, **kwargs):
     return oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "tell me"}], extra_body={"ignore_eos": True}, **settings)
 
 
-def test_the_gathered_stream_says_what_the_whole_reply_says_in_chunks_of_at_most_the_interval(oai: openai.OpenAI) -> None:
+def test_the_gathered_stream_says_what_the_whole_reply_says_in_chunks_of_at_most_the_interval(gathering_stack: Stack, oai: openai.OpenAI) -> None:
+    assert gathering_stack.instrumentation("worker")["stream_interval"] == INTERVAL
     whole = ask(oai, logprobs=True)
     chunks = [c for c in ask(oai, logprobs=True, stream=True) if c.choices and c.choices[0].logprobs]
     per_chunk = [c.choices[0].logprobs.content for c in chunks]
