@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from shared.frames import DetokOpen, StepPlan, StepResult, TokenBatch, TokenDelta
+from shared.frames import DetokOpen, Sampled, StepPlan, StepResult, TokenBatch, TokenDelta
 
 
 class TokenStream:
@@ -31,7 +31,7 @@ class TokenStream:
             return  # the scheduler fails the step's requests
         opened = [s.opened for s in plan.slices if s.opened is not None]
         if self.interval == 1:
-            deltas = [TokenDelta(s.rid, [s.token_id], logprobs=[] if s.logprobs is None else [s.logprobs]) for s in result.sampled]
+            deltas = [_delta(s) for s in result.sampled]
             if opened or deltas:
                 self.send(TokenBatch(opened=opened, deltas=deltas))
             return
@@ -40,7 +40,7 @@ class TokenStream:
         for s in result.sampled:
             held = self.deltas.get(s.rid)
             if held is None:
-                self.deltas[s.rid] = TokenDelta(s.rid, [s.token_id], logprobs=[] if s.logprobs is None else [s.logprobs])
+                self.deltas[s.rid] = _delta(s)
             else:
                 held.token_ids.append(s.token_id)
                 if s.logprobs is not None:
@@ -56,3 +56,7 @@ class TokenStream:
             self.send(TokenBatch(opened=self.opened, deltas=list(self.deltas.values())))
             self.opened, self.deltas = [], {}
         self.steps = 0
+
+
+def _delta(sampled: Sampled) -> TokenDelta:
+    return TokenDelta(sampled.rid, [sampled.token_id], logprobs=[] if sampled.logprobs is None else [sampled.logprobs])
