@@ -16,6 +16,13 @@ round; the report gives each round's ratio and the median over rounds.
 Without --url it starts its own stack on a free port and stops it afterwards. The in-process
 runner loads beside the running stack (whose worker idles meanwhile), so both are warm.
 
+The client: the stack's processes, not the benchmark's client, are what the ratio judges, and a real client
+runs on another machine. Here it shares the stack's two cores, and every wake-up of it is taken from the
+worker's (bench/README.md: an exchange rate of about 0.6 at one stream). So by default (``--client-sched
+idle``) the client's thread runs under SCHED_IDLE during the stack's runs: it takes only CPU that no process
+of the stack wants, and reads what the stack has sent when a core is free. Its CPU still shows in the report;
+``--client-sched normal`` runs it as an ordinary process, as before session 26.
+
 Where the stack's difference goes: each stack run also records the CPU time per output token of
 every process (all its threads, ZMQ's included) and of the benchmark itself (the client, which
 shares the machine's cores with the stack but not with the in-process runner; a lean one,
@@ -38,7 +45,9 @@ import platform
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from statistics import median
+from typing import TypeVar
 
 from bench import wake_cost
 from bench.inprocess_engine import InProcessEngine
@@ -50,6 +59,7 @@ from shared.config import DEFAULT_MODEL_DIR, StackConfig
 from shared.frames import SamplingParams, Submit
 from shared.model_info import kv_cache_blocks, load_model_info
 
+T = TypeVar("T")
 _libc = ctypes.CDLL(None)  # clock_getcpuclockid, which the time module does not wrap
 
 PROMPTS = [
@@ -62,6 +72,31 @@ PROMPTS = [
     "Summarize the plot of a detective novel you invent.",
     "Give advice to someone learning to cook for the first time.",
 ]
+
+
+CLIENT_POLICIES = {"idle": os.SCHED_IDLE, "normal": os.SCHED_OTHER}
+
+
+def run_as_client(policy: str, work: Callable[[], T]) -> T:
+    """``work()`` on a thread of its own under this scheduling policy (``CLIENT_POLICIES``): a thread that
+    ends, so that nothing has to be set back (leaving SCHED_IDLE may need a privilege). Threads it starts
+    (asyncio's resolver) inherit the policy."""
+    outcome: list = []
+
+    def client() -> None:
+        try:
+            os.sched_setscheduler(0, CLIENT_POLICIES[policy], os.sched_param(0))  # pid 0: the calling thread
+            outcome.append((True, work()))
+        except BaseException as exc:  # re-raised on the caller's thread
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=client, name=f"client-{policy}")
+    thread.start()
+    thread.join()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 async def _stack_run(url: str, model: str, concurrency: int, output_tokens: int, pids: dict[str, int]) -> dict:
@@ -209,6 +244,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of stack and in-process runs")
     parser.add_argument("--out", default="bench/results/stack_throughput.json")
     parser.add_argument("--stack-flag", action="append", default=[], help="a flag for the started stack, e.g. --stack-flag=--dtype=bfloat16")
+    parser.add_argument("--client-sched", choices=sorted(CLIENT_POLICIES), default="idle", help="the client's scheduling policy during stack runs (see above)")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
@@ -219,6 +255,7 @@ def main() -> None:
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
         "output_tokens": args.output_tokens,
         "stack_flags": args.stack_flag,
+        "client_sched": args.client_sched,
         "wake_cpu_us": wake_costs,
         "rounds": [],
     }
@@ -233,7 +270,7 @@ def main() -> None:
             round_results: dict = {}
             for n in levels:
                 runs = {
-                    "stack": lambda n=n: asyncio.run(_stack_run(url, model_id, n, args.output_tokens, pids)),
+                    "stack": lambda n=n: run_as_client(args.client_sched, lambda: asyncio.run(_stack_run(url, model_id, n, args.output_tokens, pids))),
                     "worker": lambda n=n: in_process_run(n, args.output_tokens, runner, tokenizer, scheduler, depth),
                 }
                 for name in ("stack", "worker") if index % 2 == 0 else ("worker", "stack"):

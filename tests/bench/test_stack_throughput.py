@@ -1,5 +1,6 @@
 """bench.stack_throughput's accounting: a process's CPU time over all its threads, ended ones too; its
-wake-ups; and bench.wake_cost's CPU per wake-up."""
+wake-ups; and bench.wake_cost's CPU per wake-up. Its client runs under the policy asked for, on a thread
+of its own, and leaves the caller's as it was."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 import pytest
 
 from bench import wake_cost
-from bench.stack_throughput import process_cpu_seconds, voluntary_switches
+from bench.stack_throughput import process_cpu_seconds, run_as_client, voluntary_switches
 
 SPIN = "import time\nend = time.thread_time() + {seconds}\nwhile time.thread_time() < end:\n    pass\n"
 
@@ -65,3 +66,12 @@ def test_wake_cost_is_measured_in_the_woken_process(monkeypatch):
     for streams in (False, True):
         cost = wake_cost.wake_cpu_us(streams)
         assert 0 < cost < 4000, cost  # a wake-up's CPU, far below the 4 ms between wake-ups (a spinning sleeper would reach it)
+
+
+def test_the_client_runs_under_its_policy_on_a_thread_of_its_own():
+    caller = os.sched_getscheduler(0)
+    assert run_as_client("idle", lambda: os.sched_getscheduler(0)) == os.SCHED_IDLE
+    assert run_as_client("normal", lambda: os.sched_getscheduler(0)) == os.SCHED_OTHER
+    assert os.sched_getscheduler(0) == caller
+    with pytest.raises(ValueError, match="the client failed"):
+        run_as_client("idle", lambda: (_ for _ in ()).throw(ValueError("the client failed")))
