@@ -4,9 +4,10 @@ Each frame to the detokenizer wakes it, then the api, then the client, once per 
 it carries. With ``--stream-interval N`` (vLLM and SGLang have an option of that name) a request's tokens
 are gathered over up to N steps into one delta, which reaches the client as one chunk: fewer wake-ups per
 token where a step is short (a few streams on a CPU), for a burstier stream. A token waits at most N - 1
-steps, and some not at all: a step that opens a request (its first token, so the time to first token is
-unchanged) or samples a request's stop token sends what is gathered at once, and the worker sends it too
-before it releases requests and whenever it has no frame queued (it would otherwise hold tokens while idle).
+steps, and some not at all: a step that samples a request's first token (at the end of its prefill, which
+may span several steps; the time to first token is unchanged) or a request's stop token sends what is
+gathered at once, and the worker sends it too before it releases requests and whenever it has no frame
+queued (it would otherwise hold tokens while idle). A request's opening goes with its first token.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class TokenStream:
                 self.send(TokenBatch(opened=opened, deltas=deltas))
             return
         self.opened += opened
-        ends = False
+        prefills = {s.rid for s in plan.slices if s.token_ids}  # a prefill chunk that samples ends the prefill
+        now = False  # a first token or a stop token: send at once
         for s in result.sampled:
             held = self.deltas.get(s.rid)
             if held is None:
@@ -45,9 +47,9 @@ class TokenStream:
                 held.token_ids.append(s.token_id)
                 if s.logprobs is not None:
                     held.logprobs.append(s.logprobs)
-            ends = ends or s.token_id in self.stop_token_ids.get(s.rid, ())
+            now = now or s.rid in prefills or s.token_id in self.stop_token_ids.get(s.rid, ())
         self.steps += 1
-        if opened or ends or self.steps >= self.interval:
+        if now or self.steps >= self.interval:
             self.flush()
 
     def flush(self) -> None:

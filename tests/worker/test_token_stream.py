@@ -1,6 +1,6 @@
 """The worker's token stream: every step's tokens at once by default; with a stream interval, a request's
-tokens gathered over steps into one delta, sent when the interval is full, at once for a step that opens
-a request or samples a stop token, and on flush."""
+tokens gathered over steps into one delta, sent when the interval is full, at once for a step that samples
+a request's first token (the end of its prefill) or a stop token, and on flush."""
 
 from __future__ import annotations
 
@@ -72,3 +72,13 @@ def test_flush_sends_the_rest_with_logprobs_token_for_token_and_errors_send_noth
     assert delta.token_ids == [11, 12] and [lp.logprob for lp in delta.logprobs] == [-11.5, -12.5]
     tokens.flush()
     assert len(sent) == 1  # nothing gathered: nothing sent
+
+
+def test_a_prefill_over_several_steps_sends_its_opening_with_the_first_token() -> None:
+    tokens, sent = stream(4)
+    first_chunk = Slice("a", 0, 3, [5, 6, 7], opened=DetokOpen(rid="a", reply_to="ipc://api", prompt_tokens=6, max_tokens=100))
+    tokens.add(StepPlan(0, [first_chunk]), StepResult(step=0, sampled=[]))  # samples nothing: no token yet
+    assert sent == []
+    tokens.add(*step([Slice("a", 3, 3, [8, 9, 10])], {"a": 10}))  # the last chunk samples the first token
+    (batch,) = sent
+    assert [o.rid for o in batch.opened] == ["a"] and tokens_of(batch) == {"a": [10]}
