@@ -45,6 +45,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from statistics import median
 from typing import TypeVar
 
@@ -80,22 +81,9 @@ def run_as_client(policy: str, work: Callable[[], T]) -> T:
     """``work()`` on a thread of its own under this scheduling policy (``CLIENT_POLICIES``): a thread that
     ends, so that nothing has to be set back (leaving SCHED_IDLE may need a privilege). Threads it starts
     (asyncio's resolver) inherit the policy."""
-    outcome: list = []
-
-    def client() -> None:
-        try:
-            os.sched_setscheduler(0, CLIENT_POLICIES[policy], os.sched_param(0))  # pid 0: the calling thread
-            outcome.append((True, work()))
-        except BaseException as exc:  # re-raised on the caller's thread
-            outcome.append((False, exc))
-
-    thread = threading.Thread(target=client, name=f"client-{policy}")
-    thread.start()
-    thread.join()
-    ok, value = outcome[0]
-    if not ok:
-        raise value
-    return value
+    # pid 0: the calling thread, here the pool's one thread
+    with ThreadPoolExecutor(max_workers=1, initializer=os.sched_setscheduler, initargs=(0, CLIENT_POLICIES[policy], os.sched_param(0))) as pool:
+        return pool.submit(work).result()
 
 
 async def _stack_run(url: str, model: str, concurrency: int, output_tokens: int, pids: dict[str, int]) -> dict:

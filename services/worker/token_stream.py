@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from shared.frames import DetokOpen, Sampled, StepPlan, StepResult, TokenBatch, TokenDelta
+from shared.frames import DetokOpen, StepPlan, StepResult, TokenBatch, TokenDelta
 
 
 class TokenStream:
@@ -30,26 +30,20 @@ class TokenStream:
         """After each step (of a run too): the requests it opened and the tokens it sampled."""
         if result.error:
             return  # the scheduler fails the step's requests
-        opened = [s.opened for s in plan.slices if s.opened is not None]
-        if self.interval == 1:
-            deltas = [_delta(s) for s in result.sampled]
-            if opened or deltas:
-                self.send(TokenBatch(opened=opened, deltas=deltas))
-            return
-        self.opened += opened
+        self.opened += [s.opened for s in plan.slices if s.opened is not None]
         prefills = {s.rid for s in plan.slices if s.token_ids}  # a prefill chunk that samples ends the prefill
         now = False  # a first token or a stop token: send at once
         for s in result.sampled:
             held = self.deltas.get(s.rid)
             if held is None:
-                self.deltas[s.rid] = _delta(s)
+                self.deltas[s.rid] = TokenDelta(s.rid, [s.token_id], logprobs=[] if s.logprobs is None else [s.logprobs])
             else:
                 held.token_ids.append(s.token_id)
                 if s.logprobs is not None:
                     held.logprobs.append(s.logprobs)
             now = now or s.rid in prefills or s.token_id in self.stop_token_ids.get(s.rid, ())
         self.steps += 1
-        if now or self.steps >= self.interval:
+        if now or self.steps >= self.interval:  # at the default interval of 1: every step
             self.flush()
 
     def flush(self) -> None:
@@ -58,7 +52,3 @@ class TokenStream:
             self.send(TokenBatch(opened=self.opened, deltas=list(self.deltas.values())))
             self.opened, self.deltas = [], {}
         self.steps = 0
-
-
-def _delta(sampled: Sampled) -> TokenDelta:
-    return TokenDelta(sampled.rid, [sampled.token_id], logprobs=[] if sampled.logprobs is None else [sampled.logprobs])
