@@ -29,7 +29,8 @@ bench/sse_client.py, that costs about half of aiohttp's reader per token). Where
 alone fills every core (a CPU worker at one stream), the others' CPU comes out of the worker's, so
 stack / worker tends to the worker's share of the total, which the report prints beside it. It
 also prints each process's wake-ups per token and what one wake-up costs this machine
-(bench.wake_cost): one stream wakes every process at least once per token.
+(bench.wake_cost): one stream wakes every process at least once per token; and each one's CPU split into
+user and kernel time (10 ms ticks, summed over the rounds), which tells its Python from its sockets.
 """
 
 from __future__ import annotations
@@ -89,11 +90,11 @@ def run_as_client(policy: str, work: Callable[[], T]) -> T:
 async def _stack_run(url: str, model: str, concurrency: int, output_tokens: int, pids: dict[str, int]) -> dict:
     # The lean client (bench/sse_client.py): its CPU shares the cores with the stack, not with the in-process run.
     await stream_chat(url, model, [{"role": "user", "content": "Hello"}], 8)  # warm-up, not counted
-    cpu_before, wakes_before = _cpu_seconds(pids), _wake_ups(pids)
+    cpu_before, wakes_before, split_before = _cpu_seconds(pids), _wake_ups(pids), _user_system(pids)
     started = time.perf_counter()
     runs = await asyncio.gather(*(stream_chat(url, model, [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], output_tokens) for i in range(concurrency)))
     wall = time.perf_counter() - started
-    cpu_after, wakes_after = _cpu_seconds(pids), _wake_ups(pids)
+    cpu_after, wakes_after, split_after = _cpu_seconds(pids), _wake_ups(pids), _user_system(pids)
     tokens = sum(r["usage"].get("completion_tokens", 0) for r in runs)
     return {
         "output_tokens": tokens,
@@ -101,6 +102,7 @@ async def _stack_run(url: str, model: str, concurrency: int, output_tokens: int,
         "output_tok_s": tokens / wall,
         "cpu_ms_per_token": {name: 1000 * (cpu_after[name] - cpu_before[name]) / max(tokens, 1) for name in cpu_before},
         "wake_ups_per_token": {name: (wakes_after[name] - wakes_before[name]) / max(tokens, 1) for name in wakes_before},
+        "user_system_s": {name: [a - b for a, b in zip(split_after[name], split_before[name])] for name in split_before},
         "ttft_p50_s": percentile([r["stamps"][0] - r["start"] for r in runs if r["stamps"]], 50),
         "itl_p50_s": percentile([b - a for r in runs for a, b in zip(r["stamps"], r["stamps"][1:])], 50),
     }
@@ -132,6 +134,22 @@ def _cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     """Each stack process's CPU time, and this process's as "client": during a stack run this process
     only drives the requests (the in-process runner's threads wait)."""
     return {**{name: process_cpu_seconds(pid) for name, pid in pids.items()}, "client": process_cpu_seconds(os.getpid())}
+
+
+_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+
+
+def user_system_seconds(pid: int) -> tuple[float, float]:
+    """A process's CPU time so far in user and in kernel mode (``/proc/PID/stat``'s utime and stime: 10 ms
+    ticks, so summed over a benchmark's rounds rather than read per run)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    return int(fields[11]) * _TICK_S, int(fields[12]) * _TICK_S
+
+
+def _user_system(pids: dict[str, int]) -> dict[str, tuple[float, float]]:
+    """Each stack process's user and kernel CPU so far, and this process's as "client" (as _cpu_seconds)."""
+    return {**{name: user_system_seconds(pid) for name, pid in pids.items()}, "client": user_system_seconds(os.getpid())}
 
 
 def voluntary_switches(pid: int) -> int:
@@ -289,6 +307,13 @@ def main() -> None:
         print(f"stack, {n} stream(s): CPU ms per output token (medians over rounds):", ", ".join(f"{name} {ms:.3f}" for name, ms in cpu.items()))
         share = results["median"][f"stack_{n}_worker_cpu_share"] = cpu["worker"] / sum(cpu.values())
         print(f"stack, {n} stream(s): the worker's share of that CPU {share:.3f} (where the worker fills the cores, the ratio it leaves)")
+        tokens = sum(s["output_tokens"] for s in stacks)
+        split = {name: [1000 * sum(s["user_system_s"][name][mode] for s in stacks) / max(tokens, 1) for mode in (0, 1)] for name in stacks[0]["user_system_s"]}
+        results["median"][f"stack_{n}_user_system_ms_per_token"] = split
+        print(
+            f"stack, {n} stream(s): user / kernel CPU ms per output token (all rounds together):",
+            ", ".join(f"{name} {user:.3f} / {kernel:.3f}" for name, (user, kernel) in split.items()),
+        )
         wakes = {name: median([s["wake_ups_per_token"][name] for s in stacks]) for name in stacks[0]["wake_ups_per_token"]}
         results["median"][f"stack_{n}_wake_ups_per_token"] = wakes
         print(f"stack, {n} stream(s): wake-ups per output token (medians over rounds):", ", ".join(f"{name} {w:.2f}" for name, w in wakes.items()))

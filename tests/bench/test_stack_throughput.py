@@ -13,7 +13,7 @@ import time
 import pytest
 
 from bench import wake_cost
-from bench.stack_throughput import process_cpu_seconds, run_as_client, voluntary_switches
+from bench.stack_throughput import process_cpu_seconds, run_as_client, user_system_seconds, voluntary_switches
 
 SPIN = "import time\nend = time.thread_time() + {seconds}\nwhile time.thread_time() < end:\n    pass\n"
 
@@ -40,6 +40,27 @@ def test_cpu_time_of_another_process():
             time.sleep(0.05)
         time.sleep(0.2)  # now blocked on stdin
         assert 0.3 <= process_cpu_seconds(child.pid) < 0.3 + 0.5  # the interpreter's start-up is counted too
+    finally:
+        child.communicate(b"")
+
+
+# User-mode time: arithmetic between clock reads (reading a CPU-time clock is a system call); kernel-mode
+# time: reading /dev/zero in 1 MiB reads is almost all the kernel's copying.
+USER_WORK = "import time\nend = time.thread_time() + {seconds}\nwhile time.thread_time() < end:\n    sum(range(100_000))\n"
+KERNEL_WORK = "import time\nend = time.thread_time() + {seconds}\nf = open('/dev/zero', 'rb', buffering=0)\nwhile time.thread_time() < end:\n    f.read(1 << 20)\n"
+
+
+@pytest.mark.parametrize(("work", "mode"), [(USER_WORK, 0), (KERNEL_WORK, 1)], ids=["user", "kernel"])
+def test_user_and_kernel_time_are_told_apart(work, mode):
+    child = subprocess.Popen([sys.executable, "-c", work.format(seconds=0.6) + "import sys\nsys.stdin.read()\n"], stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while sum(user_system_seconds(child.pid)) < 0.6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        spent = user_system_seconds(child.pid)
+        assert spent[mode] >= 0.4, spent  # most of the 0.6 s in the mode the work runs in (start-up aside)
+        assert spent[1 - mode] < spent[mode] / 2, spent
     finally:
         child.communicate(b"")
 
