@@ -47,7 +47,9 @@ def test_cpu_time_of_another_process():
 # User-mode time: arithmetic between clock reads (reading a CPU-time clock is a system call); kernel-mode
 # time: reading /dev/zero in 1 MiB reads is almost all the kernel's copying.
 USER_WORK = "import time\nend = time.thread_time() + {seconds}\nwhile time.thread_time() < end:\n    sum(range(100_000))\n"
-KERNEL_WORK = "import time\nend = time.thread_time() + {seconds}\nf = open('/dev/zero', 'rb', buffering=0)\nwhile time.thread_time() < end:\n    f.read(1 << 20)\n"
+KERNEL_WORK = (
+    "import time\nend = time.thread_time() + {seconds}\nf = open('/dev/zero', 'rb', buffering=0)\nwhile time.thread_time() < end:\n    f.read(1 << 20)\n"
+)
 
 
 @pytest.mark.parametrize(("work", "mode"), [(USER_WORK, 0), (KERNEL_WORK, 1)], ids=["user", "kernel"])
