@@ -1,0 +1,44 @@
+"""bench.api_capacity end to end: the real api process, fed by the scripted engine over its ZeroMQ sockets,
+streams every chunk the engine sends to the lean client, and the report counts them and the api's CPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def test_the_api_alone_streams_every_scripted_chunk_and_its_cpu_is_counted(tmp_path):
+    out = tmp_path / "api_capacity.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.api_capacity", "--streams", "1,3", "--tokens", "12", "--rounds", "2", "--step-ms", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    results = json.loads(out.read_text())
+    assert len(results["rounds"]) == 2
+    for round_ in results["rounds"]:
+        assert round_["1"]["chunks"] == 12 and round_["3"]["chunks"] == 36  # the harness raises on a missing chunk
+        for level in ("1", "3"):
+            assert round_[level]["api_cpu_s"] > 0
+            assert sum(round_[level]["api_user_system_s"]) >= 0
+    assert set(results["median_api_cpu_us_per_chunk"]) == {"1", "3"}
+    assert " 3 streams: the api's CPU per chunk" in run.stdout
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--streams", "0"], "stream counts must be positive"),
+        (["--streams", "8,x"], "expected comma-separated stream counts"),
+        (["--rounds", "0"], "must be positive"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_starts(flags, message):
+    run = subprocess.run([sys.executable, "-m", "bench.api_capacity", *flags], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert message in run.stderr
