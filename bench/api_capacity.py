@@ -9,6 +9,12 @@ api's CPU time over it (every thread, ZeroMQ's included):
 
     python -m bench.api_capacity [--streams 1,8,32] [--tokens 256] [--step-ms 2] [--rounds 5]
 
+``--neighbour`` puts a process on the api's CPU beside it, under SCHED_IDLE (so that the api preempts it at
+once, as it does the CPU worker's pool helper in the stack): ``registers`` keeps the core busy in a loop that
+touches no memory, ``memory`` streams 64 MB over and over, as the worker's weights stream through that core's
+caches. Together with ``--step-ms`` (how long the api sleeps between chunks) it tells the cost of a chunk's path
+from the cost of starting it cold.
+
 The api's CPU per chunk is the figure to watch: with a fast engine (a GPU worker's steps of a few ms over
 many streams) one api process saturates at about 1 / (CPU per chunk) chunks per second, and in the CPU stack
 that CPU comes out of the worker's (bench.stack_throughput). Here the api's core is warm: nothing else runs
@@ -37,6 +43,25 @@ from shared.frames import Abort, EngineStatus, Submit, TextBatch, TextDelta
 from shared.transport import Inbox, Outbox
 
 PROMPT = [{"role": "user", "content": "Tell me a story."}]
+
+# What --neighbour runs on the api's CPU: a loop in registers, or a scan of 64 MB of written (so real) pages.
+NEIGHBOURS = {
+    "none": None,
+    "registers": "x = 0\nwhile True:\n    x += 1\n",
+    "memory": "buf = b'\\x02' * (64 << 20)\nwhile True:\n    buf.find(b'\\x01')\n",
+}
+
+
+def start_neighbour(kind: str, cpus: set[int]) -> subprocess.Popen | None:
+    code = NEIGHBOURS[kind]
+    if code is None:
+        return None
+
+    def placed() -> None:
+        os.sched_setaffinity(0, cpus)
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+    return subprocess.Popen([sys.executable, "-c", code], preexec_fn=placed)
 
 
 class ScriptedEngine(threading.Thread):
@@ -110,6 +135,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256, help="chunks per stream")
     parser.add_argument("--step-ms", type=float, default=2.0, help="the scripted engine's step interval")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--neighbour", choices=sorted(NEIGHBOURS), default="none", help="a process beside the api on its CPU (see above)")
     parser.add_argument("--out", default="bench/results/api_capacity.json")
     args = parser.parse_args()
     levels = args.streams
@@ -132,9 +158,18 @@ def main() -> None:
             preexec_fn=lambda: os.sched_setaffinity(0, api_cpus),
         )
         url = f"http://127.0.0.1:{port}"
-        results: dict = {"streams": levels, "tokens": args.tokens, "step_ms": args.step_ms, "api_cpus": sorted(api_cpus), "rounds": []}
+        results: dict = {
+            "streams": levels,
+            "tokens": args.tokens,
+            "step_ms": args.step_ms,
+            "neighbour": args.neighbour,
+            "api_cpus": sorted(api_cpus),
+            "rounds": [],
+        }
+        neighbour = None
         try:
             wait_healthy(url, api, 120, "the api")
+            neighbour = start_neighbour(args.neighbour, api_cpus)
             model = served_model(url)
             asyncio.run(_round(url, model, 1, 8, api.pid))  # warm-up, not counted
             for index in range(args.rounds):
@@ -144,6 +179,10 @@ def main() -> None:
                     flush=True,
                 )
         finally:
+            if neighbour is not None:
+                results["neighbour_cpu_s"] = process_cpu_seconds(neighbour.pid)  # what it got of the api's CPU meanwhile
+                neighbour.kill()
+                neighbour.wait()
             stop_process(api, grace_s=30)
             engine.stopping.set()
             engine.join(10)

@@ -115,8 +115,16 @@ def in_process_run(concurrency: int, output_tokens: int, runner, tokenizer, sche
         text = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], add_generation_prompt=True, tokenize=False)
         prompt_ids = tokenizer.encode(text, add_special_tokens=False)
         submits.append(Submit(rid=f"bench-{i}", prompt_ids=prompt_ids, max_tokens=output_tokens, sampling=SamplingParams(temperature=0), ignore_eos=True))
+    cpu_before = process_cpu_seconds(os.getpid())
     run = InProcessEngine(scheduler, runner, pipeline_depth).run(submits)
-    return {"output_tokens": run.output_tokens, "wall_s": run.wall_s, "output_tok_s": run.output_tokens / run.wall_s, "steps": run.steps}
+    cpu = process_cpu_seconds(os.getpid()) - cpu_before
+    return {
+        "output_tokens": run.output_tokens,
+        "wall_s": run.wall_s,
+        "output_tok_s": run.output_tokens / run.wall_s,
+        "steps": run.steps,
+        "cpu_ms_per_token": 1000 * cpu / max(run.output_tokens, 1),
+    }
 
 
 def process_cpu_seconds(pid: int) -> float:
@@ -307,6 +315,8 @@ def main() -> None:
         print(f"stack, {n} stream(s): CPU ms per output token (medians over rounds):", ", ".join(f"{name} {ms:.3f}" for name, ms in cpu.items()))
         share = results["median"][f"stack_{n}_worker_cpu_share"] = cpu["worker"] / sum(cpu.values())
         print(f"stack, {n} stream(s): the worker's share of that CPU {share:.3f} (where the worker fills the cores, the ratio it leaves)")
+        alone = results["median"][f"worker_{n}_cpu_ms_per_token"] = median([r[f"worker_{n}"]["cpu_ms_per_token"] for r in rounds])
+        print(f"worker alone, {n} stream(s): CPU ms per output token {alone:.3f} (the stack's worker: {cpu['worker']:.3f})")
         tokens = sum(s["output_tokens"] for s in stacks)
         split = {name: [1000 * sum(s["user_system_s"][name][mode] for s in stacks) / max(tokens, 1) for mode in (0, 1)] for name in stacks[0]["user_system_s"]}
         results["median"][f"stack_{n}_user_system_ms_per_token"] = split

@@ -4,16 +4,51 @@ streams every chunk the engine sends to the lean client, and the report counts t
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
+from bench.api_capacity import NEIGHBOURS
 
-def test_the_api_alone_streams_every_scripted_chunk_and_its_cpu_is_counted(tmp_path):
+
+def _running_neighbours() -> list[int]:
+    """Processes running one of --neighbour's loops."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if any(code in args for code in NEIGHBOURS.values() if code):
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.parametrize("neighbour", ["none", "memory"])
+def test_the_api_alone_streams_every_scripted_chunk_and_its_cpu_is_counted(tmp_path, neighbour):
     out = tmp_path / "api_capacity.json"
+    before = _running_neighbours()
     run = subprocess.run(
-        [sys.executable, "-m", "bench.api_capacity", "--streams", "1,3", "--tokens", "12", "--rounds", "2", "--step-ms", "1", "--out", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "bench.api_capacity",
+            "--streams",
+            "1,3",
+            "--tokens",
+            "12",
+            "--rounds",
+            "2",
+            "--step-ms",
+            "1",
+            "--neighbour",
+            neighbour,
+            "--out",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=180,
@@ -28,6 +63,9 @@ def test_the_api_alone_streams_every_scripted_chunk_and_its_cpu_is_counted(tmp_p
             assert sum(round_[level]["api_user_system_s"]) >= 0
     assert set(results["median_api_cpu_us_per_chunk"]) == {"1", "3"}
     assert " 3 streams: the api's CPU per chunk" in run.stdout
+    assert results["neighbour"] == neighbour
+    assert (results.get("neighbour_cpu_s", 0) > 0) == (neighbour != "none")  # it ran, on what the api left
+    assert _running_neighbours() == before  # the neighbour is stopped with the api
 
 
 @pytest.mark.parametrize(
