@@ -17,8 +17,9 @@ from the cost of starting it cold.
 
 The api's CPU per chunk is the figure to watch: with a fast engine (a GPU worker's steps of a few ms over
 many streams) one api process saturates at about 1 / (CPU per chunk) chunks per second, and in the CPU stack
-that CPU comes out of the worker's (bench.stack_throughput). Here the api's core is warm: nothing else runs
-on it, so this is its own path's cost, not the cold pass that one stream pays beside a CPU worker.
+that CPU comes out of the worker's (bench.stack_throughput). Nothing else runs on the api's core here, but
+between steps it sleeps, and a chunk that wakes it after a sleep costs several times the path itself
+(bench/README.md, "The api's own cost per chunk").
 """
 
 from __future__ import annotations
