@@ -80,14 +80,19 @@ class ScriptedEngine(threading.Thread):
         ctx = zmq.Context()
         inbox = Inbox(ctx, self.config.scheduler_address, "bench_engine_inbox")
         to_api = Outbox(ctx, self.config.api_address, "bench_engine_to_api")
-        next_status = 0.0
+        next_status = next_step = 0.0
         try:
             while not self.stopping.is_set():
-                for frame in inbox.recv(int(self.step_s * 1000)):
+                # A step every step_s, however soon a frame arrives: ZeroMQ's poll takes whole milliseconds
+                # (a shorter step polls without waiting, then sleeps the rest).
+                for frame in inbox.recv(max(0, int((next_step - time.monotonic()) * 1000))):
                     if isinstance(frame, Submit):
                         self.open[frame.rid] = [0, frame.max_tokens, len(frame.prompt_ids)]
                     elif isinstance(frame, Abort):
                         self.open.pop(frame.rid, None)
+                if (rest := next_step - time.monotonic()) > 0:
+                    time.sleep(rest)
+                next_step = max(next_step + self.step_s, time.monotonic())  # late steps are not made up in a burst
                 if time.monotonic() >= next_status:
                     to_api.send(EngineStatus(state="ready", boot="bench", detail="scripted engine", running=len(self.open)))
                     next_status = time.monotonic() + self.config.heartbeat_s
