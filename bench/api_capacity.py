@@ -12,14 +12,13 @@ api's CPU time over it (every thread, ZeroMQ's included):
 ``--neighbour`` puts a process on the api's CPU beside it, under SCHED_IDLE (so that the api preempts it at
 once, as it does the CPU worker's pool helper in the stack): ``registers`` keeps the core busy in a loop that
 touches no memory, ``memory`` streams 64 MB over and over, as the worker's weights stream through that core's
-caches. Together with ``--step-ms`` (how long the api sleeps between chunks) it tells the cost of a chunk's path
-from the cost of starting it cold.
+caches. Together with ``--step-ms`` (how long the api sleeps between chunks) and the stream counts (one wake-up
+for one chunk, or for many) it tells the cost of a chunk's path from a wake-up's and from cold caches'.
 
 The api's CPU per chunk is the figure to watch: with a fast engine (a GPU worker's steps of a few ms over
 many streams) one api process saturates at about 1 / (CPU per chunk) chunks per second, and in the CPU stack
-that CPU comes out of the worker's (bench.stack_throughput). Nothing else runs on the api's core here, but
-between steps it sleeps, and a chunk that wakes it after a sleep costs several times the path itself
-(bench/README.md, "The api's own cost per chunk").
+that CPU comes out of the worker's (bench.stack_throughput). A chunk that wakes the api alone costs it several
+times a chunk among many (bench/README.md, "The api's own cost per chunk").
 """
 
 from __future__ import annotations
