@@ -15,7 +15,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from services.detokenizer.incremental import IncrementalDetokenizer
+from shared.detokenize.incremental import IncrementalDetokenizer
 
 CORPUS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from services.detokenizer.incremental import REPLACEMENT
-from services.detokenizer.request import RequestDetokState
 from shared.config import DEFAULT_MODEL_DIR
+from shared.detokenize.incremental import REPLACEMENT
+from shared.detokenize.request import RequestDetokState
 from shared.tokenizer import load_tokenizer
 
 from .conftest import stream

@@ -12,7 +12,6 @@ from services.detokenizer.loop import DetokenizerLoop
 from shared.config import DEFAULT_MODEL_DIR, StackConfig
 from shared.frames import DetokOpen, TextDelta, TokenBatch, TokenDelta
 from shared.stop_rule import finish_for_token
-from shared.tokenizer import load_tokenizer
 
 EOS = 2  # SmolLM2's <|im_end|>
 
@@ -20,7 +19,7 @@ EOS = 2  # SmolLM2's <|im_end|>
 @pytest.fixture
 def loop(tmp_path):
     loop = DetokenizerLoop(StackConfig(model=DEFAULT_MODEL_DIR, run_dir=str(tmp_path)), structlog.get_logger())
-    loop.tokenizer = load_tokenizer(DEFAULT_MODEL_DIR)
+    loop.load_tokenizer()
     loop.sent = []  # (reply_to, frame) the api would get
     loop.to_api.send = lambda reply_to, frame: loop.sent.append(frame)
     loop.to_scheduler.send = lambda frame: loop.sent.append(frame)
@@ -45,7 +44,7 @@ def test_a_stop_token_ends_the_request_and_later_tokens_are_dropped(loop) -> Non
     loop.handle(TokenBatch(deltas=[TokenDelta(rid="r", token_ids=hello)]))  # the pipelined step's token
     (delta,) = _texts(loop)
     assert (delta.text, delta.finish, delta.completion_tokens) == ("Hello there", "stop", len(hello) + 1)
-    assert not loop.requests
+    assert not loop.detokenization.requests
 
 
 def test_a_stop_token_before_min_tokens_is_an_ordinary_token(loop) -> None:
@@ -69,7 +68,7 @@ def test_an_abort_ends_an_open_request_and_one_that_overtook_its_opening(loop) -
     loop.handle(TokenBatch(deltas=[TokenDelta(rid="open", finish="abort"), TokenDelta(rid="unopened", finish="abort")]))
     assert [(d.rid, d.finish) for d in _texts(loop)] == [("open", "abort")]
     loop.handle(TokenBatch(opened=[DetokOpen(rid="unopened", prompt_tokens=3, max_tokens=10)], deltas=[TokenDelta(rid="unopened", token_ids=[5])]))
-    assert len(_texts(loop)) == 1 and not loop.requests and not loop.ended_before_opened
+    assert len(_texts(loop)) == 1 and not loop.detokenization.requests and not loop.detokenization.ended_before_opened
 
 
 def test_the_usage_reports_the_cached_tokens_of_the_opening(loop) -> None:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from services.detokenizer.incremental import REPLACEMENT, IncrementalDetokenizer
+from shared.detokenize.incremental import REPLACEMENT, IncrementalDetokenizer
 
 from .conftest import SAMPLES, UNSEEN, stream
 

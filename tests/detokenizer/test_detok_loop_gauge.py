@@ -8,12 +8,11 @@ from prometheus_client import REGISTRY
 from services.detokenizer.loop import DetokenizerLoop
 from shared.config import DEFAULT_MODEL_DIR, StackConfig
 from shared.frames import DetokOpen, TokenBatch, TokenDelta
-from shared.tokenizer import load_tokenizer
 
 
 def test_the_tracked_requests_gauge_follows_opening_and_finishing(tmp_path) -> None:
     loop = DetokenizerLoop(StackConfig(model=DEFAULT_MODEL_DIR, run_dir=str(tmp_path)), structlog.get_logger())
-    loop.tokenizer = load_tokenizer(DEFAULT_MODEL_DIR)
+    loop.load_tokenizer()
     tracked = lambda: REGISTRY.get_sample_value("tokenyard:detokenizer_requests")  # noqa: E731
     assert tracked() == 0
     hi = loop.tokenizer.encode("Hi")

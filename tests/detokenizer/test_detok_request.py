@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.detokenizer.request import RequestDetokState, Update
+from shared.detokenize.request import RequestDetokState, Update
 
 from .conftest import UNSEEN
 

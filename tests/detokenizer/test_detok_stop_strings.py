@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from services.detokenizer.stop_strings import StopStringMatcher
+from shared.detokenize.stop_strings import StopStringMatcher
 
 
 def feed_all(stops: list[str], parts: list[str]) -> tuple[str, str | None]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from services.detokenizer.incremental import IncrementalDetokenizer
-from services.detokenizer.stop_strings import StopStringMatcher
+from shared.detokenize.incremental import IncrementalDetokenizer
+from shared.detokenize.stop_strings import StopStringMatcher
 
 
 class Update(NamedTuple):
