@@ -44,6 +44,7 @@ import os
 import platform
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -179,12 +180,17 @@ def _wake_ups(pids: dict[str, int]) -> dict[str, int]:
 
 
 def _pids(url: str) -> dict[str, int]:
-    """Each process's pid, from its /instrumentation (the metrics ports follow the api port)."""
+    """Each process's pid, from its /instrumentation (the metrics ports follow the api port); no detokenizer
+    where the api detokenizes (``--detokenize-in api``)."""
     port = int(url.rsplit(":", 1)[1])
     pids = {}
     for offset, name in enumerate(("api", "scheduler", "worker", "detokenizer")):
-        with urllib.request.urlopen(f"http://127.0.0.1:{port + offset}/instrumentation") as response:
-            pids[name] = json.load(response)["pid"]
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port + offset}/instrumentation") as response:
+                pids[name] = json.load(response)["pid"]
+        except urllib.error.URLError:
+            if name != "detokenizer":
+                raise
     return pids
 
 

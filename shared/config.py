@@ -81,6 +81,13 @@ class StackConfig:
         "CPU), a burstier stream; a token waits at most this many steps less one, a request's first and stop tokens none",
         minimum=1,
     )
+    detokenize_in: str = _opt(
+        "detokenizer",
+        "which process turns tokens into text: the detokenizer (a process of its own, which also keeps that work "
+        "off the api's event loop) or the api (the worker sends each request's tokens to the api that owns it, and no "
+        "detokenizer process runs: one process less woken for every token, which a stream on a few CPU cores feels)",
+        choices=("detokenizer", "api"),
+    )
     max_waiting: int = _opt(1024, "most requests waiting for admission before 429", minimum=0)
     enable_prefix_cache: bool = _opt(True, "reuse the KV of full blocks shared with earlier prompts")
     pipeline_depth: int = _opt(2, "step plans in flight at once (1: strictly alternate plan and result)", minimum=1)

@@ -20,8 +20,10 @@ from services.api.errors import ApiError
 from services.api.metrics import REPLICA_FAILED, REPLICA_IN_FLIGHT, REPLICA_LATENCY, REPLICA_READY, ROUTED
 from services.api.router import make_policy
 from shared.config import StackConfig
-from shared.frames import Abort, ApiAnnounce, EngineStatus, Error, FinishReason, Submit, TextBatch, TextDelta
+from shared.detokenize.requests import Detokenization
+from shared.frames import Abort, ApiAnnounce, EngineStatus, Error, FinishReason, Submit, TextBatch, TextDelta, TokenBatch
 from shared.metrics import FRAMES_UNEXPECTED
+from shared.tokenizer import load_tokenizer
 from shared.transport import AsyncInbox, Curve, Outbox, stop_authenticator
 
 log = structlog.get_logger()
@@ -110,6 +112,8 @@ class EngineClient:
         }
         self.streams: dict[str, asyncio.Queue[TextDelta | ApiError]] = {}
         self.owner: dict[str, EngineReplica] = {}  # rid -> the replica serving it
+        # --detokenize-in api: the workers send this api its requests' tokens, and the text is made here.
+        self.detokenization = Detokenization(load_tokenizer(config.model)) if config.detokenize_in == "api" else None
         self._tasks: list[asyncio.Task] = []
         for name in self.replicas:  # every replica's series exists from the start
             ROUTED.labels(name)
@@ -231,6 +235,8 @@ class EngineClient:
             REPLICA_IN_FLIGHT.labels(replica.name).set(len(replica.rids))
             if outcome == "aborted":
                 replica.outbox.send(Abort(rid=submit.rid))
+            if self.detokenization is not None and (outcome == "aborted" or outcome.startswith("error")):
+                self.detokenization.end(submit.rid)  # ended from outside: its text state goes
             log.info("request_ended", rid=submit.rid, replica=replica.name, outcome=outcome)
 
     def interrupt(self, rid: str, error: ApiError) -> None:
@@ -250,6 +256,8 @@ class EngineClient:
                 queue = self.streams.get(delta.rid)
                 if queue is not None:
                     queue.put_nowait(delta)
+        elif isinstance(frame, TokenBatch) and self.detokenization is not None:
+            self._on_tokens(frame)
         elif isinstance(frame, EngineStatus):
             self._on_status(frame)
         elif isinstance(frame, Error):
@@ -257,6 +265,20 @@ class EngineClient:
         else:
             log.warning("unexpected_frame", frame=type(frame).__name__)
             FRAMES_UNEXPECTED.labels(self.inbox.name).inc()
+
+    def _on_tokens(self, batch: TokenBatch) -> None:
+        """A worker's tokens for this api's requests (``--detokenize-in api``), turned into text deltas here."""
+        if any(o.rid not in self.streams for o in batch.opened):  # a request over here before it opened starts nothing
+            batch = TokenBatch(opened=[o for o in batch.opened if o.rid in self.streams], deltas=batch.deltas)
+        out = self.detokenization.take(batch)
+        for stop in out.stops:  # ahead of the text: the request's scheduler stops its steps
+            replica = self.owner.get(stop.rid)
+            if replica is not None:
+                replica.outbox.send(stop)
+        for _, delta in out.texts:
+            queue = self.streams.get(delta.rid)
+            if queue is not None:
+                queue.put_nowait(delta)
 
     def _on_status(self, status: EngineStatus) -> None:
         # Until this api's announcement reaches it, a scheduler addresses the configured api with engine "".

@@ -82,8 +82,10 @@ def check_tensor_parallel(config: StackConfig) -> None:
 
 
 def _engine_argvs(config: StackConfig, suffix: str) -> dict[str, list[str]]:
-    """An engine replica's processes: scheduler, detokenizer, and the worker's ranks (rank 0 named ``worker``)."""
-    argvs = {f"{process}{suffix}": [sys.executable, "-m", f"services.{process}", *config.to_argv()] for process in ENGINE_PROCESSES}
+    """An engine replica's processes: scheduler, detokenizer (unless the api detokenizes), and the worker's ranks
+    (rank 0 named ``worker``)."""
+    processes = [p for p in ENGINE_PROCESSES if p != "detokenizer" or config.detokenize_in == "detokenizer"]  # else the api detokenizes
+    argvs = {f"{process}{suffix}": [sys.executable, "-m", f"services.{process}", *config.to_argv()] for process in processes}
     for rank in range(1, config.tensor_parallel_size):
         rank_config = dataclasses.replace(config, tensor_parallel_rank=rank)
         argvs[f"worker-rank{rank}{suffix}"] = [sys.executable, "-m", "services.worker", *rank_config.to_argv()]

@@ -100,12 +100,16 @@ class SchedulerLoop:
         curve = Curve.from_file(config.curve_key_file)
         self.inbox = Inbox(ctx, config.scheduler_address, "scheduler_inbox", curve)
         self.to_worker = Outbox(ctx, config.worker_address, "scheduler_to_worker", curve)
-        self.to_detokenizer = Outbox(ctx, config.detokenizer_address, "scheduler_to_detokenizer", curve)
+        # The detokenizer, unless the api detokenizes (--detokenize-in api): then the api ends its own requests'
+        # text when they end from outside, as it hears of every such ending (its aborts, the Error frames).
+        self.to_detokenizer: Outbox | None = None
+        if config.detokenize_in == "detokenizer":
+            self.to_detokenizer = Outbox(ctx, config.detokenizer_address, "scheduler_to_detokenizer", curve)
         # Replies go to the api replica that owns the request (Submit.reply_to); status to every
         # api replica that announced itself recently, and to the configured api until one has.
         self.to_api = ReplyOutboxes(ctx, config.api_address, "scheduler_to_api", curve)
         self.apis: dict[str, tuple[str, float]] = {}  # api inbox address -> (its name for this engine, last heard)
-        self.peers = {"worker": _Peer(), "detokenizer": _Peer()}
+        self.peers = {"worker": _Peer(), **({"detokenizer": _Peer()} if self.to_detokenizer is not None else {})}
         self.in_flight: dict[int, tuple[float, list[str]]] = {}  # step -> (sent at, rids planned in it)
         self.next_step = 0
         self.stopping = False
@@ -215,7 +219,7 @@ class SchedulerLoop:
             self._on_submit(frame)
         elif isinstance(frame, Abort):
             self._send(self.core.finish(frame.rid, FinishReason.ABORT), tell_detokenizer=True)
-        elif isinstance(frame, Finish):  # the detokenizer ended it already
+        elif isinstance(frame, Finish):  # a stop string ended it, where the text is made (detokenizer or api)
             self._send(self.core.finish(frame.rid, FinishReason.STOP))
         elif isinstance(frame, Heartbeat):
             self._on_heartbeat(frame)
@@ -330,7 +334,8 @@ class SchedulerLoop:
         for rid in rids:
             self.to_api.send(owners[rid], Error(rid=rid, status=status, message=message))
         self.to_worker.send(Release(rids=rids))
-        self.to_detokenizer.send(TokenBatch(deltas=[TokenDelta(rid=rid, finish=FinishReason.ERROR.value) for rid in rids]))
+        if self.to_detokenizer is not None:
+            self.to_detokenizer.send(TokenBatch(deltas=[TokenDelta(rid=rid, finish=FinishReason.ERROR.value) for rid in rids]))
 
     def _send(self, outcome: Outcome, tell_detokenizer: bool = False) -> None:
         """Releases the ended requests' worker state. The detokenizer has their tokens from the worker and
@@ -338,7 +343,7 @@ class SchedulerLoop:
         string): only an ending from outside (an abort) is news to it."""
         if outcome.released:
             self.to_worker.send(Release(rids=outcome.released))
-        if tell_detokenizer and outcome.deltas:
+        if tell_detokenizer and outcome.deltas and self.to_detokenizer is not None:
             self.to_detokenizer.send(TokenBatch(deltas=outcome.deltas))
         for delta in outcome.deltas:
             if delta.finish:
@@ -394,7 +399,7 @@ class SchedulerLoop:
             "addresses": {
                 "inbox": self.inbox.address,
                 "worker": self.to_worker.address,
-                "detokenizer": self.to_detokenizer.address,
+                **({"detokenizer": self.to_detokenizer.address} if self.to_detokenizer is not None else {}),
                 "api": self.to_api.default.address,
                 "apis": {address: engine for address, (engine, _) in self.apis.items()},
             },

@@ -30,13 +30,13 @@ from prometheus_client import Counter, Gauge, Histogram
 from services.worker.device import cpu_name, describe_device, device_memory, resolve_device, resolve_dtype
 from services.worker.device_memory import GRAPH_POOL_RESERVE, ActivationProfile, MemoryPlan, gdn_bytes_per_slot, plan_memory
 from services.worker.plan_runs import PlanRuns
-from services.worker.token_stream import TokenStream
+from services.worker.token_stream import OwnerRoutes, TokenStream
 from shared.config import StackConfig
 from shared.cpu_placement import take_worker_core
 from shared.frames import Heartbeat, Release, SamplingParams, Slice, StepPlan, StepResult
 from shared.metrics import FRAMES_UNEXPECTED, PREFIX, PROCESS_UP, start_metrics_server
 from shared.model_info import kv_cache_blocks, load_model_info, resolve_kv_cache_dtype
-from shared.transport import Curve, Inbox, Outbox
+from shared.transport import Curve, Inbox, Outbox, ReplyOutboxes
 
 FORWARD_TIME = Histogram(
     f"{PREFIX}worker_forward_seconds",
@@ -76,7 +76,13 @@ class WorkerLoop:
         self.curve = Curve.from_file(config.curve_key_file)
         self.inbox = Inbox(self.ctx, config.worker_address, "worker_inbox", self.curve)
         self.to_scheduler = Outbox(self.ctx, config.scheduler_address, "worker_to_scheduler", self.curve)
-        self.to_detokenizer = Outbox(self.ctx, config.detokenizer_address, "worker_to_detokenizer", self.curve)
+        # Where the sampled tokens go: the detokenizer, or each request's api where that detokenizes.
+        self.owner_routes: OwnerRoutes | None = None
+        if config.detokenize_in == "api":
+            self.owner_routes = OwnerRoutes(ReplyOutboxes(self.ctx, config.api_address, "worker_to_api", self.curve))
+            self.tokens_to: Outbox = self.owner_routes.outboxes.default
+        else:
+            self.tokens_to = Outbox(self.ctx, config.detokenizer_address, "worker_to_detokenizer", self.curve)
         self.runner = None
         self.state = "loading"
         self.detail = ""
@@ -90,7 +96,8 @@ class WorkerLoop:
         self.rank_lost = ""  # why the group broke, once a rank is gone
         self.worker_core: int | None = None  # the CPU the main thread keeps to itself (shared/cpu_placement.py)
         self.plan_runs = PlanRuns(self._execute)
-        self.tokens = TokenStream(self.to_detokenizer.send, config.stream_interval, self.plan_runs.stop_token_ids)
+        send_tokens = self.owner_routes.send if self.owner_routes is not None else self.tokens_to.send
+        self.tokens = TokenStream(send_tokens, config.stream_interval, self.plan_runs.stop_token_ids)
 
     def _heartbeat(self) -> Heartbeat:
         return Heartbeat(process="worker", pid=os.getpid(), state=self.state, detail=self.detail, progress=self.progress, kv_blocks=self.num_blocks)
@@ -243,6 +250,8 @@ class WorkerLoop:
                 elif isinstance(frame, Release):
                     self.tokens.flush()
                     self.plan_runs.release(frame.rids)
+                    if self.owner_routes is not None:
+                        self.owner_routes.release(frame.rids)
                     if not self.rank_lost:  # a broken group takes no more collectives
                         self.runner.release(frame.rids)
                     self.log.info("requests_released", rids=frame.rids)
@@ -314,7 +323,7 @@ class WorkerLoop:
             "steps_run": self.steps_run,
             "stream_interval": self.config.stream_interval,
             "warmup_lengths": warmup_lengths(self.config.max_num_batched_tokens, self.num_blocks * self.config.block_size),
-            "addresses": {"inbox": self.inbox.address, "scheduler": self.to_scheduler.address, "detokenizer": self.to_detokenizer.address},
+            "addresses": {"inbox": self.inbox.address, "scheduler": self.to_scheduler.address, self.config.detokenize_in: self.tokens_to.address},
         }
         if self.tp is not None:
             info["tensor_parallel"] = {"size": self.tp.size, "init_method": self.config.tensor_parallel_init, "peers": self.tp.liveness.describe()}

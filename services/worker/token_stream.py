@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from shared.frames import DetokOpen, StepPlan, StepResult, TokenBatch, TokenDelta
+from shared.transport import ReplyOutboxes
 
 
 class TokenStream:
@@ -52,3 +53,27 @@ class TokenStream:
             self.send(TokenBatch(opened=self.opened, deltas=list(self.deltas.values())))
             self.opened, self.deltas = [], {}
         self.steps = 0
+
+
+class OwnerRoutes:
+    """With ``--detokenize-in api``: each request's tokens go to the api that owns it (its opening's
+    ``reply_to``; "" is the configured api), in one frame per api and batch."""
+
+    def __init__(self, outboxes: ReplyOutboxes) -> None:
+        self.outboxes = outboxes
+        self.owner: dict[str, str] = {}  # rid -> reply_to, from its opening until its release
+
+    def send(self, batch: TokenBatch) -> None:
+        for opened in batch.opened:
+            self.owner[opened.rid] = opened.reply_to
+        owners = {self.owner.get(d.rid, "") for d in batch.deltas} | {o.reply_to for o in batch.opened}
+        if len(owners) == 1:  # one api: the whole batch, as it is
+            self.outboxes.send(owners.pop(), batch)
+            return
+        for owner in owners:
+            opened = [o for o in batch.opened if o.reply_to == owner]
+            self.outboxes.send(owner, TokenBatch(opened=opened, deltas=[d for d in batch.deltas if self.owner.get(d.rid, "") == owner]))
+
+    def release(self, rids: list[str]) -> None:
+        for rid in rids:
+            self.owner.pop(rid, None)

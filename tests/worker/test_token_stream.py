@@ -4,8 +4,8 @@ a request's first token (the end of its prefill) or a stop token, and on flush."
 
 from __future__ import annotations
 
-from services.worker.token_stream import TokenStream
-from shared.frames import DetokOpen, Sampled, Slice, StepPlan, StepResult, TokenBatch, TokenLogprobs
+from services.worker.token_stream import OwnerRoutes, TokenStream
+from shared.frames import DetokOpen, Sampled, Slice, StepPlan, StepResult, TokenBatch, TokenDelta, TokenLogprobs
 
 STOP = 2
 
@@ -82,3 +82,27 @@ def test_a_prefill_over_several_steps_sends_its_opening_with_the_first_token() -
     tokens.add(*step([Slice("a", 3, 3, [8, 9, 10])], {"a": 10}))  # the last chunk samples the first token
     (batch,) = sent
     assert [o.rid for o in batch.opened] == ["a"] and tokens_of(batch) == {"a": [10]}
+
+
+class _Outboxes:
+    """Stands in for the worker's ReplyOutboxes: what each api address was sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, TokenBatch]] = []
+
+    def send(self, address: str, batch: TokenBatch) -> None:
+        self.sent.append((address, batch))
+
+
+def test_tokens_go_to_the_api_that_owns_each_request_until_it_is_released() -> None:
+    outboxes = _Outboxes()
+    routes = OwnerRoutes(outboxes)
+    a, b = DetokOpen(rid="a", reply_to="ipc://api-a", prompt_tokens=3, max_tokens=9), DetokOpen(rid="b", reply_to="", prompt_tokens=3, max_tokens=9)
+    first = TokenBatch(opened=[a], deltas=[TokenDelta("a", [5])])
+    routes.send(first)
+    assert outboxes.sent == [("ipc://api-a", first)]  # one api: the batch as it is
+    routes.send(TokenBatch(opened=[b], deltas=[TokenDelta("a", [6]), TokenDelta("b", [7])]))
+    split = {address: (batch.opened, tokens_of(batch)) for address, batch in outboxes.sent[1:]}
+    assert split == {"ipc://api-a": ([], {"a": [6]}), "": ([b], {"b": [7]})}
+    routes.release(["a"])
+    assert routes.owner == {"b": ""}
