@@ -82,11 +82,12 @@ class StackConfig:
         minimum=1,
     )
     detokenize_in: str = _opt(
-        "detokenizer",
-        "which process turns tokens into text: the detokenizer (a process of its own, which also keeps that work "
-        "off the api's event loop) or the api (the worker sends each request's tokens to the api that owns it, and no "
-        "detokenizer process runs: one process less woken for every token, which a stream on a few CPU cores feels)",
-        choices=("detokenizer", "api"),
+        "api",
+        "which process turns tokens into text: the api (the worker sends each request's tokens to the api that owns it; "
+        "one process less woken per token, as vLLM's frontend does) or the detokenizer (a process of its own, SGLang's "
+        "layout: that work stays off the api's event loop, for many streams on a GPU). Every process of a stack must "
+        "be started with the same value",
+        choices=("api", "detokenizer"),
     )
     max_waiting: int = _opt(1024, "most requests waiting for admission before 429", minimum=0)
     enable_prefix_cache: bool = _opt(True, "reuse the KV of full blocks shared with earlier prompts")

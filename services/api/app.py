@@ -120,6 +120,7 @@ async def instrumentation(request: web.Request) -> web.Response:
             },
             "replicas": engine.describe_replicas(),
             "router_policy": state.config.router_policy,
+            "detokenize_in": state.config.detokenize_in,
             "addresses": engine.addresses(),
         }
     )

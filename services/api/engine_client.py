@@ -256,8 +256,11 @@ class EngineClient:
                 queue = self.streams.get(delta.rid)
                 if queue is not None:
                     queue.put_nowait(delta)
-        elif isinstance(frame, TokenBatch) and self.detokenization is not None:
-            self._on_tokens(frame)
+        elif isinstance(frame, TokenBatch):
+            if self.detokenization is not None:
+                self._on_tokens(frame)
+            else:
+                self._on_undetokenized(frame)
         elif isinstance(frame, EngineStatus):
             self._on_status(frame)
         elif isinstance(frame, Error):
@@ -279,6 +282,15 @@ class EngineClient:
             queue = self.streams.get(delta.rid)
             if queue is not None:
                 queue.put_nowait(delta)
+
+    def _on_undetokenized(self, batch: TokenBatch) -> None:
+        """Tokens from a worker started with ``--detokenize-in api`` while this api leaves the text to a
+        detokenizer: the requests they name fail at once, with the reason, rather than wait for text."""
+        rids = {o.rid for o in batch.opened} | {d.rid for d in batch.deltas}
+        log.error("tokens_without_detokenization", requests=len(rids))
+        message = "a worker sent this api its tokens, but this api runs --detokenize-in detokenizer: start every process with the same --detokenize-in"
+        for rid in rids:
+            self.interrupt(rid, ApiError(500, message))
 
     def _on_status(self, status: EngineStatus) -> None:
         # Until this api's announcement reaches it, a scheduler addresses the configured api with engine "".

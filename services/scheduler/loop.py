@@ -166,6 +166,12 @@ class SchedulerLoop:
             kv_blocks_used=self.core.pool.num_used,
         )
 
+    def close(self) -> None:
+        """Closes every socket (tests build loops they never run)."""
+        for socket in (self.inbox, self.to_worker, self.to_detokenizer, self.to_api):
+            if socket is not None:
+                socket.close()
+
     # The loop. -------------------------------------------------------------------------
 
     def run(self) -> None:

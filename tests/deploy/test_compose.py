@@ -85,6 +85,7 @@ def test_all_services_run_the_same_stack_config(services) -> None:
     # The launcher passes one argv to every child; compose must too (model, addresses, ports).
     configs = {name: stack_config(service) for name, service in services.items()}
     reference = configs["api"]
+    assert reference.detokenize_in == "detokenizer", "compose runs a detokenizer service: every process must be told so"
     for name, config in configs.items():
         allowed = REPLICA_FIELDS if "replicas" in services[name].get("profiles", []) else set()
         differing = {f: (getattr(config, f), getattr(reference, f)) for f in FIELDS - allowed if getattr(config, f) != getattr(reference, f)}

@@ -1,5 +1,5 @@
-"""Starts the whole stack (the launcher and its four processes) once for the e2e tests, and what
-the e2e tests share: starting and stopping stacks and services, health and metrics probes."""
+"""Starts the whole stack (the launcher and its processes, in the default ``--detokenize-in api``) once for
+the e2e tests, and what the e2e tests share: starting and stopping stacks and services, health and metrics probes."""
 
 from __future__ import annotations
 
@@ -73,11 +73,22 @@ class Stack:
     port: int
     process: subprocess.Popen
     log_path: str
+    detokenize_in: str = "api"  # the launcher's default
     seen_while_loading: list[tuple[str, int, bytes]] = field(default_factory=list)
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def processes(self) -> tuple[str, ...]:
+        """The processes the launcher runs: a detokenizer only with ``--detokenize-in detokenizer``."""
+        return ("api", "scheduler", "worker") + (("detokenizer",) if self.detokenize_in == "detokenizer" else ())
+
+    @property
+    def text_maker(self) -> str:
+        """The process that turns tokens into text (and exports ``tokenyard:detokenizer_requests``)."""
+        return self.detokenize_in
 
     def metrics(self, process: str) -> str:
         offset = {"api": 0, "scheduler": 1, "worker": 2, "detokenizer": 3}[process]
@@ -150,7 +161,8 @@ def running_service(service: str, port: int, flags: list[str], log_path: str) ->
         argv = [sys.executable, "-m", f"services.{service}", "--port", str(port), *flags]
         process = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
-        yield Stack(port=port, process=process, log_path=log_path)
+        detokenize_in = flags[flags.index("--detokenize-in") + 1] if "--detokenize-in" in flags else "api"
+        yield Stack(port=port, process=process, log_path=log_path, detokenize_in=detokenize_in)
     finally:
         stop_process(process)
 
@@ -210,7 +222,7 @@ def stack(tmp_path_factory) -> Stack:
             time.sleep(0.2)
         else:
             pytest.fail(f"the stack did not become ready:\n{stack.log()[-4000:]}")
-        children = [stack.instrumentation(name)["pid"] for name in ("api", "scheduler", "worker", "detokenizer")]
+        children = [stack.instrumentation(name)["pid"] for name in stack.processes]
         yield stack
         assert stop_process(process) == 0  # Ctrl-C on the launcher stops every process it started
         assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")], "a child outlived the launcher"

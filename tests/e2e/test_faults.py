@@ -17,9 +17,10 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def fresh_stack(tmp_path_factory) -> Stack:
+def fresh_stack(request, tmp_path_factory) -> Stack:
+    """A stack of its own, making text where ``request.param`` says (``--detokenize-in``)."""
     log_path = str(tmp_path_factory.mktemp("faults") / "stack.log")
-    with launched_stack(free_port_block(), ["--kv-cache-tokens", "4096"], log_path) as stack:
+    with launched_stack(free_port_block(), ["--kv-cache-tokens", "4096", "--detokenize-in", request.param], log_path) as stack:
         wait_healthy(stack, 300)
         wait_supervised(stack, 30)  # the tests kill children: the launcher must be restarting them
         yield stack
@@ -32,7 +33,11 @@ def _pid_of(stack: Stack, process: str) -> int | None:
         return None
 
 
-@pytest.mark.parametrize("victim", ["worker", "detokenizer", "scheduler"])
+# The default stack (the api makes the text) loses its worker or its scheduler; one with a detokenizer, that or its worker.
+VICTIMS = [("api", "worker"), ("api", "scheduler"), ("detokenizer", "detokenizer"), ("detokenizer", "worker")]
+
+
+@pytest.mark.parametrize(("fresh_stack", "victim"), VICTIMS, indirect=["fresh_stack"])
 def test_killed_process_fails_streams_then_the_stack_serves_again(fresh_stack: Stack, victim: str) -> None:
     stack = fresh_stack
     client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=60)

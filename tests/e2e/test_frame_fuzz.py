@@ -13,19 +13,18 @@ from shared.codec import encode
 from shared.frames import Abort, EngineStatus, Release, SamplingParams, Slice, StepPlan, StepResult, Submit, TextBatch, TextDelta, TokenBatch
 from tests.e2e.conftest import Stack, http_post, metric_value, wait_until_quiescent
 
-PROCESSES = ("api", "scheduler", "worker", "detokenizer")
 _SUBMIT = Submit(rid="fuzz", prompt_ids=list(range(1, 40)), max_tokens=4, sampling=SamplingParams(), stop_token_ids=[2])
 _PLAN = StepPlan(step=1, slices=[Slice(rid="fuzz", start=0, num_tokens=8, token_ids=list(range(1, 9)))])
 # Frames each inbox never receives (the others flow elsewhere): they must be dropped, not acted on.
 WRONG_TYPE = {
-    "api": [_SUBMIT, _PLAN, TokenBatch(deltas=[])],
+    "api": [_SUBMIT, _PLAN, StepResult(step=1, sampled=[])],
     "scheduler": [TextBatch(deltas=[TextDelta(rid="fuzz", text="x")]), _PLAN, EngineStatus(state="ready")],
     "worker": [_SUBMIT, TextBatch(deltas=[]), Abort(rid="fuzz")],
     "detokenizer": [_SUBMIT, _PLAN, StepResult(step=1, sampled=[])],
 }
 # Well-formed frames each inbox does receive, to truncate.
 ACCEPTED = {
-    "api": [TextBatch(deltas=[TextDelta(rid="fuzz", text="hello")])],
+    "api": [TextBatch(deltas=[TextDelta(rid="fuzz", text="hello")]), TokenBatch(deltas=[])],
     "scheduler": [_SUBMIT],
     "worker": [_PLAN, Release(rids=["fuzz"])],
     "detokenizer": [TokenBatch(deltas=[])],
@@ -50,12 +49,12 @@ def _counter(text: str, name: str, socket: str) -> float:
 
 def test_garbage_frames_are_counted_and_dropped_and_the_stack_keeps_serving(stack: Stack) -> None:
     rng = random.Random(8)
-    facts = {name: stack.instrumentation(name) for name in PROCESSES}
-    before = {name: stack.metrics(name) for name in PROCESSES}
+    facts = {name: stack.instrumentation(name) for name in stack.processes}
+    before = {name: stack.metrics(name) for name in stack.processes}
     ctx = zmq.Context()
     sockets = []
     sent_garbage = {}
-    for name in PROCESSES:
+    for name in stack.processes:
         push = ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 1000)
         push.connect(facts[name]["addresses"]["inbox"])
@@ -67,7 +66,7 @@ def test_garbage_frames_are_counted_and_dropped_and_the_stack_keeps_serving(stac
         sockets.append(push)
 
     deadline = time.monotonic() + 20
-    for name in PROCESSES:
+    for name in stack.processes:
         inbox = f"{name}_inbox"
         while True:
             after = stack.metrics(name)
@@ -81,7 +80,9 @@ def test_garbage_frames_are_counted_and_dropped_and_the_stack_keeps_serving(stac
         push.close()
     ctx.term()
 
-    assert {name: stack.instrumentation(name)["pid"] for name in PROCESSES} == {name: facts[name]["pid"] for name in PROCESSES}, "a process restarted"
+    assert {name: stack.instrumentation(name)["pid"] for name in stack.processes} == {name: facts[name]["pid"] for name in stack.processes}, (
+        "a process restarted"
+    )
     status, body = http_post(
         f"{stack.base_url}/v1/chat/completions",
         json.dumps(

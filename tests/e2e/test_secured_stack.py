@@ -32,8 +32,8 @@ def keys_file(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory, keys_file: str) -> Stack:
-    port = free_port_block(8)  # the api and metrics ports, then the four inboxes
-    inboxes = {name: f"tcp://0.0.0.0:{port + 4 + i}" for i, name in enumerate(("api", "scheduler", "worker", "detokenizer"))}
+    port = free_port_block(7)  # the api and metrics ports, then the three inboxes (the api makes the text)
+    inboxes = {name: f"tcp://0.0.0.0:{port + 4 + i}" for i, name in enumerate(("api", "scheduler", "worker"))}
     log_path = str(tmp_path_factory.mktemp("secured") / "stack.log")
     flags = ["--kv-cache-tokens", "4096", "--max-num-batched-tokens", "64"]
     flags += [arg for name, address in inboxes.items() for arg in (f"--{name}-addr", address)]

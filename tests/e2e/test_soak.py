@@ -12,7 +12,6 @@ import aiohttp
 
 from tests.e2e.conftest import Stack, metric_value, wait_until_quiescent
 
-PROCESSES = ("api", "scheduler", "worker", "detokenizer")
 REQUESTS = 200
 CONCURRENCY = 12
 HANG_GUARD_S = 600.0  # fails a soak that hangs; not a timing: about 60-90 s on 2 idle cores, far longer on busy ones
@@ -70,7 +69,7 @@ async def _soak(url: str, count: int, seed: int) -> list[str]:
 
 
 def test_soak_leaves_nothing_behind(stack: Stack) -> None:
-    pids = {name: stack.instrumentation(name)["pid"] for name in PROCESSES}
+    pids = {name: stack.instrumentation(name)["pid"] for name in stack.processes}
     asyncio.run(_soak(stack.base_url, 24, seed=1))  # warm-up: allocator pools, caches, compiled paths
     wait_until_quiescent(stack, 30)
     baseline = {name: rss_mb(pid) for name, pid in pids.items()}
@@ -85,7 +84,7 @@ def test_soak_leaves_nothing_behind(stack: Stack) -> None:
     assert metric_value(scheduler_metrics, "tokenyard:num_requests_waiting") == 0
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:  # aborts and releases settle a moment after the scheduler's step
-        facts = {name: stack.instrumentation(name) for name in PROCESSES}
+        facts = {name: stack.instrumentation(name) for name in stack.processes}
         tables = {
             "api streams": facts["api"]["in_flight"],
             "api admitted": facts["api"]["admission"]["in_flight"],
@@ -93,12 +92,12 @@ def test_soak_leaves_nothing_behind(stack: Stack) -> None:
             "scheduler waiting": facts["scheduler"]["waiting"],
             "kv blocks": facts["scheduler"]["kv_blocks_used"],
             "worker requests": facts["worker"]["runner"]["requests"],
-            "detokenizer requests": facts["detokenizer"]["requests"],
+            "detokenizations": metric_value(stack.metrics(stack.text_maker), "tokenyard:detokenizer_requests"),
         }
         if not any(tables.values()):
             break
         time.sleep(0.2)
     assert not any(tables.values()), tables
-    assert {name: facts[name]["pid"] for name in PROCESSES} == pids, "a process restarted during the soak"
+    assert {name: facts[name]["pid"] for name in stack.processes} == pids, "a process restarted during the soak"
     growth = {name: round(rss_mb(pid) - baseline[name], 1) for name, pid in pids.items()}
     assert all(g < RSS_GROWTH_BOUND_MB for g in growth.values()), f"RSS growth (MB) over {REQUESTS} requests in {elapsed:.0f}s: {growth}"

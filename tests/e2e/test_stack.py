@@ -22,9 +22,11 @@ def client(stack: Stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def test_four_processes_with_their_own_pids(stack: Stack) -> None:
-    pids = {name: stack.instrumentation(name)["pid"] for name in ("api", "scheduler", "worker", "detokenizer")}
-    assert len(set(pids.values())) == 4 and stack.process.pid not in pids.values()
+def test_three_processes_with_their_own_pids(stack: Stack) -> None:
+    assert stack.processes == ("api", "scheduler", "worker")  # by default the api makes the text
+    pids = {name: stack.instrumentation(name)["pid"] for name in stack.processes}
+    assert len(set(pids.values())) == 3 and stack.process.pid not in pids.values()
+    assert stack.instrumentation("api")["detokenize_in"] == "api"
     worker = stack.instrumentation("worker")
     assert worker["runner"]["dtype"] == "float32" and worker["kv_blocks_total"] == 8192 // worker["block_size"]
     scheduler = stack.instrumentation("scheduler")
@@ -160,7 +162,7 @@ def test_every_process_exports_metrics(stack: Stack) -> None:
     assert "tokenyard:http_requests_total" in stack.metrics("api")
     assert "tokenyard:step_tokens_bucket" in stack.metrics("scheduler")
     assert "tokenyard:worker_forward_seconds_bucket" in stack.metrics("worker")
-    assert "tokenyard:detokenize_batch_seconds_bucket" in stack.metrics("detokenizer")
+    assert "tokenyard:detokenizer_requests" in stack.metrics("api")
 
 
 def test_one_request_can_be_followed_through_every_process_log(stack: Stack, client: openai.OpenAI) -> None:
@@ -176,11 +178,11 @@ def test_one_request_can_be_followed_through_every_process_log(stack: Stack, cli
     assert submitted, "the api logs no request_submitted events"
     rid = submitted[-1]
     seen = {e["process"] for e in events if e.get("rid") == rid or rid in e.get("rids", [])}
-    assert seen == {"api", "scheduler", "worker", "detokenizer"}, seen
+    assert seen == set(stack.processes), seen
 
 
 def test_every_sample_of_every_process_carries_the_model_name(stack: Stack) -> None:
-    for process in ("api", "scheduler", "worker", "detokenizer"):
+    for process in stack.processes:
         samples = [s for family in text_string_to_metric_families(stack.metrics(process)) for s in family.samples]
         assert samples, process
         assert {s.labels.get("model_name") for s in samples} == {MODEL}, process

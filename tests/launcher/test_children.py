@@ -1,4 +1,5 @@
-"""The launcher's children: one api, and per engine replica a scheduler, a detokenizer and the worker's ranks."""
+"""The launcher's children: one api, and per engine replica a scheduler, the worker's ranks and (with
+``--detokenize-in detokenizer``) a detokenizer."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def test_two_replicas_of_two_ranks_each(tmp_path) -> None:
     )
     config = StackConfig(model=str(model), port=9000, run_dir=str(tmp_path / "run"), replicas=2, tensor_parallel_size=2)
     argvs = child_argvs(config)
-    assert sorted(argvs) == sorted(["api"] + [f"{p}@engine-{i}" for i in (0, 1) for p in ("scheduler", "worker", "detokenizer", "worker-rank1")])
+    assert sorted(argvs) == sorted(["api"] + [f"{p}@engine-{i}" for i in (0, 1) for p in ("scheduler", "worker", "worker-rank1")])
     api = _config_of(argvs["api"])
     engines = api.engine_addresses
     assert list(engines) == ["engine-0", "engine-1"] and len(set(engines.values())) == 2
@@ -39,10 +40,13 @@ def test_two_replicas_of_two_ranks_each(tmp_path) -> None:
     assert restart_group("scheduler@engine-1") == "scheduler@engine-1"
 
 
-def test_one_replica_keeps_the_four_processes_and_their_flags() -> None:
-    config = StackConfig(port=9000)
+@pytest.mark.parametrize(
+    ("detokenize_in", "processes"), [("api", ["api", "scheduler", "worker"]), ("detokenizer", ["api", "detokenizer", "scheduler", "worker"])]
+)
+def test_one_replica_keeps_its_processes_and_their_flags(detokenize_in: str, processes: list[str]) -> None:
+    config = StackConfig(port=9000, detokenize_in=detokenize_in)
     argvs = child_argvs(config)
-    assert sorted(argvs) == ["api", "detokenizer", "scheduler", "worker"]
+    assert sorted(argvs) == processes
     assert all(_config_of(argv) == config for argv in argvs.values())
 
 
@@ -74,7 +78,7 @@ def test_a_directory_that_is_no_model_is_refused_in_one_line_before_anything_sta
 
 
 def test_the_ports_the_children_listen_on_are_each_replicas_own(tmp_path) -> None:
-    config = StackConfig(model=DEFAULT_MODEL_DIR, port=9000, run_dir=str(tmp_path / "run"), replicas=2)
+    config = StackConfig(model=DEFAULT_MODEL_DIR, port=9000, run_dir=str(tmp_path / "run"), replicas=2, detokenize_in="detokenizer")
     ports = listen_ports(child_argvs(config))
     assert ports[0] == ("api", "127.0.0.1", 9000)
     assert {what for what, _, _ in ports} == {"api"} | {f"{p}@engine-{i} metrics" for i in (0, 1) for p in ("scheduler", "worker", "detokenizer")}

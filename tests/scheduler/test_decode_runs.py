@@ -133,7 +133,8 @@ def test_slices_tell_the_worker_the_stop_tokens_that_end_a_run() -> None:
 
 
 def test_the_flag_reaches_the_scheduler_process_which_reports_the_run_length(tmp_path) -> None:
-    config = StackConfig.from_argv(["--model", DEFAULT_MODEL_DIR, "--run-dir", str(tmp_path), "--decode-plan-ms", "30"])
+    argv = ["--model", DEFAULT_MODEL_DIR, "--run-dir", str(tmp_path), "--decode-plan-ms", "30", "--detokenize-in", "detokenizer"]
+    config = StackConfig.from_argv(argv)
     loop = SchedulerLoop(config, structlog.get_logger())
     sent = []
     loop.to_detokenizer.send = sent.append
@@ -152,7 +153,4 @@ def test_the_flag_reaches_the_scheduler_process_which_reports_the_run_length(tmp
         loop._handle(Abort(rid="r1"))
         assert [(d.rid, d.finish) for batch in sent for d in batch.deltas] == [("r1", "abort")]  # an ending from outside does
     finally:
-        for outbox in (loop.to_worker, loop.to_detokenizer):
-            outbox.close()
-        loop.to_api.close()
-        loop.inbox.close()
+        loop.close()

@@ -43,7 +43,7 @@ def api(tmp_path) -> Iterator[Inbox]:
 
 def test_a_serving_worker_reporting_failed_fails_every_request_with_its_reason(tmp_path, api: Inbox) -> None:
     loop = SchedulerLoop(StackConfig(model=DEFAULT_MODEL_DIR, run_dir=str(tmp_path / "run")), log)
-    for process in ("worker", "detokenizer"):
+    for process in loop.peers:
         loop._handle(Heartbeat(process=process, pid=100, state="ready"))
     assert loop.ready
     loop._handle(ApiAnnounce(replica="api-a", address=api.address, engine="engine-0"))  # it hears statuses too
@@ -67,7 +67,7 @@ def test_a_serving_worker_reporting_failed_fails_every_request_with_its_reason(t
 
 def test_requests_of_an_api_replica_that_went_silent_are_aborted(tmp_path) -> None:
     loop = SchedulerLoop(StackConfig(model=DEFAULT_MODEL_DIR, run_dir=str(tmp_path / "run"), engine_timeout_s=0.3), log)
-    for process in ("worker", "detokenizer"):
+    for process in loop.peers:
         loop._handle(Heartbeat(process=process, pid=100, state="ready"))
     owners = {name: f"ipc://{tmp_path}/{name}.sock" for name in ("api-a", "api-b")}
     for name, address in owners.items():
@@ -83,7 +83,11 @@ def test_requests_of_an_api_replica_that_went_silent_are_aborted(tmp_path) -> No
 
 
 def test_a_loading_engine_says_what_it_waits_for_and_what_the_worker_is_doing(tmp_path) -> None:
-    loop = SchedulerLoop(StackConfig(model=DEFAULT_MODEL_DIR, run_dir=str(tmp_path / "run")), log)
+    default = SchedulerLoop(StackConfig(model=DEFAULT_MODEL_DIR, run_dir=str(tmp_path / "default")), log)
+    assert default.status().detail == "waiting for worker; worker: not heard from yet"  # the api makes the text
+    default.close()
+    config = StackConfig(model=DEFAULT_MODEL_DIR, run_dir=str(tmp_path / "run"), detokenize_in="detokenizer")
+    loop = SchedulerLoop(config, log)
     assert loop.status().detail == "waiting for worker, detokenizer; worker: not heard from yet"
     loop._handle(Heartbeat(process="detokenizer", pid=100, state="ready"))
     loop._handle(Heartbeat(process="worker", pid=101, state="loading", detail="loading weights from /m onto cpu"))

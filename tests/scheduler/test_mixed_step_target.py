@@ -117,10 +117,7 @@ def test_the_flag_reaches_the_scheduler_process_and_its_results_feed_the_estimat
         loop._handle(StepResult(step=step, sampled=[Sampled(rid="r1", token_id=7)], forward_s=0.2))  # 1 ms per token
         assert loop.instrumentation()["mixed_step"] == {"target_ms": 100.0, "ms_per_token": 1.0, "token_cap": 100}
     finally:
-        for outbox in (loop.to_worker, loop.to_detokenizer):
-            outbox.close()
-        loop.to_api.close()
-        loop.inbox.close()
+        loop.close()
 
 
 def test_prometheus_reads_the_cap_and_the_time_per_token_when_it_scrapes(tmp_path) -> None:
@@ -134,7 +131,4 @@ def test_prometheus_reads_the_cap_and_the_time_per_token_when_it_scrapes(tmp_pat
         assert REGISTRY.get_sample_value("tokenyard:scheduler_mixed_step_token_cap") == 50
         assert REGISTRY.get_sample_value("tokenyard:scheduler_step_seconds_per_token") == 0.001
     finally:
-        for outbox in (loop.to_worker, loop.to_detokenizer):
-            outbox.close()
-        loop.to_api.close()
-        loop.inbox.close()
+        loop.close()

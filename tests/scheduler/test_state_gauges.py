@@ -32,7 +32,4 @@ def test_the_state_gauges_follow_admission_and_finishing_without_a_loop_pass(tmp
 
     loop._send(loop.core.finish("r1", FinishReason.ABORT))
     assert (_scraped("num_requests_running"), _scraped("kv_blocks_used")) == (0, 0)
-    for outbox in (loop.to_worker, loop.to_detokenizer):
-        outbox.close()
-    loop.to_api.close()
-    loop.inbox.close()
+    loop.close()

@@ -164,8 +164,7 @@ def test_the_scheduler_adopts_the_workers_block_count(tmp_path) -> None:
         loop._handle(Heartbeat(process="worker", pid=1, state="ready"))  # 0: not said, nothing changes
         assert loop.core.pool.num_blocks == 5000
     finally:
-        for socket in (loop.inbox, loop.to_worker, loop.to_detokenizer, loop.to_api):
-            socket.close()
+        loop.close()
 
 
 def test_the_cpu_worker_reports_its_device_backends_and_eager_decodes(tmp_path, tiny_llamas) -> None:
