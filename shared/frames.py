@@ -173,8 +173,9 @@ class TokenDelta(_Part):
 
 
 class TokenBatch(_Frame):
-    """To the detokenizer: from the worker after each step, the requests it opened and the tokens it
-    sampled; from the scheduler, the requests it ended from outside (aborted or failed)."""
+    """To the process that makes the text (the api, or the detokenizer with ``--detokenize-in detokenizer``):
+    from the worker after each step, the requests it opened and the tokens it sampled; from the scheduler,
+    the requests it ended from outside (aborted or failed; the api knows those itself)."""
 
     opened: list[DetokOpen] = []
     deltas: list[TokenDelta] = []

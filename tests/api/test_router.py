@@ -13,7 +13,7 @@ from services.api.engine_client import EngineClient
 from services.api.errors import ApiError
 from services.api.router import LeastLoad, PrefixAffinity, RoundRobin, make_policy
 from shared.config import StackConfig
-from shared.frames import Abort, ApiAnnounce, EngineStatus, Submit, TextDelta
+from shared.frames import Abort, ApiAnnounce, EngineStatus, Submit, TextDelta, TokenBatch, TokenDelta
 from shared.transport import Inbox
 
 
@@ -112,6 +112,28 @@ def test_an_interrupt_fails_the_request_with_the_apis_error_and_stops_it_in_its_
                 if any(isinstance(f, Abort) for f in frames):
                     break
             assert [(type(f).__name__, f.rid) for f in frames if not isinstance(f, ApiAnnounce)] == [("Submit", "r0"), ("Abort", "r0")]
+        finally:
+            await client.close()
+            scheduler.close()
+            ctx.destroy(0)
+
+    asyncio.run(scenario())
+
+
+def test_tokens_sent_to_an_api_that_leaves_the_text_to_a_detokenizer_fail_their_request_with_the_reason(tmp_path) -> None:
+    async def scenario() -> None:
+        scheduler_address = f"ipc://{tmp_path}/s0.sock"
+        ctx = zmq.Context()
+        scheduler = Inbox(ctx, scheduler_address, "test_scheduler_inbox")
+        client = EngineClient(StackConfig(run_dir=str(tmp_path), engines=f"e0={scheduler_address}", detokenize_in="detokenizer"))
+        try:
+            client._on_status(EngineStatus(state="ready", boot="b1", engine="e0"))
+            task = asyncio.create_task(_collect(client, Submit(rid="r0", prompt_ids=[1], max_tokens=8)))
+            await asyncio.sleep(0.01)
+            client._on_frame(TokenBatch(deltas=[TokenDelta(rid="r0", token_ids=[5]), TokenDelta(rid="not-ours", token_ids=[6])]))
+            with pytest.raises(ApiError, match="start every process with the same --detokenize-in") as failed:
+                await task
+            assert failed.value.status == 500 and "r0" not in client.streams
         finally:
             await client.close()
             scheduler.close()
