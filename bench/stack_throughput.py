@@ -9,7 +9,12 @@ sockets and no processes. The ratio stack / in-process is what the four-process 
 This machine's speed drifts by tens of percent within minutes, so one stack run followed by
 one in-process run measures the drift as much as the design. The two are interleaved instead:
 ``--rounds`` rounds, each running both at each stream count, the order reversed every other
-round; the report gives each round's ratio and the median over rounds.
+round; the report gives each round's ratio, the median over rounds and the paired median: the
+median over pairs of rounds of each pair's geometric mean. Where a run's speed depends on its
+place in the round, the rounds' ratios alternate and their median rests on the odd rounds or the
+even ones; the paired median cancels that. (Session 29, on a Xeon with a 300 MB L3, 1-stream rounds
+alternated between ~1.04 and ~0.90: a 1-stream run read up to 10 % faster as a round's first than
+as its second, whichever system it was, and a warm-up run before each did not change that.)
 
     python -m bench.stack_throughput [--url http://127.0.0.1:8000] [--output-tokens 128] [--concurrency 8] [--rounds 3]
 
@@ -40,6 +45,7 @@ import asyncio
 import contextlib
 import ctypes
 import json
+import math
 import os
 import platform
 import threading
@@ -77,6 +83,14 @@ PROMPTS = [
 
 
 CLIENT_POLICIES = {"idle": os.SCHED_IDLE, "normal": os.SCHED_OTHER}
+
+
+def paired_ratio(ratios: list[float]) -> float | None:
+    """The median over rounds 1-2, 3-4, ... of each pair's geometric mean (None below two rounds; an odd last
+    round is left out). The two rounds of a pair run the systems in opposite orders, so whatever a run owes
+    to its place in the round (the run before it, the machine's state) cancels within the pair."""
+    pairs = [math.sqrt(a * b) for a, b in zip(ratios[0::2], ratios[1::2], strict=False)]
+    return median(pairs) if pairs else None
 
 
 def run_as_client(policy: str, work: Callable[[], T]) -> T:
@@ -304,11 +318,17 @@ def main() -> None:
     rounds = results["rounds"]
     results["median"] = {f"{name}_{n}_output_tok_s": median([r[f"{name}_{n}"]["output_tok_s"] for r in rounds]) for n in levels for name in ("stack", "worker")}
     results["median"].update({f"ratio_{n}": median([r[f"ratio_{n}"] for r in rounds]) for n in levels})
-    print(f"{'workload':<24}{'stack tok/s':>14}{'worker alone tok/s':>22}{'stack / worker':>18}   (medians of {len(rounds)} rounds)")
+    results["median"].update({f"ratio_{n}_paired": paired_ratio([r[f"ratio_{n}"] for r in rounds]) for n in levels})
+    print(
+        f"{'workload':<24}{'stack tok/s':>14}{'worker alone tok/s':>22}{'stack / worker':>18}{'paired':>10}"
+        f"   (medians of {len(rounds)} rounds; paired: of each two rounds' geometric mean, which cancels the order)"
+    )
     for n in levels:
         m = results["median"]
+        paired = m[f"ratio_{n}_paired"]
         print(
             f"{f'{n} stream(s) x {args.output_tokens}':<24}{m[f'stack_{n}_output_tok_s']:>14.1f}{m[f'worker_{n}_output_tok_s']:>22.1f}{m[f'ratio_{n}']:>18.3f}"
+            + (f"{paired:>10.3f}" if paired is not None else f"{'-':>10}")
         )
         per_round = ", ".join(f"{r[f'ratio_{n}']:.3f}" for r in rounds)
         print(f"{'':<24}per round: {per_round}")

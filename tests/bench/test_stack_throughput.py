@@ -13,7 +13,7 @@ import time
 import pytest
 
 from bench import wake_cost
-from bench.stack_throughput import process_cpu_seconds, run_as_client, user_system_seconds, voluntary_switches
+from bench.stack_throughput import paired_ratio, process_cpu_seconds, run_as_client, user_system_seconds, voluntary_switches
 
 SPIN = "import time\nend = time.thread_time() + {seconds}\nwhile time.thread_time() < end:\n    pass\n"
 
@@ -98,3 +98,11 @@ def test_the_client_runs_under_its_policy_on_a_thread_of_its_own():
     assert os.sched_getscheduler(0) == caller
     with pytest.raises(ValueError, match="the client failed"):
         run_as_client("idle", lambda: (_ for _ in ()).throw(ValueError("the client failed")))
+
+
+def test_the_paired_ratio_cancels_what_a_run_owes_to_its_place_in_the_round() -> None:
+    # The stack reads 0.97 of the worker; whichever runs first in a round gets 8 % more: the rounds alternate.
+    rounds = [0.97 * 1.08, 0.97 / 1.08] * 4 + [0.97 * 1.08]
+    assert paired_ratio(rounds) == pytest.approx(0.97)
+    assert sorted(rounds)[len(rounds) // 2] == pytest.approx(0.97 * 1.08)  # the plain median sides with the odd rounds
+    assert paired_ratio([1.0]) is None

@@ -18,6 +18,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.random_model import build_random_smollm
 from bench.stack_client import free_port_block, stop_process
 from shared.config import DEFAULT_MODEL_DIR
 
@@ -170,6 +171,27 @@ def running_service(service: str, port: int, flags: list[str], log_path: str) ->
 def launched_stack(port: int, flags: list[str], log_path: str) -> AbstractContextManager[Stack]:
     """The whole stack: the launcher on ``port`` with these flags."""
     return running_service("launcher", port, flags, log_path)
+
+
+TINY_MODEL = "tiny-smollm"
+
+
+@contextmanager
+def tiny_model_stack(tmp_path_factory, name: str, flags: list[str]) -> Iterator[Stack]:
+    """A healthy stack with these flags serving a random tiny SmolLM (``bench.random_model``) on one thread:
+    for tests of the serving path, whose text need not mean anything."""
+    tmp = tmp_path_factory.mktemp(name)
+    build_random_smollm(str(tmp / TINY_MODEL))
+    flags = ["--model", str(tmp / TINY_MODEL), "--num-threads", "1", "--kv-cache-tokens", "4096", *flags]
+    with launched_stack(free_port_block(), flags, str(tmp / "stack.log")) as stack:
+        wait_healthy(stack, 300)
+        yield stack
+
+
+def ask_tiny(oai: openai.OpenAI, **kwargs):
+    """A chat completion of 40 tokens (ignore_eos, greedy unless ``kwargs`` say otherwise) from the tiny model."""
+    settings = {"max_tokens": 40, "temperature": 0, **kwargs}
+    return oai.chat.completions.create(model=TINY_MODEL, messages=[{"role": "user", "content": "tell me"}], extra_body={"ignore_eos": True}, **settings)
 
 
 def wait_supervised(stack: Stack, timeout: float) -> None:

@@ -12,31 +12,18 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.random_model import build_random_smollm
-from bench.stack_client import free_port_block
-from tests.e2e.conftest import Stack, http_get, launched_stack, metric_value, wait_healthy, wait_until_quiescent
-
-MODEL = "tiny-smollm"
+from tests.e2e.conftest import TINY_MODEL, Stack, ask_tiny, http_get, metric_value, tiny_model_stack, wait_until_quiescent
 
 
 @pytest.fixture(scope="module", params=["api", "detokenizer"])
 def text_stack(request, tmp_path_factory) -> Stack:
-    tmp = tmp_path_factory.mktemp(f"detokenize_in_{request.param}")
-    build_random_smollm(str(tmp / MODEL))
-    flags = ["--model", str(tmp / MODEL), "--detokenize-in", request.param, "--num-threads", "1", "--kv-cache-tokens", "4096"]
-    with launched_stack(free_port_block(), flags, str(tmp / "stack.log")) as stack:
-        wait_healthy(stack, 300)
+    with tiny_model_stack(tmp_path_factory, f"detokenize_in_{request.param}", ["--detokenize-in", request.param]) as stack:
         yield stack
 
 
 @pytest.fixture(scope="module")
 def oai(text_stack: Stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{text_stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def ask(oai: openai.OpenAI, **kwargs):
-    settings = {"max_tokens": 40, "temperature": 0, **kwargs}
-    return oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "tell me"}], extra_body={"ignore_eos": True}, **settings)
 
 
 def finished(stack: Stack, reason: str) -> float:
@@ -60,12 +47,12 @@ def test_the_text_maker_exports_its_metrics_and_every_sample_names_the_model(tex
         assert "tokenyard:detokenize_batch_seconds_bucket" in text_stack.metrics("detokenizer")
     for process in text_stack.processes:
         samples = [s for family in text_string_to_metric_families(text_stack.metrics(process)) for s in family.samples]
-        assert {s.labels.get("model_name") for s in samples} == {MODEL}, process
+        assert {s.labels.get("model_name") for s in samples} == {TINY_MODEL}, process
 
 
 def test_the_stream_says_what_the_whole_reply_says_token_for_token(oai: openai.OpenAI) -> None:
-    whole = ask(oai, logprobs=True, top_logprobs=2)
-    chunks = [c for c in ask(oai, logprobs=True, top_logprobs=2, stream=True, stream_options={"include_usage": True})]
+    whole = ask_tiny(oai, logprobs=True, top_logprobs=2)
+    chunks = [c for c in ask_tiny(oai, logprobs=True, top_logprobs=2, stream=True, stream_options={"include_usage": True})]
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert [(t.token, len(t.top_logprobs)) for t in streamed] == [(t.token, 2) for t in whole.choices[0].logprobs.content]
@@ -75,11 +62,11 @@ def test_the_stream_says_what_the_whole_reply_says_token_for_token(oai: openai.O
 
 def test_a_stop_string_ends_the_text_where_it_ends_the_whole_reply_and_stops_the_engine(text_stack: Stack, oai: openai.OpenAI) -> None:
     seeded = {"temperature": 1.0, "seed": 7}  # varied text (greedy, this random model repeats one token)
-    text = ask(oai, **seeded).choices[0].message.content
+    text = ask_tiny(oai, **seeded).choices[0].message.content
     stop = next(text[i : i + 3] for i in range(len(text) // 2, len(text) - 3) if text.find(text[i : i + 3]) == i and text[i : i + 3].strip())
     stopped = finished(text_stack, "stop")
-    whole = ask(oai, stop=[stop], **seeded)
-    streamed = list(ask(oai, stop=[stop], stream=True, **seeded))
+    whole = ask_tiny(oai, stop=[stop], **seeded)
+    streamed = list(ask_tiny(oai, stop=[stop], stream=True, **seeded))
     assert whole.choices[0].message.content == text[: text.find(stop)] and whole.choices[0].finish_reason == "stop"
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == whole.choices[0].message.content
     assert finished(text_stack, "stop") == stopped + 2  # the text maker told the scheduler, which ended both requests
@@ -88,7 +75,7 @@ def test_a_stop_string_ends_the_text_where_it_ends_the_whole_reply_and_stops_the
 
 def test_a_client_that_leaves_mid_stream_leaves_nothing_behind(text_stack: Stack, oai: openai.OpenAI) -> None:
     aborted = finished(text_stack, "abort")
-    stream = ask(oai, max_tokens=3000, stream=True)
+    stream = ask_tiny(oai, max_tokens=3000, stream=True)
     for n, _ in enumerate(stream):
         if n == 3:
             break

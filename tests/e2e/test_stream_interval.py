@@ -8,21 +8,14 @@ from __future__ import annotations
 import openai
 import pytest
 
-from bench.random_model import build_random_smollm
-from bench.stack_client import free_port_block
-from tests.e2e.conftest import Stack, launched_stack, wait_healthy
+from tests.e2e.conftest import Stack, ask_tiny, tiny_model_stack
 
-MODEL = "tiny-smollm"
 INTERVAL = 4
 
 
 @pytest.fixture(scope="module")
 def gathering_stack(tmp_path_factory) -> Stack:
-    tmp = tmp_path_factory.mktemp("stream_interval")
-    build_random_smollm(str(tmp / MODEL))
-    flags = ["--model", str(tmp / MODEL), "--stream-interval", str(INTERVAL), "--num-threads", "1", "--kv-cache-tokens", "4096"]
-    with launched_stack(free_port_block(), flags, str(tmp / "stack.log")) as stack:
-        wait_healthy(stack, 300)
+    with tiny_model_stack(tmp_path_factory, "stream_interval", ["--stream-interval", str(INTERVAL)]) as stack:
         yield stack
 
 
@@ -31,15 +24,10 @@ def oai(gathering_stack: Stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{gathering_stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def ask(oai: openai.OpenAI, **kwargs):
-    settings = {"max_tokens": 40, "temperature": 0, **kwargs}
-    return oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "tell me"}], extra_body={"ignore_eos": True}, **settings)
-
-
 def test_the_gathered_stream_says_what_the_whole_reply_says_in_chunks_of_at_most_the_interval(gathering_stack: Stack, oai: openai.OpenAI) -> None:
     assert gathering_stack.instrumentation("worker")["stream_interval"] == INTERVAL
-    whole = ask(oai, logprobs=True)
-    chunks = [c for c in ask(oai, logprobs=True, stream=True) if c.choices and c.choices[0].logprobs]
+    whole = ask_tiny(oai, logprobs=True)
+    chunks = [c for c in ask_tiny(oai, logprobs=True, stream=True) if c.choices and c.choices[0].logprobs]
     per_chunk = [c.choices[0].logprobs.content for c in chunks]
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
     assert [t.token for tokens in per_chunk for t in tokens] == [t.token for t in whole.choices[0].logprobs.content]
@@ -51,10 +39,10 @@ def test_the_gathered_stream_says_what_the_whole_reply_says_in_chunks_of_at_most
 
 def test_a_stop_string_inside_a_gathered_chunk_ends_the_text_where_it_ends_the_whole_reply(oai: openai.OpenAI) -> None:
     seeded = {"temperature": 1.0, "seed": 7}  # varied text (greedy, this random model repeats one token)
-    text = ask(oai, **seeded).choices[0].message.content
+    text = ask_tiny(oai, **seeded).choices[0].message.content
     stop = next(text[i : i + 3] for i in range(len(text) // 2, len(text) - 3) if text.find(text[i : i + 3]) == i and text[i : i + 3].strip())
-    whole = ask(oai, stop=[stop], **seeded)
-    streamed = list(ask(oai, stop=[stop], stream=True, **seeded))
+    whole = ask_tiny(oai, stop=[stop], **seeded)
+    streamed = list(ask_tiny(oai, stop=[stop], stream=True, **seeded))
     assert whole.choices[0].message.content == text[: text.find(stop)] and whole.choices[0].finish_reason == "stop"
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == whole.choices[0].message.content
     assert [c.choices[0].finish_reason for c in streamed if c.choices and c.choices[0].finish_reason] == ["stop"]
