@@ -252,7 +252,7 @@ def in_process_runner(model: str, flags: list[str]):
     num_blocks = kv_cache_blocks(load_model_info(model), config.kv_cache_tokens, config.kv_cache_bytes, config.block_size, config.dtype)
     runner = ModelRunner(
         model, num_blocks=num_blocks, block_size=config.block_size, dtype=config.dtype, max_num_seqs=config.max_num_seqs,
-        weight_quant=config.weight_quant, kv_cache_dtype=config.kv_cache_dtype,
+        weight_quant=config.weight_quant, kv_cache_dtype=config.kv_cache_dtype, weight_prefetch=config.weight_prefetch,
     )  # fmt: skip
     runner.warmup()
 

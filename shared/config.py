@@ -113,6 +113,14 @@ class StackConfig:
         "activations to int8, llama.cpp's q4_1 x q8 arithmetic: opt-in, ~1.8x int4's many-row GEMM speed, logit error ~7e-2) or int8 (per-channel weights; on the CPU activations int8 per block of 32 features: opt-in, +1.7 % perplexity)",
         choices=WEIGHT_QUANTS,
     )
+    weight_prefetch: str = _opt(
+        "auto",
+        "how a CPU worker's int4 products prefetch the weights they stream each step: keep (into every cache level, so that "
+        "a last-level cache that holds them serves them from step to step), stream (non-temporal: read from memory past the "
+        "caches, leaving those to the step's other data) or auto (keep where the quantized weights take at most half of the "
+        "L3 cache, else stream)",
+        choices=("auto", "keep", "stream"),
+    )
     kv_cache_dtype: str = _opt(
         "auto",
         "KV cache storage: auto (float16 for a float32 model on the CPU, else the model's dtype), model, float16 or int8 "

@@ -155,7 +155,7 @@ class WorkerLoop:
         self.num_blocks = kv_cache_blocks(self.model, self.config.kv_cache_tokens, self.config.kv_cache_bytes, self.config.block_size, kv_dtype)
         self.runner = ModelRunner(
             self.config.model, self.num_blocks, self.config.block_size, self.config.dtype, self.config.max_num_seqs, self.config.weight_quant,
-            kv_cache_dtype=kv_dtype,
+            kv_cache_dtype=kv_dtype, weight_prefetch=self.config.weight_prefetch,
             tp=tp, device=str(device), cuda_graph_max_batch=self.config.cuda_graph_max_batch if cuda else 0,
             max_model_len=self.config.max_model_len, size_kv_cache=size_kv, profile_tokens=self.config.max_num_batched_tokens if size_kv else 0,
         )  # fmt: skip
@@ -386,7 +386,10 @@ def run_follower(config: StackConfig, log: structlog.stdlib.BoundLogger) -> None
     model = load_model_info(config.model)
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, "cpu", resolve_dtype(config.dtype, torch.device("cpu")))
     num_blocks = kv_cache_blocks(model, config.kv_cache_tokens, config.kv_cache_bytes, config.block_size, kv_dtype)
-    runner = ModelRunner(config.model, num_blocks, config.block_size, config.dtype, config.max_num_seqs, config.weight_quant, tp=tp, kv_cache_dtype=kv_dtype)
+    runner = ModelRunner(
+        config.model, num_blocks, config.block_size, config.dtype, config.max_num_seqs, config.weight_quant, tp=tp, kv_cache_dtype=kv_dtype,
+        weight_prefetch=config.weight_prefetch,
+    )  # fmt: skip
     log.info("worker_rank_ready", rank=rank, size=size)
     try:
         runner.follow()

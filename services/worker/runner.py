@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from services.worker.attention import AttentionMetadata, KVCache
+from services.worker.cpu_cache import keep_weights_cached, l3_cache_bytes
 from services.worker.cpu_kernels import cpu_kernels
 from services.worker.cuda_graphs import Capture, CudaGraphCapture, DecodeGraphs
 from services.worker.device import resolve_dtype
@@ -98,6 +99,7 @@ class ModelRunner:
         size_kv_cache: Callable[[Any, ActivationProfile | None, int], int] | None = None,
         profile_tokens: int = 0,
         memory_probe: MemoryProbe | None = None,
+        weight_prefetch: str = "auto",
     ) -> None:
         """``dtype`` "auto" is bfloat16 on CUDA, float32 on the CPU. ``cuda_graph_max_batch`` > 0 captures
         decode graphs up to that batch at ``capture_graphs()`` (with ``capture``: CUDA graphs by default
@@ -107,7 +109,8 @@ class ModelRunner:
         the weights are loaded how many KV blocks fit (graphs' dummy block included) beside ``state_slots``
         GDN state slots, and overrides ``num_blocks``. With ``profile_tokens`` > 0 (and no tensor
         parallelism) it first gets the ``ActivationProfile`` of one step of that many tokens, measured by
-        ``memory_probe`` (the CUDA allocator's by default)."""
+        ``memory_probe`` (the CUDA allocator's by default). ``weight_prefetch`` (auto, keep or stream): whether
+        the CPU int4 products' prefetch keeps the weights in the caches (``services/worker/cpu_cache.py``)."""
         self.device = torch.device(device)
         dtype = resolve_dtype(dtype, self.device)
         if dtype not in DTYPES:
@@ -144,6 +147,7 @@ class ModelRunner:
             if hasattr(self.model, "bind_dense_decoder"):  # weights final: steps may run all layers in one call
                 self.model.bind_dense_decoder()
             self._takeover_pool: tuple[bool, int] | None = None  # (on, max rows): set again at each step
+            self._weight_prefetch: tuple[bool, str] | None = None  # (keep in the caches, why): set again at each step
             if (kernels := cpu_kernels()[0]) is not None and self.device.type == "cpu":
                 # Decode-sized steps on the takeover pool (csrc/takeover_pool.h) where all their parallel kernels run on
                 # it: steps up to the pool's limit where every step runs all layers in one call; only few-row steps
@@ -152,6 +156,9 @@ class ModelRunner:
                 pool_rows = kernels.TAKEOVER_POOL_MAX_ROWS if one_call_rows >= kernels.TAKEOVER_POOL_MAX_ROWS else POOL_FEW_ROWS
                 self._takeover_pool = (one_call_rows > 0, pool_rows)
                 kernels.set_takeover_pool(*self._takeover_pool)
+                panels = sum(held_bytes(linear)["panels"] for linear in linears_of(self.model))
+                self._weight_prefetch = keep_weights_cached(weight_prefetch, panels, l3_cache_bytes())
+                kernels.set_weight_prefetch_keep(self._weight_prefetch[0])
             self._attention_backend = getattr(self.model, "attention_backend", "torch")
             if kv_dtype == torch.int8 and self._attention_backend != "cpp":
                 why = cpu_kernels()[1] or f"the {self._attention_backend} attention backend was chosen"
@@ -287,8 +294,9 @@ class ModelRunner:
             self.tp.send_frame(plan)
         began = time.perf_counter()
         sampled = []
-        if self._takeover_pool is not None:  # the pool's setting is per process: a process may hold runners of several formats
+        if self._takeover_pool is not None:  # these settings are per process: a process may hold runners of several formats
             cpu_kernels()[0].set_takeover_pool(*self._takeover_pool)
+            cpu_kernels()[0].set_weight_prefetch_keep(self._weight_prefetch[0])
         with torch.inference_mode():
             rids, requests, logits = self._forward(plan.slices)
             if rids:
@@ -479,9 +487,14 @@ class ModelRunner:
             "attention_backend": getattr(self.model, "attention_backend", "torch"),
             **({"cpu_kernels": cpu_kernels()[1] or "built"} if self.device.type == "cpu" else {}),
             # takeover_pool: few-row calls' pool (csrc/takeover_pool.h), items taken over from a helper that was not running;
-            # block_quant_isa: the integer block products' instructions (csrc/block_quant_gemm.cpp), avx512-vnni, avx2 or portable
+            # block_quant_isa: the integer block products' instructions (csrc/block_quant_gemm.cpp), avx512-vnni, avx2 or portable;
+            # weight_prefetch: whether their prefetch keeps the weights in the caches, and why (cpu_cache.py)
             **(
-                {"takeover_pool": kernels.takeover_pool_stats(), "block_quant_isa": kernels.block_quant_gemm_isa()}
+                {
+                    "takeover_pool": kernels.takeover_pool_stats(),
+                    "block_quant_isa": kernels.block_quant_gemm_isa(),
+                    "weight_prefetch": self._weight_prefetch[1] if self._weight_prefetch else None,
+                }
                 if self.device.type == "cpu" and (kernels := cpu_kernels()[0]) is not None
                 else {}
             ),

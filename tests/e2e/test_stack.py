@@ -29,6 +29,7 @@ def test_three_processes_with_their_own_pids(stack: Stack) -> None:
     assert stack.instrumentation("api")["detokenize_in"] == "api"
     worker = stack.instrumentation("worker")
     assert worker["runner"]["dtype"] == "float32" and worker["kv_blocks_total"] == 8192 // worker["block_size"]
+    assert worker["runner"]["weight_prefetch"].startswith(("keep: ", "stream: "))  # auto: decided by this CPU's L3
     scheduler = stack.instrumentation("scheduler")
     assert scheduler["kv_blocks_total"] == worker["kv_blocks_total"] and scheduler["addresses"]["worker"] == worker["addresses"]["inbox"]
 

@@ -20,6 +20,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the instructions of block_quant_gemm's integer block products: avx512-vnni, avx2 (also where TOKENYARD_CPU_VNNI=0) or portable");
   m.def("set_block_quant_pair_tiles", &set_block_quant_pair_tiles,
         "benchmarks: block_quant_gemm's many-row calls take two panels per 512-bit tile (on, the default, in VNNI builds) or one (off)");
+  m.def("set_weight_prefetch_keep", &set_weight_prefetch_keep,
+        "block_quant_gemm prefetches the weights into every cache level (true: where the last-level cache holds them) or non-temporally "
+        "(false, the default: they stream from memory past the caches)");
+  m.def("weight_prefetch_keep", &weight_prefetch_keep, "whether block_quant_gemm's weight prefetch keeps the weights in the caches");
   m.def("int8_linear", &int8_linear, "x @ (int8 weight * per-channel scale).T (+ bias), fp32 arithmetic (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(h) * weight, h) with h = x + residual written over x (fp32, CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] rows (fp32, CPU)");

@@ -22,6 +22,8 @@ torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& pane
                                const std::optional<torch::Tensor>& residual, int64_t activation_bits);
 std::string block_quant_gemm_isa();
 void set_block_quant_pair_tiles(bool on);
+void set_weight_prefetch_keep(bool keep);
+bool weight_prefetch_keep();
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x, const std::optional<torch::Tensor>& residual, const torch::Tensor& weight,
                                                       double eps);
 torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
