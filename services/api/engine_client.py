@@ -64,7 +64,7 @@ class Engine(Protocol):
 
 
 class EngineReplica:
-    """One engine replica (a scheduler with its worker and detokenizer) as this api sees it."""
+    """One engine replica (a scheduler with its worker, and a detokenizer where one runs) as this api sees it."""
 
     def __init__(self, name: str, outbox: Outbox, timeout_s: float) -> None:
         self.name = name

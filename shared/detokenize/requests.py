@@ -75,9 +75,9 @@ class Detokenization:
         return out
 
     def end(self, rid: str) -> None:
-        """The request ended from outside (aborted, failed): its state goes, and an opening still on its way is ignored."""
-        if self.requests.pop(rid, None) is None:
-            self._remember_ended(rid)
+        """The request ended from outside (aborted, failed): its state goes. (The api, the one caller, passes
+        on no opening of a request it no longer streams, so none still on its way needs remembering.)"""
+        self.requests.pop(rid, None)
 
     def _detokenize(self, delta: TokenDelta, tracked: _Tracked | None, stops: list[Finish]) -> TextDelta | None:
         """The delta's text for its request (``tracked``: None when unknown or already ended)."""

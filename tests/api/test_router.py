@@ -12,8 +12,8 @@ import zmq
 from services.api.engine_client import EngineClient
 from services.api.errors import ApiError
 from services.api.router import LeastLoad, PrefixAffinity, RoundRobin, make_policy
-from shared.config import StackConfig
-from shared.frames import Abort, ApiAnnounce, EngineStatus, Submit, TextDelta, TokenBatch, TokenDelta
+from shared.config import DEFAULT_MODEL_DIR, StackConfig
+from shared.frames import Abort, ApiAnnounce, DetokOpen, EngineStatus, Submit, TextDelta, TokenBatch, TokenDelta
 from shared.transport import Inbox
 
 
@@ -134,6 +134,35 @@ def test_tokens_sent_to_an_api_that_leaves_the_text_to_a_detokenizer_fail_their_
             with pytest.raises(ApiError, match="start every process with the same --detokenize-in") as failed:
                 await task
             assert failed.value.status == 500 and "r0" not in client.streams
+        finally:
+            await client.close()
+            scheduler.close()
+            ctx.destroy(0)
+
+    asyncio.run(scenario())
+
+
+def test_an_api_that_makes_the_text_forgets_a_request_it_stopped_streaming_and_ignores_its_late_tokens(tmp_path) -> None:
+    async def scenario() -> None:
+        scheduler_address = f"ipc://{tmp_path}/s0.sock"
+        ctx = zmq.Context()
+        scheduler = Inbox(ctx, scheduler_address, "test_scheduler_inbox")
+        config = StackConfig(model=DEFAULT_MODEL_DIR, run_dir=str(tmp_path), engines=f"e0={scheduler_address}", detokenize_in="api")
+        client = EngineClient(config)
+        try:
+            client._on_status(EngineStatus(state="ready", boot="b1", engine="e0"))
+            streamed = client.generate(Submit(rid="r0", prompt_ids=[1], max_tokens=8))
+            first = asyncio.create_task(anext(streamed))
+            await asyncio.sleep(0.01)
+            client._on_frame(TokenBatch(opened=[DetokOpen(rid="r0", prompt_tokens=1, max_tokens=8)], deltas=[TokenDelta(rid="r0", token_ids=[28])]))
+            assert (await first).completion_tokens == 1 and "r0" in client.detokenization.requests
+            await streamed.aclose()  # the client left: aborted
+            assert not client.detokenization.requests
+            late = TokenBatch(
+                opened=[DetokOpen(rid="r1", prompt_tokens=1, max_tokens=8)], deltas=[TokenDelta(rid="r0", token_ids=[29]), TokenDelta(rid="r1", token_ids=[5])]
+            )
+            client._on_frame(late)  # r0's step was in flight; r1 was never this api's (or it was aborted before its opening came)
+            assert not client.detokenization.requests
         finally:
             await client.close()
             scheduler.close()
