@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
@@ -54,6 +56,22 @@ def test_bad_routing_settings_name_their_flag() -> None:
     assert StackConfig(port=1234).engine_addresses == {"engine-0": StackConfig(port=1234).scheduler_address}
 
 
+@contextlib.asynccontextmanager
+async def _one_ready_replica(tmp_path, **settings) -> AsyncIterator[tuple[EngineClient, Inbox]]:
+    """An EngineClient (``settings`` for its StackConfig) with one ready replica, e0, and e0's scheduler inbox."""
+    scheduler_address = f"ipc://{tmp_path}/s0.sock"
+    ctx = zmq.Context()
+    scheduler = Inbox(ctx, scheduler_address, "test_scheduler_inbox")
+    client = EngineClient(StackConfig(run_dir=str(tmp_path), engines=f"e0={scheduler_address}", **settings))
+    try:
+        client._on_status(EngineStatus(state="ready", boot="b1", engine="e0"))
+        yield client, scheduler
+    finally:
+        await client.close()
+        scheduler.close()
+        ctx.destroy(0)
+
+
 async def _collect(client: EngineClient, submit: Submit) -> list:
     return [d async for d in client.generate(submit)]
 
@@ -93,12 +111,7 @@ def test_a_silent_replica_fails_only_its_requests_and_leaves_rotation(tmp_path) 
 
 def test_an_interrupt_fails_the_request_with_the_apis_error_and_stops_it_in_its_replica(tmp_path) -> None:
     async def scenario() -> None:
-        scheduler_address = f"ipc://{tmp_path}/s0.sock"
-        ctx = zmq.Context()
-        scheduler = Inbox(ctx, scheduler_address, "test_scheduler_inbox")
-        client = EngineClient(StackConfig(run_dir=str(tmp_path), engines=f"e0={scheduler_address}"))
-        try:
-            client._on_status(EngineStatus(state="ready", boot="b1", engine="e0"))
+        async with _one_ready_replica(tmp_path) as (client, scheduler):
             task = asyncio.create_task(_collect(client, Submit(rid="r0", prompt_ids=[1], max_tokens=8)))
             await asyncio.sleep(0.01)
             client.interrupt("r0", ApiError(503, "drain deadline passed"))
@@ -112,45 +125,26 @@ def test_an_interrupt_fails_the_request_with_the_apis_error_and_stops_it_in_its_
                 if any(isinstance(f, Abort) for f in frames):
                     break
             assert [(type(f).__name__, f.rid) for f in frames if not isinstance(f, ApiAnnounce)] == [("Submit", "r0"), ("Abort", "r0")]
-        finally:
-            await client.close()
-            scheduler.close()
-            ctx.destroy(0)
 
     asyncio.run(scenario())
 
 
 def test_tokens_sent_to_an_api_that_leaves_the_text_to_a_detokenizer_fail_their_request_with_the_reason(tmp_path) -> None:
     async def scenario() -> None:
-        scheduler_address = f"ipc://{tmp_path}/s0.sock"
-        ctx = zmq.Context()
-        scheduler = Inbox(ctx, scheduler_address, "test_scheduler_inbox")
-        client = EngineClient(StackConfig(run_dir=str(tmp_path), engines=f"e0={scheduler_address}", detokenize_in="detokenizer"))
-        try:
-            client._on_status(EngineStatus(state="ready", boot="b1", engine="e0"))
+        async with _one_ready_replica(tmp_path, detokenize_in="detokenizer") as (client, _):
             task = asyncio.create_task(_collect(client, Submit(rid="r0", prompt_ids=[1], max_tokens=8)))
             await asyncio.sleep(0.01)
             client._on_frame(TokenBatch(deltas=[TokenDelta(rid="r0", token_ids=[5]), TokenDelta(rid="not-ours", token_ids=[6])]))
             with pytest.raises(ApiError, match="start every process with the same --detokenize-in") as failed:
                 await task
             assert failed.value.status == 500 and "r0" not in client.streams
-        finally:
-            await client.close()
-            scheduler.close()
-            ctx.destroy(0)
 
     asyncio.run(scenario())
 
 
 def test_an_api_that_makes_the_text_forgets_a_request_it_stopped_streaming_and_ignores_its_late_tokens(tmp_path) -> None:
     async def scenario() -> None:
-        scheduler_address = f"ipc://{tmp_path}/s0.sock"
-        ctx = zmq.Context()
-        scheduler = Inbox(ctx, scheduler_address, "test_scheduler_inbox")
-        config = StackConfig(model=DEFAULT_MODEL_DIR, run_dir=str(tmp_path), engines=f"e0={scheduler_address}", detokenize_in="api")
-        client = EngineClient(config)
-        try:
-            client._on_status(EngineStatus(state="ready", boot="b1", engine="e0"))
+        async with _one_ready_replica(tmp_path, model=DEFAULT_MODEL_DIR, detokenize_in="api") as (client, _):
             streamed = client.generate(Submit(rid="r0", prompt_ids=[1], max_tokens=8))
             first = asyncio.create_task(anext(streamed))
             await asyncio.sleep(0.01)
@@ -163,9 +157,5 @@ def test_an_api_that_makes_the_text_forgets_a_request_it_stopped_streaming_and_i
             )
             client._on_frame(late)  # r0's step was in flight; r1 was never this api's (or it was aborted before its opening came)
             assert not client.detokenization.requests
-        finally:
-            await client.close()
-            scheduler.close()
-            ctx.destroy(0)
 
     asyncio.run(scenario())
