@@ -12,9 +12,9 @@ one in-process run measures the drift as much as the design. The two are interle
 round; the report gives each round's ratio, the median over rounds and the paired median: the
 median over pairs of rounds of each pair's geometric mean. Where a run's speed depends on its
 place in the round, the rounds' ratios alternate and their median rests on the odd rounds or the
-even ones; the paired median cancels that. (Session 29, on a Xeon with a 300 MB L3, 1-stream rounds
-alternated between ~1.04 and ~0.90: a 1-stream run read up to 10 % faster as a round's first than
-as its second, whichever system it was, and a warm-up run before each did not change that.)
+even ones; the paired median cancels that. (On a 2-core Xeon with a 300 MB L3, 1-stream rounds
+alternate between ~1.04 and ~0.90: a 1-stream run reads up to 10 % faster as a round's first than
+as its second, whichever system it is, and a warm-up run before each does not change that.)
 
     python -m bench.stack_throughput [--url http://127.0.0.1:8000] [--output-tokens 128] [--concurrency 8] [--rounds 3]
 
@@ -25,7 +25,7 @@ The client: the stack's processes, not the benchmark's client, are what the rati
 runs on another machine. Here it shares the stack's two cores, and each of its wake-ups is taken from the
 worker's. ``--client-sched idle`` runs the client's thread under SCHED_IDLE during the stack's runs, so that
 it takes only CPU that no process of the stack wants; ``normal`` (the default) runs it as an ordinary thread.
-Session 26 measured both: no difference beyond the rounds' spread (bench/README.md). Its CPU shows either way.
+The two read the same within the rounds' spread (docs/performance.md). Its CPU shows either way.
 
 Where the stack's difference goes: each stack run also records the CPU time per output token of
 every process (all its threads, ZMQ's included) and of the benchmark itself (the client, which

@@ -102,7 +102,7 @@ def test_auto_weight_format_is_decided_at_conversion_for_fp32_on_the_cpu_only() 
         # fp16 keeps 11 significant bits: ~1e-4 here (the real model: 6.6e-4, perplexity +0.03 %).
         ("auto", "tied-sharded", "fp16", 2e-3),
         # int8 weights and block-int8 activations: measured 5.8e-2, while a wrong scale or layout gives
-        # ~1 (the real model's figures, perplexity +1.7 %, are in bench/results/quantization.json).
+        # ~1 (the real model's figures, perplexity +1.7 %, are in bench/reference/quantization/quantization.json).
         ("int8", "untied", "int8", 0.1),
     ],
 )
