@@ -7,7 +7,7 @@ most ``target / seconds per token`` tokens (at least its decodes and ``MIN_PREFI
 so admissions always progress); a step without decodes keeps the whole ``max_num_batched_tokens``,
 where a larger chunk delays nobody. Where a token is cheap (a GPU), the cap exceeds the budget and
 changes nothing. The target (``--mixed-step-target-ms``, 250 ms by default) trades a little throughput
-for the worst inter-token latency; smaller targets trade more (README, "On a CPU").
+for the worst inter-token latency; smaller targets trade more (docs/configuration.md, "Step size").
 
 Seconds per token come from the worker's own step timings (``StepResult.forward_s``) over the steps of
 at least ``MIN_SAMPLE_TOKENS`` tokens, where the per-step fixed cost (reading every weight once, the

@@ -21,7 +21,7 @@ def test_keys_come_from_repeated_flags_commas_and_the_environment(monkeypatch) -
 
 
 def test_help_lists_every_flag_with_its_text_as_written(capsys) -> None:
-    # argparse formats help text with %: a literal "%" in a setting's text once crashed every service's --help.
+    # argparse formats help text with %: a literal "%" in a setting's text must not crash any service's --help.
     with pytest.raises(SystemExit) as exit:
         StackConfig.from_argv(["--help"])
     assert exit.value.code == 0

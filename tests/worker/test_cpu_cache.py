@@ -34,7 +34,7 @@ def test_auto_keeps_weights_that_take_at_most_half_the_l3_and_the_setting_overri
     assert keep_weights_cached("auto", 96 * mb, 300 * mb) == (True, "keep: 101 MB of quantized weights, an L3 of 315 MB")
     assert keep_weights_cached("auto", 96 * mb, 32 * mb)[0] is False  # streams from memory every step anyway
     assert keep_weights_cached("auto", 151 * mb, 300 * mb)[0] is False
-    assert keep_weights_cached("auto", 1 * mb, 0)[0] is False  # no L3 reported: as before, non-temporal
+    assert keep_weights_cached("auto", 1 * mb, 0)[0] is False  # no L3 reported: non-temporal
     assert keep_weights_cached("keep", 10_000 * mb, 32 * mb) == (True, "keep: asked for")
     assert keep_weights_cached("stream", 1 * mb, 300 * mb) == (False, "stream: asked for")
 
