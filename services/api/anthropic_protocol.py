@@ -9,20 +9,40 @@ prefill that the answer continues.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 
 from services.api.chat import ChatTurn
 from services.api.errors import ApiError
-from services.api.protocol import Generation, check, check_max_tokens, check_model, check_sampling, check_stops, convert_part, unsupported
+from services.api.protocol import (
+    MAX_STOP_STRINGS,
+    MAX_TOKENS,
+    MAX_TOOL_NAME,
+    NULL_OR_FALSE,
+    TOOL_NAME,
+    Generation,
+    check,
+    check_max_tokens,
+    check_model,
+    check_sampling,
+    check_stops,
+    convert_part,
+    schema,
+    unsupported,
+    when,
+)
 from services.api.reasoning import check_effort
 from services.api.structured_outputs import anthropic_output_format, check_structured_combination
 from services.api.tools import ToolChoice, ToolSpec, check_tools, template_call
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    pass
+    REQUIRED: ClassVar[tuple[str, ...]] = ()  # see services.api.protocol._Body
+    RULES: ClassVar[tuple[dict[str, Any], ...]] = ()
+
+
+_NONE = {"type": ["array", "null"], "maxItems": 0}  # left out, null or empty
 
 
 class CacheControl(_Body):
@@ -31,14 +51,18 @@ class CacheControl(_Body):
 
 
 class TextBlock(_Body):
-    type: str
+    type: Annotated[str, schema(const="text")]
     text: str
     cache_control: CacheControl | None = None  # accepted: the prefix cache is automatic
-    citations: list[Any] | None = None
+    citations: Annotated[list[Any] | None, schema(maxItems=0)] = None
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
 
 
 class ToolUseBlock(_Body):
-    type: str
+    type: Annotated[str, schema(const="tool_use")]
     id: str
     name: str
     input: dict[str, Any]
@@ -46,57 +70,96 @@ class ToolUseBlock(_Body):
 
 
 class ToolResultBlock(_Body):
-    type: str
+    type: Annotated[str, schema(const="tool_result")]
     tool_use_id: str
-    content: str | list[dict[str, Any]] | None = None
+    content: Annotated[str | list[dict[str, Any]] | None, schema(items=_ref("TextBlock"))] = None
     is_error: bool | None = None
     cache_control: CacheControl | None = None
 
 
 class ThinkingBlock(_Body):
-    type: str
+    type: Annotated[str, schema(const="thinking")]
     thinking: str
     signature: str | None = None
 
 
 class AnthropicMessage(_Body):
-    role: str
+    RULES = (  # the blocks each role may send
+        {
+            "if": {"properties": {"role": {"const": "user"}}},
+            "then": {"properties": {"content": {"items": {"anyOf": [_ref("TextBlock"), _ref("ToolResultBlock")]}}}},
+            "else": {"properties": {"content": {"items": {"anyOf": [_ref("TextBlock"), _ref("ThinkingBlock"), _ref("ToolUseBlock")]}}}},
+        },
+    )
+
+    role: Annotated[str, schema(enum=["user", "assistant"])]
     content: str | list[dict[str, Any]]
 
 
 class AnthropicTool(_Body):
-    name: str
+    name: Annotated[str, schema(minLength=1, maxLength=MAX_TOOL_NAME, pattern=TOOL_NAME)]
     input_schema: dict[str, Any]
     description: str | None = None
-    type: str | None = None
+    type: Annotated[str | None, schema(enum=["custom", None])] = None
     cache_control: CacheControl | None = None
-    strict: bool | None = None
+    strict: Annotated[bool | None, NULL_OR_FALSE] = None
 
 
 class AnthropicToolChoice(_Body):
-    type: str
+    RULES = (when({"type": {"const": "tool"}}, {"properties": {"name": {"type": "string", "minLength": 1}}, "required": ["name"]}),)
+
+    type: Annotated[str, schema(enum=["auto", "any", "tool", "none"])]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
 class ThinkingConfig(_Body):
-    type: str
+    RULES = (when({"type": {"const": "enabled"}}, {"properties": {"budget_tokens": {"type": "integer", "minimum": 1024}}, "required": ["budget_tokens"]}),)
+
+    type: Annotated[str, schema("thinking", enum=["enabled", "disabled", "adaptive"])]
     budget_tokens: int | None = None
-    display: str | None = None
+    display: Annotated[str | None, schema(enum=["summarized", "omitted", None])] = None
+
+
+_OUTPUT_FORMAT = {"properties": {"type": {"const": "json_schema"}, "schema": {}}, "required": ["type", "schema"], "additionalProperties": False}
 
 
 class OutputConfig(_Body):
-    effort: str | None = None
-    format: dict[str, Any] | None = None
+    effort: Annotated[str | None, schema("effort")] = None
+    format: Annotated[dict[str, Any] | None, schema(anyOf=[_OUTPUT_FORMAT, {"type": "null"}])] = None
 
 
 class Metadata(_Body):
     user_id: str | None = None
 
 
+_NEEDS_TOOLS = {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}
+
+
 class _MessagesBody(_Body):
-    model: str | None = None
-    messages: list[AnthropicMessage] = []
+    REQUIRED = ("model", "messages")
+    RULES = (
+        when({"tool_choice": {"type": "object", "properties": {"type": {"enum": ["any", "tool"]}}}}, _NEEDS_TOOLS),
+        {
+            "anyOf": [
+                {"properties": {"system": {"minLength": 1, "minItems": 1, "type": ["string", "array"]}}, "required": ["system"]},
+                {"properties": {"messages": {"contains": {"not": {"properties": {"role": {"const": "user"}, "content": {"maxItems": 0}}}}}}},
+            ]
+        },
+        when(  # the grammar would bind tool calls too
+            {"output_config": {"type": "object", "properties": {"format": {"type": "object"}}, "required": ["format"]}},
+            {
+                "anyOf": [
+                    {"properties": {"tool_choice": {"type": "object", "properties": {"type": {"const": "none"}}}}, "required": ["tool_choice"]},
+                    {"properties": {"tool_choice": {"type": "null"}, "tools": _NONE}},
+                ]
+            },
+        ),
+    )
+
+    model: Annotated[str | None, schema("model")] = None
+    # something for the template to render: a system prompt, or a message that is more than an empty list of blocks
+    messages: Annotated[list[AnthropicMessage], schema(minItems=1)] = []
     system: str | list[TextBlock] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
@@ -106,13 +169,15 @@ class _MessagesBody(_Body):
 
 
 class MessagesRequest(_MessagesBody):
-    max_tokens: int | None = None
-    stop_sequences: list[str] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
+    REQUIRED = ("model", "messages", "max_tokens")
+
+    max_tokens: Annotated[int | None, MAX_TOKENS] = None
+    stop_sequences: Annotated[list[str] | None, schema(maxItems=MAX_STOP_STRINGS, items={"minLength": 1})] = None
+    temperature: Annotated[float | None, schema(minimum=0, maximum=1)] = None
+    top_p: Annotated[float | None, schema(exclusiveMinimum=0, maximum=1)] = None
+    top_k: Annotated[int | None, schema(minimum=-1)] = None
     metadata: Metadata | None = None
-    service_tier: str | None = None
+    service_tier: Annotated[str | None, schema(enum=["auto", "standard_only", None])] = None
     stream: bool = False
 
 

@@ -46,8 +46,8 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     except web.HTTPRequestEntityTooLarge:
         limit = request.app[API_STATE].config.max_body_bytes
         response = ApiError(413, f"the request body is larger than the limit of {limit} bytes", code="request_too_large").response(anthropic)
-    except web.HTTPException as exc:
-        response = ApiError(exc.status, exc.reason or "error").response(anthropic)
+    except web.HTTPException as exc:  # a 405 keeps its Allow header
+        response = ApiError(exc.status, exc.reason or "error", headers={k: v for k, v in exc.headers.items() if k == "Allow"}).response(anthropic)
     except (asyncio.CancelledError, ConnectionResetError):
         HTTP_REQUESTS.labels(route, "499").inc()  # the client went away
         raise

@@ -6,8 +6,9 @@ or refused with a 400 that names it: nothing is silently ignored.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 from aiohttp import web
@@ -21,13 +22,51 @@ from shared.frames import SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16
+MAX_BATCH_CHOICES = MAX_CHOICES * 4  # prompts times n on one completions request
 MAX_LOGPROBS = 20  # most alternatives per token (vLLM's default max_logprobs; OpenAI's chat limit)
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits
 MAX_LOGIT_BIAS = 1024  # entries; they travel with the request to the worker
+INT64 = (-(2**63), 2**63 - 1)  # integers that travel to the engine: its frames carry no wider ones
+MAX_TOOL_NAME = 128
+# what check_tools accepts: no spaces (as str.isspace has them, which regular expressions' \s does not), quotes or angle brackets
+TOOL_NAME = "^[^" + "".join(f"\\u{c:04x}" for c in range(0x10000) if chr(c).isspace()) + "<>\"']+$"
+TOKEN_ID_KEY = re.compile(r"[0-9]+")  # a logit_bias key: a token id in decimal
+
+
+def schema(served: str | None = None, **keywords: Any) -> msgspec.Meta:
+    """The JSON Schema keywords /openapi.json states for a field: the bounds its check enforces. ``served`` names a
+    bound that comes from the served model and configuration, filled in at start (see services.api.openapi)."""
+    return msgspec.Meta(extra_json_schema=keywords | ({"x-served": served} if served else {}))
+
+
+NULL_OR_FALSE = schema(enum=[False, None])  # a flag that asks for what this server does not do
+MAX_TOKENS = schema("max_tokens", minimum=1)
+METADATA = schema(
+    maxProperties=MAX_METADATA_PAIRS,
+    propertyNames={"maxLength": MAX_METADATA_KEY},
+    additionalProperties={"type": "string", "maxLength": MAX_METADATA_VALUE},
+)
+SERVICE_TIER = schema(enum=["auto", "default", None])
+LOGPROBS = schema(minimum=0, maximum=MAX_LOGPROBS)
+TOOL_CHOICE_MODES = ["none", "auto", "required"]
+
+
+def when(condition: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """``then`` holds wherever the fields in ``condition`` are present and match it."""
+    return {"if": {"properties": condition, "required": sorted(condition)}, "then": then}
+
+
+def present(name: str) -> dict[str, Any]:
+    """A condition on ``name``: sent, and not null."""
+    return {name: {"not": {"type": "null"}}}
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    pass
+    """A request body. ``REQUIRED`` and ``RULES`` are what /openapi.json says beyond the fields' own types: the fields
+    the validation below refuses to go without, and the rules across fields it enforces (JSON Schema, all must hold)."""
+
+    REQUIRED: ClassVar[tuple[str, ...]] = ()
+    RULES: ClassVar[tuple[dict[str, Any], ...]] = ()
 
 
 class StreamOptions(_Body):
@@ -38,7 +77,7 @@ class StreamOptions(_Body):
 class ContentPart(_Body):
     """A message's content part. Only text is read; the other OpenAI kinds parse, to be refused by name."""
 
-    type: str
+    type: Annotated[str, schema(const="text")]
     text: str = ""
     image_url: dict[str, Any] | None = None
     input_audio: dict[str, Any] | None = None
@@ -54,11 +93,21 @@ class FunctionCall(_Body):
 class ChatToolCall(_Body):
     id: str
     function: FunctionCall
-    type: str = "function"
+    type: Annotated[str, schema(const="function")] = "function"
 
 
 class ChatMessage(_Body):
-    role: str
+    RULES = (
+        {"if": {"properties": {"role": {"const": "assistant"}}}, "else": {"properties": {"tool_calls": {"type": ["array", "null"], "maxItems": 0}}}},
+        {"if": {"properties": {"role": {"const": "assistant"}}}, "else": {"properties": {"reasoning_content": {"type": "null"}}}},
+        {
+            "if": {"properties": {"role": {"const": "tool"}}},
+            "then": {"properties": {"tool_call_id": {"type": "string", "minLength": 1}}, "required": ["tool_call_id"]},
+            "else": {"properties": {"tool_call_id": {"type": "null"}}},
+        },
+    )
+
+    role: Annotated[str, schema(enum=["system", "developer", "user", "assistant", "tool"])]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ChatToolCall] | None = None  # an assistant's earlier calls
@@ -67,14 +116,14 @@ class ChatMessage(_Body):
 
 
 class FunctionDef(_Body):
-    name: str
+    name: Annotated[str, schema(minLength=1, maxLength=MAX_TOOL_NAME, pattern=TOOL_NAME)]
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: Annotated[bool | None, NULL_OR_FALSE] = None
 
 
 class ChatTool(_Body):
-    type: str
+    type: Annotated[str, schema(const="function")]
     function: FunctionDef
 
 
@@ -83,64 +132,110 @@ class NamedFunction(_Body):
 
 
 class NamedToolChoice(_Body):
-    type: str
+    type: Annotated[str, schema(const="function")]
     function: NamedFunction
 
 
+JSON_SCHEMA_SPEC = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": r"^[A-Za-z0-9_-]{1,64}$"},
+        "strict": {"type": ["boolean", "null"]},
+        "schema": {"type": ["object", "boolean"]},
+    },
+    "required": ["name"],
+}
+
+
 class ResponseFormat(_Body):
-    type: str
+    RULES = (when({"type": {"const": "json_schema"}}, {"properties": {"json_schema": JSON_SCHEMA_SPEC}, "required": ["json_schema"]}),)
+
+    type: Annotated[str, schema(enum=["text", "json_object", "json_schema"])]
     json_schema: dict[str, Any] | None = None  # parsed so that the type is what a refusal names
 
 
 class _SamplingBody(_Body):
     """Fields shared by /v1/chat/completions and /v1/completions (OpenAI plus vLLM extras)."""
 
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    n: int = 1
+    REQUIRED = ("model",)
+    RULES = (when(present("stream_options"), {"properties": {"stream": {"const": True}}, "required": ["stream"]}),)
+
+    model: Annotated[str | None, schema("model")] = None
+    max_tokens: Annotated[int | None, MAX_TOKENS] = None
+    temperature: Annotated[float | None, schema(minimum=0, maximum=2)] = None
+    top_p: Annotated[float | None, schema(exclusiveMinimum=0, maximum=1)] = None
+    top_k: Annotated[int | None, schema(minimum=-1, maximum=INT64[1])] = None
+    min_p: Annotated[float | None, schema(minimum=0, maximum=1)] = None
+    seed: Annotated[int | None, schema(minimum=INT64[0], maximum=INT64[1] - MAX_CHOICES)] = None
+    stop: Annotated[str | list[str] | None, schema(minLength=1, maxItems=MAX_STOP_STRINGS, items={"minLength": 1})] = None
+    stop_token_ids: Annotated[list[int] | None, schema(items={"minimum": INT64[0], "maximum": INT64[1]})] = None
+    n: Annotated[int, schema(minimum=1, maximum=MAX_CHOICES)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Annotated[int, schema(minimum=0, maximum=INT64[1])] = 0
     skip_special_tokens: bool = True
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    presence_penalty: Annotated[float, schema(minimum=-2, maximum=2)] = 0.0
+    frequency_penalty: Annotated[float, schema(minimum=-2, maximum=2)] = 0.0
+    repetition_penalty: Annotated[float, schema(exclusiveMinimum=0)] = 1.0
     logprobs: bool | int | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[
+        dict[str, float] | None, schema("token_id_keys", maxProperties=MAX_LOGIT_BIAS, additionalProperties={"minimum": -100, "maximum": 100})
+    ] = None
     user: str | None = None
 
 
 class ChatCompletionRequest(_SamplingBody):
-    messages: list[ChatMessage] = []
-    max_completion_tokens: int | None = None
-    top_logprobs: int | None = None
+    REQUIRED = ("model", "messages")
+    RULES = (
+        *_SamplingBody.RULES,
+        {"properties": {"logprobs": {"type": ["boolean", "null"]}}},  # alternatives are top_logprobs here
+        when(present("top_logprobs"), {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}),
+        when({"tool_choice": {"enum": ["required"]}}, {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}),
+        when({"tool_choice": {"type": "object"}}, {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}),
+        when(  # the grammar would bind tool calls too
+            {"response_format": {"type": "object", "properties": {"type": {"enum": ["json_object", "json_schema"]}}}},
+            {
+                "anyOf": [
+                    {"properties": {"tool_choice": {"const": "none"}}, "required": ["tool_choice"]},
+                    {"properties": {"tool_choice": {"type": "null"}, "tools": {"type": ["array", "null"], "maxItems": 0}}},
+                ]
+            },
+        ),
+    )
+
+    messages: Annotated[list[ChatMessage], schema(minItems=1)] = []
+    max_completion_tokens: Annotated[int | None, MAX_TOKENS] = None
+    top_logprobs: Annotated[int | None, LOGPROBS] = None
     response_format: ResponseFormat | None = None
     tools: list[ChatTool] | None = None
-    tool_choice: str | NamedToolChoice | None = None
+    tool_choice: Annotated[str | NamedToolChoice | None, schema(**{"if": {"type": "string"}, "then": {"enum": TOOL_CHOICE_MODES}})] = None
     parallel_tool_calls: bool | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: Annotated[str | None, schema("effort")] = None
     chat_template_kwargs: dict[str, Any] | None = None
-    store: bool | None = None
-    metadata: dict[str, str] | None = None
-    service_tier: str | None = None
+    store: Annotated[bool | None, NULL_OR_FALSE] = None
+    metadata: Annotated[dict[str, str] | None, METADATA] = None
+    service_tier: Annotated[str | None, SERVICE_TIER] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
 
 class CompletionRequest(_SamplingBody):
-    prompt: str | list[str | int | list[int]] | None = None
+    REQUIRED = ("model", "prompt")
+    RULES = (
+        *_SamplingBody.RULES,
+        {"properties": {"logprobs": {"type": ["integer", "null"], **LOGPROBS.extra_json_schema}}},  # alternatives per token
+        when({"logprobs": {"type": "integer"}}, {"properties": {"echo": {"const": False}}}),
+        # a batch of at most MAX_BATCH_CHOICES prompts (texts or token-id lists); times n, too, which schemathesis
+        # cannot generate from once it is written as rules (one per batch size where the most n allowed drops)
+        {"properties": {"prompt": {"anyOf": [{"items": {"type": "integer"}}, {"maxItems": MAX_BATCH_CHOICES}]}}},
+    )
+
+    prompt: Annotated[str | list[str | int | list[int]] | None, schema("prompt")] = None
     response_format: ResponseFormat | None = None  # vLLM's extension: structured outputs on completions too
     echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    suffix: Annotated[str | None, schema(type="null")] = None
+    best_of: Annotated[int | None, schema(enum=[1, None])] = None
 
 
 @dataclass
@@ -205,7 +300,9 @@ def check_sampling(temperature: float | None, top_p: float | None, top_k: int | 
     top_p_value = 1.0 if top_p is None else top_p
     check(0.0 < top_p_value <= 1.0, "top_p", f"top_p must be in (0, 1], got {top_p_value}")
     top_k_value = 0 if top_k is None or top_k == -1 else top_k
-    check(top_k_value >= 0, "top_k", f"top_k must be -1 (disabled) or at least 0, got {top_k}")
+    check(0 <= top_k_value <= INT64[1], "top_k", f"top_k must be -1 (disabled) or between 0 and {INT64[1]}, got {top_k}")
+    # n seeded samples take seed, seed + 1, ...: all must fit the engine's frames
+    check(seed is None or INT64[0] <= seed <= INT64[1] - MAX_CHOICES, "seed", f"seed must be between {INT64[0]} and {INT64[1] - MAX_CHOICES}, got {seed}")
     min_p = 0.0 if min_p is None else min_p
     check(0.0 <= min_p <= 1.0, "min_p", f"min_p must be between 0 and 1, got {min_p}")
     return SamplingParams(temperature=temperature, top_p=top_p_value, top_k=top_k_value, min_p=min_p, seed=seed)
@@ -223,7 +320,7 @@ def check_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int
     out: dict[int, float] = {}
     check(len(bias or {}) <= MAX_LOGIT_BIAS, "logit_bias", f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias or {})}")
     for key, value in (bias or {}).items():
-        token = int(key) if key.strip().lstrip("-").isdigit() else None
+        token = int(key) if TOKEN_ID_KEY.fullmatch(key) else None  # ASCII digits: str.isdigit takes '²', which int refuses
         check(token is not None, "logit_bias", f"logit_bias keys must be token ids, got {key!r}")
         check(0 <= token < vocab_size, "logit_bias", f"logit_bias names token id {token}, outside the vocabulary [0, {vocab_size})")  # type: ignore[operator]
         check(-100.0 <= value <= 100.0, "logit_bias", f"logit_bias values must be between -100 and 100, got {value} for token {token}")
@@ -256,7 +353,8 @@ def validate_sampling(
     sampling = check_penalties(sampling, body.presence_penalty, body.frequency_penalty, body.repetition_penalty)
     sampling = msgspec.structs.replace(sampling, logit_bias=check_logit_bias(body.logit_bias, vocab_size), logprobs=logprobs)
     check(1 <= body.n <= MAX_CHOICES, "n", f"n must be between 1 and {MAX_CHOICES}, got {body.n}")
-    check(body.min_tokens >= 0, "min_tokens", f"min_tokens must be at least 0, got {body.min_tokens}")
+    check(0 <= body.min_tokens <= INT64[1], "min_tokens", f"min_tokens must be between 0 and {INT64[1]}, got {body.min_tokens}")
+    check(all(INT64[0] <= t <= INT64[1] for t in body.stop_token_ids or []), "stop_token_ids", f"stop_token_ids must lie between {INT64[0]} and {INT64[1]}")
     check(
         max_tokens is None or body.min_tokens <= max_tokens, "min_tokens", f"min_tokens ({body.min_tokens}) must not exceed {max_tokens_param} ({max_tokens})"
     )
@@ -307,7 +405,8 @@ def validate_chat(body: ChatCompletionRequest, served_model: str, efforts: tuple
     )
     check(body.top_logprobs is None or bool(body.logprobs), "top_logprobs", "top_logprobs requires logprobs: true")
     logprobs = check_logprobs(body.top_logprobs or 0, "top_logprobs") if body.logprobs else None
-    generation = validate_sampling(body, served_model, body.max_completion_tokens or body.max_tokens, param, vocab_size, logprobs)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens  # 0 is refused, not unset
+    generation = validate_sampling(body, served_model, max_tokens, param, vocab_size, logprobs)
     unsupported(body.store is not True, "store", "store: true (this server stores no completions; send store: false or leave it out)")
     check_metadata(body.metadata)
     check_service_tier(body.service_tier)
@@ -410,7 +509,7 @@ def validate_completion(body: CompletionRequest, served_model: str, vocab_size: 
     unsupported(body.suffix is None, "suffix", "suffix")
     unsupported(body.best_of in (None, 1), "best_of", "best_of other than 1")
     prompts = _prompts(body.prompt)
-    check(len(prompts) * generation.n <= MAX_CHOICES * 4, "prompt", f"too many choices: {len(prompts)} prompts x n={generation.n}")
+    check(len(prompts) * generation.n <= MAX_BATCH_CHOICES, "prompt", f"too many choices: {len(prompts)} prompts x n={generation.n}")
     for i, prompt in enumerate(prompts):
         check(len(prompt) > 0, "prompt", f"prompt {i} is empty")
         if isinstance(prompt, list):

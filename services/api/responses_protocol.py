@@ -7,13 +7,22 @@ is refused with a 400 that names the field.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 
 from services.api.chat import ChatTurn
 from services.api.errors import ApiError
 from services.api.protocol import (
+    JSON_SCHEMA_SPEC,
+    LOGPROBS,
+    MAX_TOKENS,
+    MAX_TOOL_NAME,
+    METADATA,
+    NULL_OR_FALSE,
+    SERVICE_TIER,
+    TOOL_CHOICE_MODES,
+    TOOL_NAME,
     Generation,
     check,
     check_logprobs,
@@ -23,7 +32,9 @@ from services.api.protocol import (
     check_sampling,
     check_service_tier,
     convert_part,
+    schema,
     unsupported,
+    when,
 )
 from services.api.reasoning import check_effort
 from services.api.structured_outputs import check_structured_combination, json_schema_of
@@ -33,16 +44,43 @@ OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one ``include`` item ser
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    pass
+    REQUIRED: ClassVar[tuple[str, ...]] = ()  # see services.api.protocol._Body
+    RULES: ClassVar[tuple[dict[str, Any], ...]] = ()
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _typed(kind: str, name: str) -> dict[str, Any]:
+    """An item of type ``kind`` (a dispatch on ``type``) has the shape of the struct ``name``."""
+    return {"if": {"type": "object", "properties": {"type": {"const": kind}}, "required": ["type"]}, "then": _ref(name)}
+
+
+_ITEM_TYPES = ["message", "function_call", "function_call_output", "reasoning"]
+_INPUT_ITEM = {
+    "type": "object",
+    "properties": {"type": {"enum": _ITEM_TYPES}},
+    "allOf": [
+        {"if": {"not": {"required": ["type"]}}, "then": _ref("MessageItem")},
+        _typed("message", "MessageItem"),
+        _typed("function_call", "FunctionCallItem"),
+        _typed("function_call_output", "FunctionCallOutputItem"),
+        _typed("reasoning", "ReasoningItem"),
+    ],
+}
+_NOT_REASONING = {"not": {"properties": {"type": {"const": "reasoning"}}, "required": ["type"]}}
 
 
 class ReasoningConfig(_Body):
-    effort: str | None = None
+    effort: Annotated[str | None, schema("effort")] = None
     summary: str | None = None  # accepted; no summary is generated (the reasoning item carries the full text)
 
 
 class TextFormat(_Body):
-    type: str
+    RULES = (when({"type": {"const": "json_schema"}}, JSON_SCHEMA_SPEC),)
+
+    type: Annotated[str, schema(enum=["text", "json_object", "json_schema"])]
     name: str | None = None  # json_schema: the schema's name, the schema, and whether to follow it strictly
     schema: dict[str, Any] | bool | None = None
     description: str | None = None
@@ -51,54 +89,100 @@ class TextFormat(_Body):
 
 class TextConfig(_Body):
     format: TextFormat | None = None
-    verbosity: str | None = None
+    verbosity: Annotated[str | None, schema(type="null")] = None
 
 
 class ResponsesRequest(_Body):
-    model: str | None = None
-    input: str | list[dict[str, Any]] | None = None
+    REQUIRED = ("model", "input")
+    RULES = (
+        when({"tool_choice": {"enum": ["required"]}}, {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}),
+        when({"tool_choice": {"type": "object"}}, {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}),
+        {  # something to answer: instructions, or an input item that is more than reasoning
+            "anyOf": [
+                {"properties": {"instructions": {"type": "string", "minLength": 1}}, "required": ["instructions"]},
+                {"properties": {"input": {"anyOf": [{"type": "string"}, {"type": "array", "contains": _NOT_REASONING}]}}},
+            ]
+        },
+        when(  # the grammar would bind tool calls too
+            {"text": {"type": "object", "properties": {"format": {"type": "object", "properties": {"type": {"enum": ["json_object", "json_schema"]}}}}}},
+            {
+                "anyOf": [
+                    {"properties": {"tool_choice": {"const": "none"}}, "required": ["tool_choice"]},
+                    {"properties": {"tool_choice": {"type": "null"}, "tools": {"type": ["array", "null"], "maxItems": 0}}},
+                ]
+            },
+        ),
+    )
+
+    model: Annotated[str | None, schema("model")] = None
+    input: Annotated[str | list[dict[str, Any]] | None, schema(items=_INPUT_ITEM)] = None
     instructions: str | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    max_output_tokens: Annotated[int | None, MAX_TOKENS] = None
+    temperature: Annotated[float | None, schema(minimum=0, maximum=2)] = None
+    top_p: Annotated[float | None, schema(exclusiveMinimum=0, maximum=1)] = None
+    tools: Annotated[list[dict[str, Any]] | None, schema(items=_ref("FunctionTool"))] = None
+    tool_choice: Annotated[
+        str | dict[str, Any] | None,
+        schema(
+            **{"if": {"type": "string"}, "then": {"enum": TOOL_CHOICE_MODES}},
+            properties={"type": {"const": "function"}, "name": {"type": "string"}},
+            required=["type", "name"],
+            additionalProperties=False,
+        ),
+    ] = None
     parallel_tool_calls: bool | None = None
     reasoning: ReasoningConfig | None = None
     stream: bool = False
-    store: bool | None = None
-    previous_response_id: str | None = None
-    background: bool | None = None
-    conversation: str | dict[str, Any] | None = None
-    include: list[str] | None = None
-    metadata: dict[str, str] | None = None
-    service_tier: str | None = None
+    store: Annotated[bool | None, NULL_OR_FALSE] = None
+    previous_response_id: Annotated[str | None, schema(maxLength=0)] = None
+    background: Annotated[bool | None, NULL_OR_FALSE] = None
+    conversation: Annotated[str | dict[str, Any] | None, schema(type="null")] = None
+    include: Annotated[list[str] | None, schema(items={"const": OUTPUT_LOGPROBS})] = None
+    metadata: Annotated[dict[str, str] | None, METADATA] = None
+    service_tier: Annotated[str | None, SERVICE_TIER] = None
     text: TextConfig | None = None
-    truncation: str | None = None
-    top_logprobs: int | None = None
+    truncation: Annotated[str | None, schema(enum=["disabled", None])] = None
+    top_logprobs: Annotated[int | None, LOGPROBS] = None
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None  # a hint; the prefix cache is automatic
 
 
 class InputText(_Body):
-    type: str
+    type: Annotated[str, schema(enum=["input_text", "output_text"])]
     text: str
     annotations: list[Any] | None = None
     logprobs: list[Any] | None = None
 
 
+_TEXT_PART = {"if": {"type": "object", "properties": {"type": {"const": "refusal"}}, "required": ["type"]}, "else": _ref("InputText")}
+
+
 class MessageItem(_Body):
-    role: str
+    RULES = (  # the content parts each role may send
+        {
+            "if": {"properties": {"role": {"const": "assistant"}}},
+            "then": {
+                "properties": {
+                    "content": {"items": {"type": "object", "properties": {"type": {"enum": ["output_text", "refusal"]}}, "required": ["type"], **_TEXT_PART}}
+                }
+            },
+            "else": {
+                "properties": {"content": {"items": {"type": "object", "properties": {"type": {"const": "input_text"}}, "required": ["type"], **_TEXT_PART}}}
+            },
+        },
+    )
+
+    role: Annotated[str, schema(enum=["user", "system", "developer", "assistant"])]
     content: str | list[dict[str, Any]]
-    type: str = "message"
+    type: Annotated[str, schema(const="message")] = "message"
     id: str | None = None
     status: str | None = None
     phase: str | None = None
 
 
 class FunctionCallItem(_Body):
-    type: str
+    type: Annotated[str, schema(const="function_call")]
     call_id: str
     name: str
     arguments: str
@@ -107,28 +191,28 @@ class FunctionCallItem(_Body):
 
 
 class FunctionCallOutputItem(_Body):
-    type: str
+    type: Annotated[str, schema(const="function_call_output")]
     call_id: str
-    output: str | list[dict[str, Any]]
+    output: Annotated[str | list[dict[str, Any]], schema(items=_ref("InputText") | {"properties": {"type": {"const": "input_text"}}})]
     id: str | None = None
     status: str | None = None
 
 
 class ReasoningItem(_Body):
-    type: str
+    type: Annotated[str, schema(const="reasoning")]
     summary: list[dict[str, Any]] = []
     content: list[dict[str, Any]] | None = None
     id: str | None = None
-    encrypted_content: str | None = None
+    encrypted_content: Annotated[str | None, schema(type="null")] = None
     status: str | None = None
 
 
 class FunctionTool(_Body):
-    type: str
-    name: str
+    type: Annotated[str, schema(const="function")]
+    name: Annotated[str, schema(minLength=1, maxLength=MAX_TOOL_NAME, pattern=TOOL_NAME)]
     parameters: dict[str, Any] | None = None
     description: str | None = None
-    strict: bool | None = None
+    strict: Annotated[bool | None, NULL_OR_FALSE] = None
 
 
 _PART_TYPES = {"user": ("input_text",), "system": ("input_text",), "developer": ("input_text",), "assistant": ("output_text", "refusal")}

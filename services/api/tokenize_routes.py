@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 from aiohttp import web
 
 from services.api.chat import ChatTurn
-from services.api.protocol import ChatMessage, ChatTool, chat_message, chat_tool, check, check_model, read_body
+from services.api.protocol import ChatMessage, ChatTool, chat_message, chat_tool, check, check_model, read_body, schema
 from services.api.state import API_STATE, ApiState
-from services.api.tools import ToolChoice
+from services.api.tools import ToolChoice, check_tools
 
 routes = web.RouteTableDef()
 
@@ -18,9 +18,27 @@ routes = web.RouteTableDef()
 class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """Either ``prompt`` (text) or ``messages`` (a chat, with the chat-only fields)."""
 
-    model: str | None = None
+    REQUIRED: ClassVar[tuple[str, ...]] = ()  # see services.api.protocol._Body
+    RULES: ClassVar[tuple[dict[str, Any], ...]] = (
+        {
+            "oneOf": [
+                {
+                    "properties": {
+                        "prompt": {"type": "string"},
+                        "messages": {"type": "null"},
+                        "tools": {"type": "null"},
+                        "chat_template_kwargs": {"type": "null"},
+                    },
+                    "required": ["prompt"],
+                },
+                {"properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}, "required": ["messages"]},
+            ]
+        },
+    )
+
+    model: Annotated[str | None, schema("model_or_null")] = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage] | None, schema(minItems=1)] = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for a chat (its template adds them)
     return_token_strs: bool = False
     add_generation_prompt: bool = True
@@ -30,8 +48,11 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=
 
 
 class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):
-    tokens: list[int]
-    model: str | None = None
+    REQUIRED: ClassVar[tuple[str, ...]] = ("tokens",)
+    RULES: ClassVar[tuple[dict[str, Any], ...]] = ()
+
+    tokens: Annotated[list[int], schema("token_ids")]
+    model: Annotated[str | None, schema("model_or_null")] = None
 
 
 def _model(state: ApiState, model: str | None) -> None:
@@ -51,10 +72,12 @@ async def tokenize(request: web.Request) -> web.Response:
     else:
         check(len(body.messages or []) > 0, "messages", "messages must be a non-empty list")
         tools = [chat_tool(tool, i) for i, tool in enumerate(body.tools or [])]
+        choice = ToolChoice("auto" if tools else "none")
+        check_tools(tools, choice, "tools", "tool_choice", name_field="function.name")  # as chat completions does
         turn = ChatTurn(
             messages=[chat_message(m, i) for i, m in enumerate(body.messages or [])],
             tools=tools,
-            tool_choice=ToolChoice("auto" if tools else "none"),
+            tool_choice=choice,
             template_kwargs=dict(body.chat_template_kwargs or {}),
             add_generation_prompt=body.add_generation_prompt,
             continue_final=body.continue_final_message,
