@@ -16,6 +16,7 @@ import msgspec
 from services.api.chat import ChatTurn
 from services.api.errors import ApiError
 from services.api.protocol import (
+    INT64,
     MAX_STOP_STRINGS,
     MAX_TOKENS,
     MAX_TOOL_NAME,
@@ -126,7 +127,7 @@ _OUTPUT_FORMAT = {"properties": {"type": {"const": "json_schema"}, "schema": {}}
 
 class OutputConfig(_Body):
     effort: Annotated[str | None, schema("effort")] = None
-    format: Annotated[dict[str, Any] | None, schema(anyOf=[_OUTPUT_FORMAT, {"type": "null"}])] = None
+    format: Annotated[dict[str, Any] | None, schema(**_OUTPUT_FORMAT)] = None
 
 
 class Metadata(_Body):
@@ -175,7 +176,7 @@ class MessagesRequest(_MessagesBody):
     stop_sequences: Annotated[list[str] | None, schema(maxItems=MAX_STOP_STRINGS, items={"minLength": 1})] = None
     temperature: Annotated[float | None, schema(minimum=0, maximum=1)] = None
     top_p: Annotated[float | None, schema(exclusiveMinimum=0, maximum=1)] = None
-    top_k: Annotated[int | None, schema(minimum=-1)] = None
+    top_k: Annotated[int | None, schema(minimum=-1, maximum=INT64[1])] = None
     metadata: Metadata | None = None
     service_tier: Annotated[str | None, schema(enum=["auto", "standard_only", None])] = None
     stream: bool = False
@@ -209,7 +210,6 @@ def validate_messages(body: MessagesRequest, served_model: str, efforts: tuple[s
     )
     turn = turn_of(body, efforts)
     schema = anthropic_output_format(body.output_config.format if body.output_config else None)
-    check_structured_combination(schema, turn.tool_choice.mode, turn.effort, efforts, "output_config.format")
     return replace(generation, sampling=msgspec.structs.replace(generation.sampling, json_schema=schema)), turn
 
 
@@ -227,11 +227,15 @@ def turn_of(body: _MessagesBody, efforts: tuple[str, ...]) -> ChatTurn:
         messages += _messages(message, f"messages[{i}]")
     last = body.messages[-1]
     prefill = last.role == "assistant" and not messages[-1].get("tool_calls")
+    effort = _effort(body, efforts)
+    # count_tokens refuses a format that messages would refuse, too
+    output_format = anthropic_output_format(body.output_config.format if body.output_config else None)
+    check_structured_combination(output_format, choice.mode, effort, efforts, "output_config.format")
     return ChatTurn(
         messages=messages,
         tools=tools,
         tool_choice=choice,
-        effort=_effort(body, efforts),
+        effort=effort,
         add_generation_prompt=not prefill,
         continue_final=prefill,
     )

@@ -23,6 +23,7 @@ from shared.frames import SamplingParams
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16
 MAX_BATCH_CHOICES = MAX_CHOICES * 4  # prompts times n on one completions request
+DEFAULT_COMPLETION_TOKENS = 16  # a completion's max_tokens when it sends none (OpenAI's default)
 MAX_LOGPROBS = 20  # most alternatives per token (vLLM's default max_logprobs; OpenAI's chat limit)
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits
 MAX_LOGIT_BIAS = 1024  # entries; they travel with the request to the worker
@@ -226,6 +227,7 @@ class CompletionRequest(_SamplingBody):
         *_SamplingBody.RULES,
         {"properties": {"logprobs": {"type": ["integer", "null"], **LOGPROBS.extra_json_schema}}},  # alternatives per token
         when({"logprobs": {"type": "integer"}}, {"properties": {"echo": {"const": False}}}),
+        {"if": {"properties": {"max_tokens": {"type": "null"}}}, "then": {"properties": {"min_tokens": {"maximum": DEFAULT_COMPLETION_TOKENS}}}},
         # a batch of at most MAX_BATCH_CHOICES prompts (texts or token-id lists); times n, too, which schemathesis
         # cannot generate from once it is written as rules (one per batch size where the most n allowed drops)
         {"properties": {"prompt": {"anyOf": [{"items": {"type": "integer"}}, {"maxItems": MAX_BATCH_CHOICES}]}}},
@@ -504,7 +506,9 @@ def validate_completion(body: CompletionRequest, served_model: str, vocab_size: 
     check(not isinstance(body.logprobs, bool), "logprobs", "logprobs must be an integer on completions: how many alternatives per token (0 to 20)")
     logprobs = check_logprobs(body.logprobs, "logprobs")  # type: ignore[arg-type]
     unsupported(logprobs is None or not body.echo, "logprobs", "logprobs with echo (prompt logprobs)")
-    generation = validate_sampling(body, served_model, 16 if body.max_tokens is None else body.max_tokens, "max_tokens", vocab_size, logprobs)
+    generation = validate_sampling(
+        body, served_model, DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens, "max_tokens", vocab_size, logprobs
+    )
     generation = with_response_format(generation, body.response_format)
     unsupported(body.suffix is None, "suffix", "suffix")
     unsupported(body.best_of in (None, 1), "best_of", "best_of other than 1")

@@ -78,7 +78,13 @@ class ReasoningConfig(_Body):
 
 
 class TextFormat(_Body):
-    RULES = (when({"type": {"const": "json_schema"}}, JSON_SCHEMA_SPEC),)
+    # as on chat, but a null schema is the default one here
+    RULES = (
+        when(
+            {"type": {"const": "json_schema"}},
+            JSON_SCHEMA_SPEC | {"properties": JSON_SCHEMA_SPEC["properties"] | {"schema": {"type": ["object", "boolean", "null"]}}},
+        ),
+    )
 
     type: Annotated[str, schema(enum=["text", "json_object", "json_schema"])]
     name: str | None = None  # json_schema: the schema's name, the schema, and whether to follow it strictly

@@ -8,9 +8,11 @@ sends them to a real api on loopback (around the scripted engine) and checks eac
   answers are as documented (errors in the protocol's shape, a 405 with its ``Allow``).
 
 Its coverage phase sends each bound's edge values and its fuzzing phase random requests, from a fixed seed.
-What JSON Schema cannot say (services.api.openapi lists it) is refused by the api with a 400 that the positive
-check would report; the rules the test relies on keep those out of the generated bodies' reach or are few
-enough that a fixed seed does not meet them.
+What the document does not say (services.api.openapi lists it) the api refuses with a 400 that the positive
+check reports; of those, the test lets through only the context-length refusal (a prompt's length in tokens is
+not a JSON Schema keyword), and brings generated values to what the api reads: a float with no fraction where
+an integer goes (JSON Schema's ``integer`` takes 1.0; the api, like OpenAI's, wants 1), and the rules across
+fields in ``_within_unstated_rules``. The rest are rare enough that this seed does not meet them.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ CONFIG = {
     "generation": {"max-examples": EXAMPLES_PER_OPERATION, "deterministic": True, "database": "none"},
     "phases": {"examples": {"enabled": False}, "coverage": {"enabled": True}, "fuzzing": {"enabled": True}, "stateful": {"enabled": False}},
 }
+
+
+CONTEXT_REFUSAL = b"maximum context length"  # a valid request whose rendered prompt and max_tokens exceed the context
 
 
 def _serve(ready: threading.Event, address: list[str], stop: list[Any]) -> None:
@@ -82,14 +87,34 @@ def _integral_floats_as_ints(value: Any) -> Any:
     return value
 
 
-def _within_batch_limit(body: Any) -> Any:
-    """A completions batch times n within MAX_BATCH_CHOICES, the one bound the document states only in part."""
-    if not isinstance(body, dict) or not isinstance(body.get("n"), int) or not isinstance(body.get("prompt"), list):
+def _within_unstated_rules(body: Any) -> Any:
+    """A generated body brought within the rules across fields that the document does not state, where its values
+    are otherwise in bounds (so that a body invalid for another reason stays invalid): a completions batch times n,
+    ``min_tokens`` at most ``max_tokens``, ``max_completion_tokens`` equal to ``max_tokens``, and tool names unique."""
+    if not isinstance(body, dict):
         return body
-    size, n = len(body["prompt"]), body["n"]
-    if all(isinstance(p, (str, list)) for p in body["prompt"]) and 1 <= size <= MAX_BATCH_CHOICES and 1 <= n <= MAX_CHOICES:
-        return {**body, "n": min(n, MAX_BATCH_CHOICES // size)}
-    return body
+    out = dict(body)
+    n, prompt, max_tokens, least = out.get("n"), out.get("prompt"), out.get("max_tokens"), out.get("min_tokens")
+    if isinstance(n, int) and 1 <= n <= MAX_CHOICES and isinstance(prompt, list) and 1 <= len(prompt) <= MAX_BATCH_CHOICES:
+        if all(isinstance(p, (str, list)) for p in prompt):
+            out["n"] = min(n, MAX_BATCH_CHOICES // len(prompt))
+    if isinstance(max_tokens, int) and max_tokens >= 1 and isinstance(least, int) and least > max_tokens:
+        out["min_tokens"] = max_tokens
+    if isinstance(max_tokens, int) and isinstance(out.get("max_completion_tokens"), int):
+        out["max_completion_tokens"] = max_tokens
+    if isinstance(out.get("tools"), list):
+        out["tools"] = [_renamed(tool, i) for i, tool in enumerate(out["tools"])]
+    return out
+
+
+def _renamed(tool: Any, index: int) -> Any:
+    """A tool whose (valid) name is made unique among the request's tools."""
+    holder = tool.get("function", tool) if isinstance(tool, dict) else None
+    name = holder.get("name") if isinstance(holder, dict) else None
+    if not isinstance(name, str) or not 1 <= len(name) <= 120:
+        return tool
+    renamed = {**holder, "name": f"{name}_{index}"}
+    return {**tool, "function": renamed} if holder is not tool else renamed
 
 
 def test_the_api_accepts_what_its_document_calls_valid_and_refuses_the_rest(api_url: str) -> None:
@@ -99,9 +124,9 @@ def test_the_api_accepts_what_its_document_calls_valid_and_refuses_the_rest(api_
 
     @schema.hook
     def map_body(context, body):  # noqa: ANN001, ANN202
-        return _within_batch_limit(_integral_floats_as_ints(body))
+        return _within_unstated_rules(_integral_floats_as_ints(body))
 
-    cases, failures, errors = 0, [], []
+    cases, context_refusals, failures, errors = 0, 0, [], []
     for event in schemathesis.engine.from_schema(schema).execute():
         if isinstance(event, (events.ScenarioFinished, events.FuzzScenarioFinished)):
             cases += len(event.recorder.cases)
@@ -111,6 +136,9 @@ def test_the_api_accepts_what_its_document_calls_valid_and_refuses_the_rest(api_
                         interaction = event.recorder.interactions.get(case_id)
                         request = interaction.request if interaction else None
                         response = interaction.response if interaction else None
+                        if check.name == "positive_data_acceptance" and response is not None and CONTEXT_REFUSAL in (response.content or b""):
+                            context_refusals += 1  # the prompt's length in tokens: no JSON Schema can state it
+                            continue
                         failures.append(
                             f"{check.name}: {check.failure_info.failure.title} {request.method if request else ''} {request.uri if request else ''}"
                             f" {request.body[:300] if request and request.body else ''!r} -> {response.status_code if response else ''}"
@@ -120,4 +148,4 @@ def test_the_api_accepts_what_its_document_calls_valid_and_refuses_the_rest(api_
             errors.append(repr(getattr(event, "value", event)))
     assert not errors, errors
     assert not failures, "\n".join(sorted(set(failures))[:20])
-    assert cases > 1000, cases
+    assert cases > 1000 and context_refusals < cases / 100, (cases, context_refusals)
