@@ -4,18 +4,22 @@
 #include "takeover_pool.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "attention of each row over a paged KV cache (fp32, fp16 or int8 storage, CPU)");
-  m.def("store_kv_", &store_kv_, "write each token's keys and values [tokens, 2, kv_heads, head_dim] into its cache slot (fp32, fp16 or int8 cache, CPU)");
-  m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, dim=-1) of [rows, vocab] float32 logits (CPU)");
+  // Every compute call releases the GIL: a one-call decoder over a long prefill chunk runs for seconds on
+  // a slow CPU, and the worker's heartbeat thread (Python) must keep reporting meanwhile. The arguments
+  // are converted before the release and the result after it; no kernel touches a Python object.
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
+  m.def("paged_decode_attention", &paged_decode_attention, "attention of each row over a paged KV cache (fp32, fp16 or int8 storage, CPU)", no_gil);
+  m.def("store_kv_", &store_kv_, "write each token's keys and values [tokens, 2, kv_heads, head_dim] into its cache slot (fp32, fp16 or int8 cache, CPU)", no_gil);
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, dim=-1) of [rows, vocab] float32 logits (CPU)", no_gil);
   m.def("sample_rows", &sample_rows,
         "a token per row of [rows, vocab] float32 logits: argmax at temperature 0, else top-k, top-p, min-p and an inverse-CDF draw "
-        "with the row's uniform (CPU)");
+        "with the row's uniform (CPU)", no_gil);
   m.def("sampling_thresholds", &sampling_thresholds,
-        "tests: each row's smallest kept logit / temperature under top-k, top-p and min-p (-inf: all kept; NaN: greedy or no distribution)");
+        "tests: each row's smallest kept logit / temperature under top-k, top-p and min-p (-inf: all kept; NaN: greedy or no distribution)", no_gil);
   m.def("logprobs_rows", &logprobs_rows,
         "(chosen, top values, top ids, ok): each row's log_softmax at its token and its k largest, best first; ok false: a row with NaN or "
-        "no finite logit, left unwritten (CPU)");
-  m.def("block_quant_gemm", &block_quant_gemm, "x @ dequantized(q4_1 or q8_0 panels).T (+ bias) (+ residual), x rounded to int16 or int8 per block of 32 (CPU)");
+        "no finite logit, left unwritten (CPU)", no_gil);
+  m.def("block_quant_gemm", &block_quant_gemm, "x @ dequantized(q4_1 or q8_0 panels).T (+ bias) (+ residual), x rounded to int16 or int8 per block of 32 (CPU)", no_gil);
   m.def("block_quant_gemm_isa", &block_quant_gemm_isa,
         "the instructions of block_quant_gemm's integer block products: avx512-vnni, avx2 (also where TOKENYARD_CPU_VNNI=0) or portable");
   m.def("set_block_quant_pair_tiles", &set_block_quant_pair_tiles,
@@ -24,10 +28,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "block_quant_gemm prefetches the weights into every cache level (true: where the last-level cache holds them) or non-temporally "
         "(false, the default: they stream from memory past the caches)");
   m.def("weight_prefetch_keep", &weight_prefetch_keep, "whether block_quant_gemm's weight prefetch keeps the weights in the caches");
-  m.def("int8_linear", &int8_linear, "x @ (int8 weight * per-channel scale).T (+ bias), fp32 arithmetic (CPU)");
-  m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(h) * weight, h) with h = x + residual written over x (fp32, CPU)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] rows (fp32, CPU)");
-  m.def("dense_decoder_layers", &dense_decoder_layers, "a dense decoder's layers over int4 weights for a step of few rows, one call (fp32, CPU)");
+  m.def("int8_linear", &int8_linear, "x @ (int8 weight * per-channel scale).T (+ bias), fp32 arithmetic (CPU)", no_gil);
+  m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(h) * weight, h) with h = x + residual written over x (fp32, CPU)", no_gil);
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] rows (fp32, CPU)", no_gil);
+  m.def("dense_decoder_layers", &dense_decoder_layers, "a dense decoder's layers over int4 weights for a step of few rows, one call (fp32, CPU)", no_gil);
   m.def(
       "takeover_pool_stats",
       [] {
@@ -48,5 +52,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "set_takeover_helper_stall_us", [](int64_t us) { takeover_pool::stats().helper_stall_us.store(us); },
       "tests: each pool helper stalls this long before committing an item (0: never), as a preemption would");
-  m.def("rotary_", &rotary_, "rotate x [tokens, heads, rotary_dim] in place by cos/sin [tokens, 1, rotary_dim] (fp32, CPU)");
+  m.def("rotary_", &rotary_, "rotate x [tokens, heads, rotary_dim] in place by cos/sin [tokens, 1, rotary_dim] (fp32, CPU)", no_gil);
 }
