@@ -148,7 +148,7 @@ class SchedulerLoop:
         if stalled > self.config.stall_timeout_s:
             state, detail = "unhealthy", f"the worker has not answered step {min(self.in_flight)} for {stalled:.0f}s"
         elif self.ready:
-            state, detail = "ready", ""
+            state, detail = "ready", worker.detail  # e.g. what the worker still warms while it serves
         elif any(p.state == "failed" for p in self.peers.values()):
             state, detail = "failed", "; ".join(f"{n}: {p.detail}" for n, p in self.peers.items() if p.state == "failed")
         else:

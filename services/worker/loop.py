@@ -204,11 +204,11 @@ class WorkerLoop:
         return size
 
     def warm_up(self) -> None:
-        """One prefill at each length of a ladder, each with a decode step, so no first request pays a one-off cost.
+        """One prefill at each length of ``warmup_lengths``, each with a decode step, so no first request pays a one-off cost.
 
         A failure is logged and serving goes on: warm-up is an optimisation, not a gate.
         """
-        ladder = warmup_lengths(self.config.max_num_batched_tokens, self.num_blocks * self.config.block_size)
+        ladder = warmup_lengths(self.config.max_num_batched_tokens, self.num_blocks * self.config.block_size, self.device.type)
         block_size = self.config.block_size
         try:
             for i, length in enumerate(ladder):
@@ -225,8 +225,11 @@ class WorkerLoop:
         except Exception:
             self.runner.release(["warmup"])
             self.log.exception("warmup_failed", length=length)
-        try:  # the token trie structured outputs match against (about a second for a 49k vocabulary)
-            self.detail = "warm-up: the vocabulary for structured outputs"
+
+    def _build_vocabulary(self) -> None:
+        """The token trie structured outputs match against (about a second for a 49k vocabulary): built once the
+        worker serves, while it is idle, so that readiness does not wait for it and no request's step does."""
+        try:
             self.runner.structured  # noqa: B018 - built on first access
         except ValueError as exc:  # a model without a tokenizer: requests with a schema are refused plans
             self.log.warning("structured_outputs_unavailable", why=str(exc))
@@ -243,8 +246,14 @@ class WorkerLoop:
             while not self.stopping:  # stay up so the failure is visible in /health and heartbeats
                 time.sleep(0.2)
             return
+        # Work left from warm-up, done while no frame waits; /health names it meanwhile.
+        after_ready = [("the vocabulary for structured outputs", self._build_vocabulary)]
         while not self.stopping:
-            for frame in self.inbox.recv(200):
+            if after_ready:
+                self.detail = f"warming while idle: {after_ready[0][0]}"
+            idle = True
+            for frame in self.inbox.recv(0 if after_ready else 200):
+                idle = False
                 if isinstance(frame, StepPlan):
                     self.to_scheduler.send(self.plan_runs.run(frame, self.tokens.add))
                 elif isinstance(frame, Release):
@@ -259,6 +268,9 @@ class WorkerLoop:
                     self.log.warning("unexpected_frame", frame=type(frame).__name__)
                     FRAMES_UNEXPECTED.labels(self.inbox.name).inc()
             self.tokens.flush()  # nothing is queued: tokens gathered over a stream interval go now
+            if idle and after_ready:
+                after_ready.pop(0)[1]()
+                self.detail = ""
         self._close()
 
     def _close(self) -> None:
@@ -322,7 +334,9 @@ class WorkerLoop:
             "max_num_seqs": self.config.max_num_seqs,
             "steps_run": self.steps_run,
             "stream_interval": self.config.stream_interval,
-            "warmup_lengths": warmup_lengths(self.config.max_num_batched_tokens, self.num_blocks * self.config.block_size),
+            "warmup_lengths": warmup_lengths(
+                self.config.max_num_batched_tokens, self.num_blocks * self.config.block_size, self.device.type if self.device else "cpu"
+            ),
             "addresses": {"inbox": self.inbox.address, "scheduler": self.to_scheduler.address, self.config.detokenize_in: self.tokens_to.address},
         }
         if self.tp is not None:
@@ -336,11 +350,19 @@ class WorkerLoop:
 
 
 WARMUP_MAX_TOKENS = 2048  # past this a prefill's one-off costs are lost in its own run time
+CPU_WARMUP_LENGTHS = (1, 2, 5, 9, 33)  # one past each row limit: BLOCK_QUANT_MAX_ROWS (4), SPLIT_MAX_ROWS and POOL_FEW_ROWS (8), the takeover pool's (32)
 
 
-def warmup_lengths(budget: int, capacity: int) -> list[int]:
-    """Short lengths, then powers of two and their neighbours, up to the step budget (and the KV capacity)."""
+def warmup_lengths(budget: int, capacity: int, device_type: str = "cpu") -> list[int]:
+    """The prefill lengths warm-up runs, up to the step budget (and the KV capacity).
+
+    On the CPU, one length past each row count where the kernels change path (few-row products, the split
+    products, the takeover pool): a first call of a new length costs there no more than a few milliseconds.
+    On a GPU, short lengths, then powers of two and their neighbours: each shape may compile kernels.
+    """
     limit = min(budget, capacity - 1, WARMUP_MAX_TOKENS)
+    if device_type == "cpu":
+        return sorted({min(n, limit) for n in CPU_WARMUP_LENGTHS})
     lengths = {1, 2, 3, 4, 5, 6, 7, limit}
     power = 8
     while power <= limit:
