@@ -80,14 +80,9 @@ class Abort(_Frame):
     reason: str = "client disconnected"
 
 
-class DetokOpen(_Part):
-    """What the detokenizer needs to know about a request before its first tokens.
-
-    The scheduler attaches it to the request's first slice and the worker sends it ahead of the
-    request's first token, on the path its tokens take. The detokenizer ends the request by the same
-    rule as the scheduler (``shared/stop_rule.py``): a stop token once ``min_tokens`` are out (none
-    with ignore_eos), or ``max_tokens``.
-    """
+class StreamOpen(_Part):
+    """A request's opening: what the process that makes its text needs before its first token (who builds
+    it, who sends it where, and the end rule over its fields: ``shared/stream_contract.py``)."""
 
     rid: str
     prompt_tokens: int
@@ -121,14 +116,14 @@ class Slice(_Part):
     prompt_len: int = 0
     prefix_ids: list[int] = []
     slot: int = -1  # GDN state slot, on every slice of a hybrid model's request
-    opened: DetokOpen | None = None  # on the first slice of the first admission: the worker forwards it to the detokenizer
+    opened: StreamOpen | None = None  # on the first slice of the first admission: the worker forwards it to the text maker
     stop_token_ids: list[int] = []  # with ``sampling``: the tokens that end the request within a run of decode steps (none with ignore_eos)
 
 
 class StepPlan(_Frame):
     """One step, or with ``decode_steps > 1`` (plans of decodes alone) a run of steps: the worker runs the plan
     that many times, each step feeding back its samples (a slice computes positions ``start``, ``start + 1``, ...;
-    its ``new_blocks`` cover them all), sends each step's tokens to the detokenizer as it goes, and answers with one
+    its ``new_blocks`` cover them all), sends each step's tokens to the text maker as it goes, and answers with one
     ``StepResult`` holding every token in order. A request that samples one of its stop tokens leaves the run and
     is skipped by later plans until released (the scheduler runs several steps only where that token ends it).
     """
@@ -177,7 +172,7 @@ class TokenBatch(_Frame):
     from the worker after each step, the requests it opened and the tokens it sampled; from the scheduler,
     the requests it ended from outside (aborted or failed; the api knows those itself)."""
 
-    opened: list[DetokOpen] = []
+    opened: list[StreamOpen] = []
     deltas: list[TokenDelta] = []
 
 
@@ -212,7 +207,7 @@ class TextBatch(_Frame):
 
 
 class Finish(_Frame):
-    """The detokenizer matched a stop string: the scheduler must finish the request."""
+    """The text maker matched a stop string: the scheduler must finish the request."""
 
     rid: str
     reason: str = FinishReason.STOP.value

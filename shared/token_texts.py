@@ -1,5 +1,5 @@
 """Token ids as the OpenAI logprobs show them, each token's own text and its exact UTF-8 bytes: for the
-detokenizer's logprobs, and for the worker's structured outputs, which match tokens' bytes against a grammar.
+text maker's logprobs, and for the worker's structured outputs, which match tokens' bytes against a grammar.
 
 A token may hold part of a character (byte-level BPE splits multi-byte characters), so its
 bytes are read off the vocabulary, not off ``decode``: for byte-level tokenizers through the

@@ -1,2 +1,2 @@
-"""The detokenizer process: turns each request's output token ids into text deltas and
-finishes a request when one of its stop strings appears (incremental decode, stop strings)."""
+"""The detokenizer process (with ``--detokenize-in detokenizer``; by default the api makes the text): turns each
+request's output token ids into text deltas and finishes a request when one of its stop strings appears."""

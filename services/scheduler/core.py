@@ -30,7 +30,7 @@ from services.scheduler.kv_blocks import BlockPool
 from services.scheduler.requests import Phase, Request
 from services.scheduler.state_slots import SlotPool
 from services.scheduler.step_cost import StepCost
-from shared.frames import DetokOpen, FinishReason, Slice, StepPlan, StepResult, Submit, TokenDelta
+from shared.frames import FinishReason, Slice, StepPlan, StepResult, StreamOpen, Submit, TokenDelta
 from shared.stop_rule import finish_for_token
 
 
@@ -43,9 +43,9 @@ class AdmissionError(Exception):
 
 @dataclass
 class Outcome:
-    """What a scheduler event produced: the requests' new tokens and endings (the detokenizer hears
-    the tokens from the worker and ends requests by the same rule; only endings from outside reach it
-    from the scheduler), and the worker-side state to drop."""
+    """What a scheduler event produced: the requests' new tokens and endings (the text maker hears
+    the tokens from the worker and ends requests by the same rule; only endings from outside reach a
+    detokenizer from the scheduler), and the worker-side state to drop."""
 
     deltas: list[TokenDelta] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
@@ -211,8 +211,8 @@ class Scheduler:
         request.pending_samples += sample * decode_steps
         sampling = None if request.sampling_sent else request.submit.sampling
         request.sampling_sent = True
-        opened = None if request.detokenizer_opened else self._detok_open(request, cached_tokens=start)  # the first admission's first slice
-        request.detokenizer_opened = True
+        opened = None if request.stream_opened else self._stream_open(request, cached_tokens=start)  # the first admission's first slice
+        request.stream_opened = True
         prompt_len, prefix_ids = 0, []
         if sampling is not None and sampling.follows_outputs:  # the worker's penalties and grammars need every token, cached ones too
             prompt_len, prefix_ids = len(request.submit.prompt_ids), request.tokens[:start]
@@ -236,9 +236,9 @@ class Scheduler:
         )
 
     @staticmethod
-    def _detok_open(request: Request, cached_tokens: int) -> DetokOpen:
+    def _stream_open(request: Request, cached_tokens: int) -> StreamOpen:
         submit = request.submit
-        return DetokOpen(
+        return StreamOpen(
             rid=submit.rid,
             prompt_tokens=len(submit.prompt_ids),
             max_tokens=submit.max_tokens,

@@ -2,9 +2,9 @@
 
 Each plan costs every process a wake-up: the scheduler plans it and takes its result, the worker decodes
 the plan and encodes the result. Where a step is short (one stream on a CPU: ~5 ms) those passes are a
-visible share of the machine, beside the api's and detokenizer's, which streaming needs per token anyway.
+visible share of the machine, beside the text maker's, which streaming needs per token anyway.
 A plan of decodes alone can instead run several steps in a row: the worker feeds each step's samples to
-the next, streams each step's tokens to the detokenizer as before, and answers the scheduler once. The
+the next, streams each step's tokens to the text maker as before, and answers the scheduler once. The
 scheduler wakes once per run instead of once per token.
 
 The run's length is a time (``--decode-plan-ms``) rather than a count: a run delays whatever the scheduler

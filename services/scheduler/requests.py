@@ -26,7 +26,7 @@ class Request:
     prefill_len: int = 0  # positions to prefill since admission: the prompt, plus outputs when recomputed
     pending_samples: int = 0  # sampling slices sent whose token has not come back
     sampling_sent: bool = False  # the worker has this request's sampling params
-    detokenizer_opened: bool = False  # a slice carried its DetokOpen (once, at the first admission)
+    stream_opened: bool = False  # a slice carried its StreamOpen (once, at the first admission)
     slot: int = -1  # GDN state slot while running (hybrid models), else -1
     phase: Phase = Phase.WAITING
     admitted_at: float = 0.0

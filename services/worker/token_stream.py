@@ -1,7 +1,8 @@
-"""The tokens each step samples, on their way to the detokenizer: after every step, or gathered over several.
+"""The tokens each step samples, on their way to the process that makes the text (the api, or the detokenizer):
+after every step, or gathered over several.
 
-Each frame to the detokenizer wakes it, then the api, then the client, once per frame however many tokens
-it carries. With ``--stream-interval N`` (vLLM and SGLang have an option of that name) a request's tokens
+Each frame to the text maker wakes it (and the api, where a detokenizer makes the text), then the client, once
+per frame however many tokens it carries. With ``--stream-interval N`` (vLLM and SGLang have an option of that name) a request's tokens
 are gathered over up to N steps into one delta, which reaches the client as one chunk: fewer wake-ups per
 token where a step is short (a few streams on a CPU), for a burstier stream. A token waits at most N - 1
 steps, and some not at all: a step that samples a request's first token (at the end of its prefill, which
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from shared.frames import DetokOpen, StepPlan, StepResult, TokenBatch, TokenDelta
+from shared.frames import StepPlan, StepResult, StreamOpen, TokenBatch, TokenDelta
 from shared.transport import ReplyOutboxes
 
 
@@ -23,7 +24,7 @@ class TokenStream:
         self.send = send
         self.interval = interval
         self.stop_token_ids = stop_token_ids  # each running request's, kept by PlanRuns
-        self.opened: list[DetokOpen] = []
+        self.opened: list[StreamOpen] = []
         self.deltas: dict[str, TokenDelta] = {}  # rid -> its tokens gathered so far, in order
         self.steps = 0  # steps gathered since the last send
 

@@ -19,7 +19,7 @@ import structlog
 from prometheus_client import Counter, Gauge
 
 from shared.detokenize.request import RequestDetokState
-from shared.frames import DetokOpen, Finish, FinishReason, TextDelta, TextLogprobs, TokenBatch, TokenDelta, TokenLogprobs, TokenText
+from shared.frames import Finish, FinishReason, StreamOpen, TextDelta, TextLogprobs, TokenBatch, TokenDelta, TokenLogprobs, TokenText
 from shared.metrics import PREFIX
 from shared.stop_rule import finish_for_token
 from shared.token_texts import TokenTexts
@@ -36,7 +36,7 @@ log = structlog.get_logger()
 class _Tracked:
     __slots__ = ("state", "opened", "generated", "stop_token_ids")
 
-    def __init__(self, state: RequestDetokState, opened: DetokOpen) -> None:
+    def __init__(self, state: RequestDetokState, opened: StreamOpen) -> None:
         self.state = state
         self.opened = opened
         self.generated = 0  # output tokens received, stop strings aside: what the stop rule counts

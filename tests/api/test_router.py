@@ -15,7 +15,7 @@ from services.api.engine_client import EngineClient
 from services.api.errors import ApiError
 from services.api.router import LeastLoad, PrefixAffinity, RoundRobin, make_policy
 from shared.config import DEFAULT_MODEL_DIR, StackConfig
-from shared.frames import Abort, ApiAnnounce, DetokOpen, EngineStatus, Submit, TextDelta, TokenBatch, TokenDelta
+from shared.frames import Abort, ApiAnnounce, EngineStatus, StreamOpen, Submit, TextDelta, TokenBatch, TokenDelta
 from shared.transport import Inbox
 
 
@@ -148,12 +148,12 @@ def test_an_api_that_makes_the_text_forgets_a_request_it_stopped_streaming_and_i
             streamed = client.generate(Submit(rid="r0", prompt_ids=[1], max_tokens=8))
             first = asyncio.create_task(anext(streamed))
             await asyncio.sleep(0.01)
-            client._on_frame(TokenBatch(opened=[DetokOpen(rid="r0", prompt_tokens=1, max_tokens=8)], deltas=[TokenDelta(rid="r0", token_ids=[28])]))
+            client._on_frame(TokenBatch(opened=[StreamOpen(rid="r0", prompt_tokens=1, max_tokens=8)], deltas=[TokenDelta(rid="r0", token_ids=[28])]))
             assert (await first).completion_tokens == 1 and "r0" in client.detokenization.requests
             await streamed.aclose()  # the client left: aborted
             assert not client.detokenization.requests
             late = TokenBatch(
-                opened=[DetokOpen(rid="r1", prompt_tokens=1, max_tokens=8)], deltas=[TokenDelta(rid="r0", token_ids=[29]), TokenDelta(rid="r1", token_ids=[5])]
+                opened=[StreamOpen(rid="r1", prompt_tokens=1, max_tokens=8)], deltas=[TokenDelta(rid="r0", token_ids=[29]), TokenDelta(rid="r1", token_ids=[5])]
             )
             client._on_frame(late)  # r0's step was in flight; r1 was never this api's (or it was aborted before its opening came)
             assert not client.detokenization.requests

@@ -10,7 +10,7 @@ import structlog
 
 from services.detokenizer.loop import DetokenizerLoop
 from shared.config import DEFAULT_MODEL_DIR, StackConfig
-from shared.frames import DetokOpen, TextDelta, TokenBatch, TokenDelta
+from shared.frames import StreamOpen, TextDelta, TokenBatch, TokenDelta
 from shared.stop_rule import finish_for_token
 
 EOS = 2  # SmolLM2's <|im_end|>
@@ -39,7 +39,7 @@ def _words(loop, text: str) -> list[int]:
 
 def test_a_stop_token_ends_the_request_and_later_tokens_are_dropped(loop) -> None:
     hello = _words(loop, "Hello there")
-    loop.handle(TokenBatch(opened=[DetokOpen(rid="r", prompt_tokens=3, max_tokens=50, stop_token_ids=[EOS])]))
+    loop.handle(TokenBatch(opened=[StreamOpen(rid="r", prompt_tokens=3, max_tokens=50, stop_token_ids=[EOS])]))
     loop.handle(TokenBatch(deltas=[TokenDelta(rid="r", token_ids=[*hello, EOS, *hello])]))  # one delta past the end
     loop.handle(TokenBatch(deltas=[TokenDelta(rid="r", token_ids=hello)]))  # the pipelined step's token
     (delta,) = _texts(loop)
@@ -49,14 +49,14 @@ def test_a_stop_token_ends_the_request_and_later_tokens_are_dropped(loop) -> Non
 
 def test_a_stop_token_before_min_tokens_is_an_ordinary_token(loop) -> None:
     hello = _words(loop, "Hello")
-    loop.handle(TokenBatch(opened=[DetokOpen(rid="r", prompt_tokens=3, max_tokens=50, stop_token_ids=[EOS], min_tokens=3)]))
+    loop.handle(TokenBatch(opened=[StreamOpen(rid="r", prompt_tokens=3, max_tokens=50, stop_token_ids=[EOS], min_tokens=3)]))
     loop.handle(TokenBatch(deltas=[TokenDelta(rid="r", token_ids=[EOS]), TokenDelta(rid="r", token_ids=[*hello, EOS])]))
     first, second = _texts(loop)
     assert (first.finish, second.finish, second.completion_tokens) == ("", "stop", len(hello) + 2)
 
 
 def test_max_tokens_ends_the_request_where_no_stop_token_does(loop) -> None:
-    loop.handle(TokenBatch(opened=[DetokOpen(rid="r", prompt_tokens=3, max_tokens=3)]))  # ignore_eos: no stop tokens
+    loop.handle(TokenBatch(opened=[StreamOpen(rid="r", prompt_tokens=3, max_tokens=3)]))  # ignore_eos: no stop tokens
     loop.handle(TokenBatch(deltas=[TokenDelta(rid="r", token_ids=[EOS, EOS])]))
     loop.handle(TokenBatch(deltas=[TokenDelta(rid="r", token_ids=[EOS, EOS])]))
     first, second = _texts(loop)
@@ -64,15 +64,15 @@ def test_max_tokens_ends_the_request_where_no_stop_token_does(loop) -> None:
 
 
 def test_an_abort_ends_an_open_request_and_one_that_overtook_its_opening(loop) -> None:
-    loop.handle(TokenBatch(opened=[DetokOpen(rid="open", prompt_tokens=3, max_tokens=10)]))
+    loop.handle(TokenBatch(opened=[StreamOpen(rid="open", prompt_tokens=3, max_tokens=10)]))
     loop.handle(TokenBatch(deltas=[TokenDelta(rid="open", finish="abort"), TokenDelta(rid="unopened", finish="abort")]))
     assert [(d.rid, d.finish) for d in _texts(loop)] == [("open", "abort")]
-    loop.handle(TokenBatch(opened=[DetokOpen(rid="unopened", prompt_tokens=3, max_tokens=10)], deltas=[TokenDelta(rid="unopened", token_ids=[5])]))
+    loop.handle(TokenBatch(opened=[StreamOpen(rid="unopened", prompt_tokens=3, max_tokens=10)], deltas=[TokenDelta(rid="unopened", token_ids=[5])]))
     assert len(_texts(loop)) == 1 and not loop.detokenization.requests and not loop.detokenization.ended_before_opened
 
 
 def test_the_usage_reports_the_cached_tokens_of_the_opening(loop) -> None:
-    loop.handle(TokenBatch(opened=[DetokOpen(rid="r", prompt_tokens=30, max_tokens=1, cached_tokens=16)], deltas=[TokenDelta(rid="r", token_ids=[5])]))
+    loop.handle(TokenBatch(opened=[StreamOpen(rid="r", prompt_tokens=30, max_tokens=1, cached_tokens=16)], deltas=[TokenDelta(rid="r", token_ids=[5])]))
     (delta,) = _texts(loop)
     assert (delta.finish, delta.prompt_tokens, delta.cached_tokens) == ("length", 30, 16)
 

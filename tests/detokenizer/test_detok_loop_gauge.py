@@ -7,7 +7,7 @@ from prometheus_client import REGISTRY
 
 from services.detokenizer.loop import DetokenizerLoop
 from shared.config import DEFAULT_MODEL_DIR, StackConfig
-from shared.frames import DetokOpen, TokenBatch, TokenDelta
+from shared.frames import StreamOpen, TokenBatch, TokenDelta
 
 
 def test_the_tracked_requests_gauge_follows_opening_and_finishing(tmp_path) -> None:
@@ -16,7 +16,7 @@ def test_the_tracked_requests_gauge_follows_opening_and_finishing(tmp_path) -> N
     tracked = lambda: REGISTRY.get_sample_value("tokenyard:detokenizer_requests")  # noqa: E731
     assert tracked() == 0
     hi = loop.tokenizer.encode("Hi")
-    loop.handle(TokenBatch(opened=[DetokOpen(rid=f"r{i}", prompt_tokens=3, max_tokens=len(hi)) for i in range(3)]))
+    loop.handle(TokenBatch(opened=[StreamOpen(rid=f"r{i}", prompt_tokens=3, max_tokens=len(hi)) for i in range(3)]))
     assert tracked() == 3
     loop.handle(TokenBatch(deltas=[TokenDelta(rid="r1", token_ids=hi)]))  # its max_tokens: the request ends
     assert tracked() == 2

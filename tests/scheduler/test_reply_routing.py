@@ -9,7 +9,7 @@ import zmq
 from services.detokenizer.loop import DetokenizerLoop
 from services.scheduler.loop import SchedulerLoop
 from shared.config import DEFAULT_MODEL_DIR, StackConfig
-from shared.frames import ApiAnnounce, DetokOpen, EngineStatus, Error, Submit, TextBatch, TokenBatch, TokenDelta
+from shared.frames import ApiAnnounce, EngineStatus, Error, StreamOpen, Submit, TextBatch, TokenBatch, TokenDelta
 from shared.transport import Inbox
 
 log = structlog.get_logger()
@@ -50,8 +50,8 @@ def test_detokenizer_sends_each_request_text_to_its_owner(tmp_path) -> None:
     loop = DetokenizerLoop(StackConfig(model=DEFAULT_MODEL_DIR, run_dir=str(tmp_path / "run")), log)
     loop.load_tokenizer()
     hello = loop.tokenizer.encode("Hello there")
-    opened = [DetokOpen(rid=f"r-{name}", prompt_tokens=1, max_tokens=len(hello), reply_to=inbox.address) for name, inbox in apis.items()]
-    opened.append(DetokOpen(rid="r-bad", prompt_tokens=1, max_tokens=len(hello), reply_to="not-an-address"))  # refused, not raised
+    opened = [StreamOpen(rid=f"r-{name}", prompt_tokens=1, max_tokens=len(hello), reply_to=inbox.address) for name, inbox in apis.items()]
+    opened.append(StreamOpen(rid="r-bad", prompt_tokens=1, max_tokens=len(hello), reply_to="not-an-address"))  # refused, not raised
     loop.handle(TokenBatch(opened=opened, deltas=[TokenDelta(rid=o.rid, token_ids=hello) for o in opened]))
     for name, inbox in apis.items():
         (batch,) = _drain(inbox)
@@ -63,7 +63,7 @@ def test_detokenizer_leaves_a_failed_request_to_the_schedulers_error(tmp_path) -
     ctx, apis = _apis(tmp_path)
     loop = DetokenizerLoop(StackConfig(model=DEFAULT_MODEL_DIR, run_dir=str(tmp_path / "run")), log)
     loop.load_tokenizer()
-    opened = DetokOpen(rid="r-failed", prompt_tokens=1, max_tokens=10, reply_to=apis["api-a"].address)
+    opened = StreamOpen(rid="r-failed", prompt_tokens=1, max_tokens=10, reply_to=apis["api-a"].address)
     loop.handle(TokenBatch(opened=[opened], deltas=[TokenDelta(rid="r-failed", token_ids=loop.tokenizer.encode("Hello"))]))
     assert [d.text for d in _drain(apis["api-a"])[0].deltas] == ["Hello"]
     loop.handle(TokenBatch(deltas=[TokenDelta(rid="r-failed", finish="error")]))  # the api got the reason from the scheduler

@@ -9,7 +9,6 @@ from shared.codec import FrameDecodeError, decode, encode
 from shared.frames import (
     Abort,
     ApiAnnounce,
-    DetokOpen,
     EngineStatus,
     Error,
     Finish,
@@ -21,6 +20,7 @@ from shared.frames import (
     Slice,
     StepPlan,
     StepResult,
+    StreamOpen,
     Submit,
     TextBatch,
     TextDelta,
@@ -62,7 +62,7 @@ EXAMPLES = [
                 start=8,
                 num_tokens=2,
                 token_ids=[5, 6],
-                opened=DetokOpen(rid="r4", prompt_tokens=10, max_tokens=5, stop_token_ids=[2], cached_tokens=8),
+                opened=StreamOpen(rid="r4", prompt_tokens=10, max_tokens=5, stop_token_ids=[2], cached_tokens=8),
             ),
             Slice(rid="r3", start=2, num_tokens=1, token_ids=[3], sampling=SamplingParams(frequency_penalty=1.0), prompt_len=3, prefix_ids=[1, 2]),
         ],
@@ -75,7 +75,7 @@ EXAMPLES = [
     TextBatch(deltas=[TextDelta(rid="r3", text="\ufffd", logprobs=[TextLogprobs(TokenText("\ufffd", b"\xf0\x9f", -0.5), [TokenText("a", b"a", -1.0)])])]),
     TokenBatch(
         opened=[
-            DetokOpen(rid="r1", prompt_tokens=3, max_tokens=4, stop_token_ids=[2, 7], min_tokens=1, stop=["x"], skip_special_tokens=False, reply_to="api-0")
+            StreamOpen(rid="r1", prompt_tokens=3, max_tokens=4, stop_token_ids=[2, 7], min_tokens=1, stop=["x"], skip_special_tokens=False, reply_to="api-0")
         ],
         deltas=[TokenDelta(rid="r1", token_ids=[42]), TokenDelta(rid="r2", finish="abort")],
     ),

@@ -5,13 +5,13 @@ a request's first token (the end of its prefill) or a stop token, and on flush."
 from __future__ import annotations
 
 from services.worker.token_stream import OwnerRoutes, TokenStream
-from shared.frames import DetokOpen, Sampled, Slice, StepPlan, StepResult, TokenBatch, TokenDelta, TokenLogprobs
+from shared.frames import Sampled, Slice, StepPlan, StepResult, StreamOpen, TokenBatch, TokenDelta, TokenLogprobs
 
 STOP = 2
 
 
 def opening(rid: str) -> Slice:
-    return Slice(rid, 0, 3, [5, 6, 7], opened=DetokOpen(rid=rid, reply_to="ipc://api", prompt_tokens=3, max_tokens=100))
+    return Slice(rid, 0, 3, [5, 6, 7], opened=StreamOpen(rid=rid, reply_to="ipc://api", prompt_tokens=3, max_tokens=100))
 
 
 def step(plan_slices: list[Slice], sampled: dict[str, int], logprobs: bool = False) -> tuple[StepPlan, StepResult]:
@@ -76,7 +76,7 @@ def test_flush_sends_the_rest_with_logprobs_token_for_token_and_errors_send_noth
 
 def test_a_prefill_over_several_steps_sends_its_opening_with_the_first_token() -> None:
     tokens, sent = stream(4)
-    first_chunk = Slice("a", 0, 3, [5, 6, 7], opened=DetokOpen(rid="a", reply_to="ipc://api", prompt_tokens=6, max_tokens=100))
+    first_chunk = Slice("a", 0, 3, [5, 6, 7], opened=StreamOpen(rid="a", reply_to="ipc://api", prompt_tokens=6, max_tokens=100))
     tokens.add(StepPlan(0, [first_chunk]), StepResult(step=0, sampled=[]))  # samples nothing: no token yet
     assert sent == []
     tokens.add(*step([Slice("a", 3, 3, [8, 9, 10])], {"a": 10}))  # the last chunk samples the first token
@@ -97,7 +97,7 @@ class _Outboxes:
 def test_tokens_go_to_the_api_that_owns_each_request_until_it_is_released() -> None:
     outboxes = _Outboxes()
     routes = OwnerRoutes(outboxes)
-    a, b = DetokOpen(rid="a", reply_to="ipc://api-a", prompt_tokens=3, max_tokens=9), DetokOpen(rid="b", reply_to="", prompt_tokens=3, max_tokens=9)
+    a, b = StreamOpen(rid="a", reply_to="ipc://api-a", prompt_tokens=3, max_tokens=9), StreamOpen(rid="b", reply_to="", prompt_tokens=3, max_tokens=9)
     first = TokenBatch(opened=[a], deltas=[TokenDelta("a", [5])])
     routes.send(first)
     assert outboxes.sent == [("ipc://api-a", first)]  # one api: the batch as it is
