@@ -30,8 +30,8 @@ from services.scheduler.kv_blocks import BlockPool
 from services.scheduler.requests import Phase, Request
 from services.scheduler.state_slots import SlotPool
 from services.scheduler.step_cost import StepCost
-from shared.frames import FinishReason, Slice, StepPlan, StepResult, StreamOpen, Submit, TokenDelta
-from shared.stop_rule import finish_for_token
+from shared.frames import FinishReason, Slice, StepPlan, StepResult, Submit, TokenDelta
+from shared.stream_contract import open_stream
 
 
 class AdmissionError(Exception):
@@ -129,8 +129,8 @@ class Scheduler:
 
     def _decode_steps(self) -> int:
         """How many decode steps the next plan runs (decode_runs.py): several only while nothing waits or
-        prefills (a run would hold them back), no running request needs fewer tokens than the run makes or
-        could sample a stop token that does not end it (min_tokens), and the free blocks cover the run."""
+        prefills (a run would hold them back), each running request's end rule allows it (``EndRule.run_limit``),
+        and the free blocks cover the run."""
         steps = self.decode_runs.steps()
         if steps == 1 or self.waiting:
             return 1
@@ -138,11 +138,9 @@ class Scheduler:
         for request in self.running:
             if request.prefilling:
                 return 1
-            submit = request.submit
-            promised = request.outputs_promised
-            if promised < submit.min_tokens:
+            steps = min(steps, request.end_rule.run_limit(request.outputs_promised))
+            if steps == 1:
                 return 1
-            steps = min(steps, max(submit.max_tokens - promised, 1))
             needed_blocks += max(0, self.pool.blocks_for(request.num_scheduled + steps) - len(request.blocks))
         return steps if needed_blocks <= self.pool.num_free else 1
 
@@ -211,7 +209,7 @@ class Scheduler:
         request.pending_samples += sample * decode_steps
         sampling = None if request.sampling_sent else request.submit.sampling
         request.sampling_sent = True
-        opened = None if request.stream_opened else self._stream_open(request, cached_tokens=start)  # the first admission's first slice
+        opened = None if request.stream_opened else open_stream(request.submit, cached_tokens=start)  # the first admission's first slice
         request.stream_opened = True
         prompt_len, prefix_ids = 0, []
         if sampling is not None and sampling.follows_outputs:  # the worker's penalties and grammars need every token, cached ones too
@@ -233,21 +231,6 @@ class Scheduler:
             slot=request.slot,
             opened=opened,
             stop_token_ids=stop_token_ids,
-        )
-
-    @staticmethod
-    def _stream_open(request: Request, cached_tokens: int) -> StreamOpen:
-        submit = request.submit
-        return StreamOpen(
-            rid=submit.rid,
-            prompt_tokens=len(submit.prompt_ids),
-            max_tokens=submit.max_tokens,
-            stop_token_ids=request.stop_token_ids,
-            min_tokens=submit.min_tokens,
-            stop=submit.stop,
-            skip_special_tokens=submit.skip_special_tokens,
-            cached_tokens=cached_tokens,
-            reply_to=submit.reply_to,
         )
 
     def _register_full_blocks(self, request: Request) -> None:
@@ -300,8 +283,7 @@ class Scheduler:
                 continue  # finished while this step was in flight: the extra token is dropped
             request.pending_samples -= 1
             request.output_ids.append(sampled.token_id)
-            submit = request.submit
-            reason = finish_for_token(sampled.token_id, len(request.output_ids), request.stop_token_ids, submit.min_tokens, submit.max_tokens)
+            reason = request.end_rule.ends_at(sampled.token_id, len(request.output_ids))
             logprobs = [sampled.logprobs] if sampled.logprobs is not None else []
             outcome.deltas.append(TokenDelta(rid=request.rid, token_ids=[sampled.token_id], finish=reason.value if reason else "", logprobs=logprobs))
             if reason is None:

@@ -344,9 +344,9 @@ class SchedulerLoop:
             self.to_detokenizer.send(TokenBatch(deltas=[TokenDelta(rid=rid, finish=FinishReason.ERROR.value) for rid in rids]))
 
     def _send(self, outcome: Outcome, tell_detokenizer: bool = False) -> None:
-        """Releases the ended requests' worker state. The detokenizer has their tokens from the worker and
-        ends them at the same token by the same rule (shared/stop_rule.py), or ended them itself (a stop
-        string): only an ending from outside (an abort) is news to it."""
+        """Releases the ended requests' worker state. The text maker has their tokens from the worker and
+        ends them at the same token by the same rule (shared/stream_contract.py), or ended them itself (a stop
+        string): only an ending from outside (an abort) is news to a detokenizer."""
         if outcome.released:
             self.to_worker.send(Release(rids=outcome.released))
         if tell_detokenizer and outcome.deltas and self.to_detokenizer is not None:

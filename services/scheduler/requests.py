@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from shared.frames import Submit
+from shared.stream_contract import EndRule, stop_token_ids
 
 
 class Phase(enum.Enum):
@@ -31,6 +32,10 @@ class Request:
     phase: Phase = Phase.WAITING
     admitted_at: float = 0.0
     queued_at: float = field(default_factory=time.monotonic)
+    end_rule: EndRule = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.end_rule = EndRule.of_submit(self.submit)
 
     @property
     def rid(self) -> str:
@@ -39,7 +44,7 @@ class Request:
     @property
     def stop_token_ids(self) -> list[int]:
         """The tokens that end the request (after its min_tokens): none with ignore_eos."""
-        return [] if self.submit.ignore_eos else self.submit.stop_token_ids
+        return stop_token_ids(self.submit)
 
     @property
     def tokens(self) -> list[int]:

@@ -2,9 +2,9 @@
 
 A run executes the plan's decodes again and again, each step feeding back the tokens the previous one
 sampled (the runner keeps every request's last token), at positions one further each time. A request
-that samples one of its stop tokens leaves the run: the scheduler plans runs only where such a token ends
-the request (min_tokens are out), so it will end it too when the result arrives. Until then its
-request id is remembered and later plans skip it: with plans pipelined, the next plan may already
+that samples one of its stop tokens leaves the run (``ends_run``, shared/stream_contract.py): the
+scheduler plans runs only where such a token ends the request, so it will end it too when the result
+arrives. Until then its request id is remembered and later plans skip it: with plans pipelined, the next plan may already
 hold its decodes, whose tokens nobody would read.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from shared.frames import Slice, StepPlan, StepResult
+from shared.stream_contract import ends_run
 
 
 class PlanRuns:
@@ -53,7 +54,7 @@ class PlanRuns:
         tokens = {x.rid: x.token_id for x in result.sampled}
         running = []
         for s in slices:
-            if tokens.get(s.rid) in self.stop_token_ids.get(s.rid, ()):
+            if s.rid in tokens and ends_run(tokens[s.rid], self.stop_token_ids.get(s.rid, ())):
                 self.ended.add(s.rid)
             else:
                 running.append(s)

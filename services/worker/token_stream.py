@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from shared.frames import StepPlan, StepResult, StreamOpen, TokenBatch, TokenDelta
+from shared.stream_contract import ends_run
 from shared.transport import ReplyOutboxes
 
 
@@ -43,7 +44,7 @@ class TokenStream:
                 held.token_ids.append(s.token_id)
                 if s.logprobs is not None:
                     held.logprobs.append(s.logprobs)
-            now = now or s.rid in prefills or s.token_id in self.stop_token_ids.get(s.rid, ())
+            now = now or s.rid in prefills or ends_run(s.token_id, self.stop_token_ids.get(s.rid, ()))
         self.steps += 1
         if now or self.steps >= self.interval:  # at the default interval of 1: every step
             self.flush()

@@ -1,14 +1,14 @@
 """The detokenization of every open request: token batches in, text deltas and stop-string endings out.
 
 One instance serves a process that detokenizes: the detokenizer process, or the api with
-``--detokenize-in api``. Tokens come from the worker, each request's opening ahead of its first
-token; a request ends at its stop token or max_tokens (the scheduler's rule, shared/stop_rule.py,
-applied here to the same tokens), at a stop string (the caller then tells the scheduler, with the
-``Finish`` this returns), or when it is ended from outside (``end``, or a finishing delta from the
-scheduler). Deltas for unknown or already finished requests are counted and ignored; they are normal
-(a token from a step that was in flight when its request finished). An ending can overtake the opening
-it follows (they take different paths), so a request ended before it opened is remembered, and its
-opening, when it comes, is ignored.
+``--detokenize-in api``. The text maker's side of shared/stream_contract.py: tokens come from the worker,
+each request's opening ahead of its first token; a request ends by the end rule (the scheduler applies it
+to the same tokens), at a stop string (the caller then tells the scheduler, with the ``Finish`` this
+returns), or when it is ended from outside (``end``, or a finishing delta from the scheduler). Deltas for
+unknown or already finished requests are counted and ignored; they are normal (a token from a step that
+was in flight when its request finished). An ending can overtake the opening it follows (they take
+different paths), so a request ended before it opened is remembered, and its opening, when it comes, is
+ignored.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from prometheus_client import Counter, Gauge
 from shared.detokenize.request import RequestDetokState
 from shared.frames import Finish, FinishReason, StreamOpen, TextDelta, TextLogprobs, TokenBatch, TokenDelta, TokenLogprobs, TokenText
 from shared.metrics import PREFIX
-from shared.stop_rule import finish_for_token
+from shared.stream_contract import EndRule
 from shared.token_texts import TokenTexts
 
 STOP_MATCHES = Counter(f"{PREFIX}stop_string_matches", "Requests finished by a stop string")
@@ -34,13 +34,13 @@ log = structlog.get_logger()
 
 
 class _Tracked:
-    __slots__ = ("state", "opened", "generated", "stop_token_ids")
+    __slots__ = ("state", "opened", "generated", "end_rule")
 
     def __init__(self, state: RequestDetokState, opened: StreamOpen) -> None:
         self.state = state
         self.opened = opened
-        self.generated = 0  # output tokens received, stop strings aside: what the stop rule counts
-        self.stop_token_ids = frozenset(opened.stop_token_ids)
+        self.generated = 0  # output tokens received, stop strings aside: what the end rule counts
+        self.end_rule = EndRule.of(opened)
 
 
 class Detokenized(NamedTuple):
@@ -119,12 +119,11 @@ class Detokenization:
 
     @staticmethod
     def _take_until_end(tracked: _Tracked, token_ids: list[int], finish: str) -> tuple[list[int], str]:
-        """The delta's tokens up to the one that ends the request by the stop rule, and the ending (the
+        """The delta's tokens up to the one that ends the request by the end rule, and the ending (the
         delta's own, an abort, when the rule ends nothing)."""
-        opened = tracked.opened
         for i, token_id in enumerate(token_ids):
             tracked.generated += 1
-            reason = finish_for_token(token_id, tracked.generated, tracked.stop_token_ids, opened.min_tokens, opened.max_tokens)
+            reason = tracked.end_rule.ends_at(token_id, tracked.generated)
             if reason is not None:
                 return token_ids[: i + 1], reason.value
         return token_ids, finish

@@ -11,7 +11,6 @@ import structlog
 from services.detokenizer.loop import DetokenizerLoop
 from shared.config import DEFAULT_MODEL_DIR, StackConfig
 from shared.frames import StreamOpen, TextDelta, TokenBatch, TokenDelta
-from shared.stop_rule import finish_for_token
 
 EOS = 2  # SmolLM2's <|im_end|>
 
@@ -75,19 +74,3 @@ def test_the_usage_reports_the_cached_tokens_of_the_opening(loop) -> None:
     loop.handle(TokenBatch(opened=[StreamOpen(rid="r", prompt_tokens=30, max_tokens=1, cached_tokens=16)], deltas=[TokenDelta(rid="r", token_ids=[5])]))
     (delta,) = _texts(loop)
     assert (delta.finish, delta.prompt_tokens, delta.cached_tokens) == ("length", 30, 16)
-
-
-@pytest.mark.parametrize(
-    ("token", "generated", "stop_ids", "min_tokens", "max_tokens", "expected"),
-    [
-        (2, 1, [2], 0, 10, "stop"),
-        (2, 1, [2], 2, 10, None),
-        (2, 2, [2], 2, 10, "stop"),
-        (2, 10, [], 0, 10, "length"),
-        (5, 9, [2], 0, 10, None),
-        (2, 10, [2], 0, 10, "stop"),  # both: a stop token is a stop
-    ],
-)
-def test_the_stop_rule(token, generated, stop_ids, min_tokens, max_tokens, expected) -> None:
-    reason = finish_for_token(token, generated, stop_ids, min_tokens, max_tokens)
-    assert (reason.value if reason else None) == expected
