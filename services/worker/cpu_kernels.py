@@ -19,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
+import importlib.util
 import os
 import re
 import shutil
@@ -48,6 +49,7 @@ SOURCES = [
     )
 ]
 HEADERS = sorted(CSRC.glob("*.h"))  # included by the sources; part of the key, and copied beside them
+COMPLETE = ".complete"  # written into a build directory once its module has built and loaded
 KEEP_BUILDS = 4  # of one extension name in a root, the most recently used; older ones are removed
 _COMPILER_ERROR = re.compile(r"^\S+?:\d+(?::\d+)?: (?:fatal )?error: ")
 
@@ -69,12 +71,14 @@ def _isa_flags() -> list[str]:
     return ["-mavx2", "-mfma", "-mf16c", *vnni]
 
 
+INSTALLATION_ROOT = Path(sys.prefix) / "share" / "tokenyard" / "cpu-kernels"
+
+
 def default_root() -> Path:
     """Where this installation keeps its builds: beside its interpreter's packages, or torch's extensions directory."""
-    root = Path(sys.prefix) / "share" / "tokenyard" / "cpu-kernels"
-    existing = next(p for p in (root, *root.parents) if p.exists())
+    existing = next(p for p in (INSTALLATION_ROOT, *INSTALLATION_ROOT.parents) if p.exists())
     if os.access(existing, os.W_OK):
-        return root
+        return INSTALLATION_ROOT
     from torch.utils import cpp_extension
 
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / "tokenyard"
@@ -109,6 +113,11 @@ def build_extension(
     if len({p.name for p in [*sources, *headers]}) != len(sources) + len(headers):
         raise ValueError("build_extension copies the sources into one directory: their names must differ")
     key = build_key(sources, headers, cflags, ldflags)
+    for built in [root] if root else [INSTALLATION_ROOT, default_root()]:  # an image's read-only installation holds its build
+        if (built / f"{name}-{key}" / COMPLETE).exists():
+            with suppress(OSError):  # its last use, which pruning reads; a read-only one is never pruned
+                os.utime(built / f"{name}-{key}" / ".lock")
+            return _import_built(built / f"{name}-{key}", f"{name}_{key}")
     root = root or default_root()
     build_dir = root / f"{name}-{key}"
     src_dir = build_dir / "src"
@@ -137,7 +146,18 @@ def build_extension(
             for path in [*sources, *headers]:
                 first = first.replace(str(src_dir / path.name), str(path))
             raise KernelBuildError(f"{first} (full log: {build_dir / 'build.log'})") from None
+        (build_dir / COMPLETE).touch()
     _prune(root, name, keep=KEEP_BUILDS)
+    return module
+
+
+def _import_built(build_dir: Path, module_name: str) -> ModuleType:
+    """A finished build's module, loaded as it is: no lock, no ninja, nothing written (the directory may be read-only)."""
+    import torch  # noqa: F401 - the extension links against torch's libraries, loaded with it
+
+    spec = importlib.util.spec_from_file_location(module_name, build_dir / f"{module_name}.so")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     return module
 
 

@@ -130,3 +130,17 @@ def test_older_builds_of_a_name_are_removed_beyond_the_most_recent(tmp_path: Pat
     root = tmp_path / "builds"
     built = [Path(build_extension("pruned", *source_tree(tmp_path / f"v{v}", value=v), root=root).__file__).parent for v in range(3)]
     assert sorted(root.iterdir()) == sorted(built[1:])
+
+
+def test_a_finished_build_loads_as_it_is_without_the_build_tools(tmp_path: Path) -> None:
+    """As an image's read-only installation does: its build is loaded, not checked by ninja or written to."""
+    root = tmp_path / "builds"
+    tree = source_tree(tmp_path / "tree", value=7)
+    build_dir = Path(build_extension("finished", *tree, root=root).__file__).parent
+    (build_dir / "build.ninja").unlink()  # a load through torch's build step would write it again
+    files = sorted(p.name for p in build_dir.iterdir())
+
+    again = load_in_fresh_interpreter("finished", tree, root)
+
+    assert again["value"] == 7 and Path(again["file"]).parent == build_dir
+    assert sorted(p.name for p in build_dir.iterdir()) == files
