@@ -11,10 +11,12 @@ import sys
 
 import structlog
 
+from shared.choices import LOG_FORMATS
+
 
 def setup_logging(process: str, level: str = "info", fmt: str = "auto") -> structlog.stdlib.BoundLogger:
-    if fmt not in ("auto", "json", "console"):
-        raise ValueError(f"log format must be auto, json or console, not {fmt!r}")
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, not {fmt!r}")
     logging.basicConfig(format="%(message)s", stream=sys.stderr, level=level.upper())
     json_lines = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
     renderer = structlog.processors.JSONRenderer() if json_lines else structlog.dev.ConsoleRenderer(colors=False)

@@ -11,6 +11,7 @@ import enum
 from typing import NamedTuple
 
 from services.api.errors import ApiError
+from shared.choices import REASONING_PARSER_NAMES, keyed_by
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 """Every reasoning effort a client may ask for, least to most (OpenAI's list)."""
@@ -126,5 +127,5 @@ class ReasoningSplitter:
         return [Reasoning(pending)] if self.mode is _Mode.REASONING else [Content(pending)]
 
 
-REASONING_PARSERS = {"think": ("<think>", "</think>")}
+REASONING_PARSERS = keyed_by(REASONING_PARSER_NAMES, {"think": ("<think>", "</think>")})
 """Reasoning parsers by name (the ``reasoning_parser`` setting); ``none`` turns parsing off."""

@@ -12,6 +12,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
+from shared.choices import ROUTER_POLICY_NAMES, keyed_by
+
 
 class Candidate(Protocol):
     name: str
@@ -95,11 +97,9 @@ class PrefixAffinity:
         return None
 
 
-POLICIES: dict[str, type[RoundRobin] | type[LeastLoad] | type[PrefixAffinity]] = {
-    "load": LeastLoad,
-    "prefix": PrefixAffinity,
-    "round_robin": RoundRobin,
-}
+POLICIES: dict[str, type[RoundRobin] | type[LeastLoad] | type[PrefixAffinity]] = keyed_by(
+    ROUTER_POLICY_NAMES, {"load": LeastLoad, "prefix": PrefixAffinity, "round_robin": RoundRobin}
+)
 
 
 def make_policy(name: str, block_size: int) -> RoutingPolicy:

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, NamedTuple
 from services.api.json_stream import JsonStreamer
 from services.api.reasoning import held_prefix
 from services.api.tools import ToolSpec
+from shared.choices import TOOL_PARSER_NAMES
 
 
 class Text(NamedTuple):
@@ -93,6 +94,8 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {}
 
 
 def register(cls: type[ToolParser]) -> type[ToolParser]:
+    if cls.name not in TOOL_PARSER_NAMES:
+        raise ValueError(f"tool parser {cls.name!r} is not named in TOOL_PARSER_NAMES (shared/choices.py), which the setting's choices read")
     TOOL_PARSERS[cls.name] = cls
     return cls
 

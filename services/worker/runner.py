@@ -38,6 +38,7 @@ from services.worker.sampling import LogitBias, TokenHistory, process_logits, sa
 from services.worker.structured import StructuredOutputs, Vocabulary
 from services.worker.tensor_parallel import TensorParallelGroup, parallelize, shard_config, shard_weights
 from services.worker.weights import load_weights
+from shared.choices import DTYPE_NAMES, keyed_by
 from shared.frames import Release, Sampled, SamplingParams, Slice, StepPlan, StepResult
 from shared.json_grammar import Matcher
 from shared.model_info import HYBRID_PREFIX_CACHE_OFF, KV_Q8_BLOCK, resolve_kv_cache_dtype
@@ -45,7 +46,7 @@ from shared.model_info import HYBRID_PREFIX_CACHE_OFF, KV_Q8_BLOCK, resolve_kv_c
 ALL_PROMPT = 1 << 62  # a prompt_len no prefill reaches: every prefilled token is prompt
 POOL_FEW_ROWS = 8  # the takeover pool's limit where only few-row steps run all layers in one call (int4-a8)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = keyed_by(DTYPE_NAMES, {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16})
 KV_DTYPES = {**DTYPES, "int8": torch.int8}  # int8: codes and fp16 scales per head vector (csrc/kv_q8.h)
 
 
