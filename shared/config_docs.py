@@ -1,18 +1,20 @@
 """Writes the settings tables of docs/configuration.md from ``StackConfig`` (shared/config.py).
 
-``python -m shared.config_docs`` rewrites the part of docs/configuration.md between the two markers;
-the prose around them is written by hand. ``--check`` exits 1 when the file is out of date.
+One table per group of settings (``GROUPS``), headed by the group's docstring. ``python -m
+shared.config_docs`` rewrites the part of docs/configuration.md between the two markers; the prose
+around them is written by hand. ``--check`` exits 1 when the file is out of date.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import os
 import sys
 import typing
 
-from shared.config import DEFAULT_MODEL_DIR, StackConfig, _flag
+from shared.config import DEFAULT_MODEL_DIR, GROUPS, StackConfig, _flag, setting_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC_PATH = os.path.join(ROOT, "docs", "configuration.md")
@@ -23,85 +25,73 @@ END = "<!-- end of generated settings -->"
 ENGINE = ("scheduler", "worker", "detokenizer")
 EVERY = ("api", *ENGINE)
 
-# Section -> {setting: the processes that read it}. The launcher reads what it needs to start the
-# others (ports, addresses, replicas, ranks) and passes every flag on to each child.
-SECTIONS: dict[str, dict[str, tuple[str, ...]]] = {
-    "Model and HTTP": {
-        "model": (*EVERY, "launcher"),
-        "served_model_name": EVERY,
-        "host": ("api", "launcher"),
-        "port": (*EVERY, "launcher"),
-        "max_model_len": ("api", "worker"),
-        "tool_call_parser": ("api",),
-        "reasoning_parser": ("api",),
-    },
-    "Addresses and metrics ports": {
-        "scheduler_metrics_port": ("scheduler", "launcher"),
-        "worker_metrics_port": ("worker", "launcher"),
-        "detokenizer_metrics_port": ("detokenizer", "launcher"),
-        "metrics_host": (*ENGINE, "launcher"),
-        "run_dir": (*EVERY, "launcher"),
-        "api_addr": EVERY,
-        "scheduler_addr": (*EVERY, "launcher"),
-        "worker_addr": ("scheduler", "worker", "launcher"),
-        "detokenizer_addr": (*ENGINE, "launcher"),
-    },
-    "Scale-out": {
-        "api_replica": ("api",),
-        "engines": ("api",),
-        "router_policy": ("api",),
-        "replicas": (*EVERY, "launcher"),
-        "engine_name": ENGINE,
-        "tensor_parallel_size": (*EVERY, "launcher"),
-        "tensor_parallel_rank": ("worker",),
-        "tensor_parallel_addr": ("worker", "launcher"),
-    },
-    "Scheduling and KV cache": {
-        "kv_cache_tokens": ("scheduler", "worker"),
-        "kv_cache_bytes": ("scheduler", "worker"),
-        "block_size": ("api", "scheduler", "worker"),
-        "max_num_seqs": ("api", "scheduler", "worker"),
-        "max_num_batched_tokens": ("scheduler", "worker"),
-        "mixed_step_target_ms": ("scheduler",),
-        "decode_plan_ms": ("scheduler",),
-        "max_waiting": ("api", "scheduler"),
-        "enable_prefix_cache": ("scheduler",),
-        "pipeline_depth": ("scheduler",),
-    },
-    "Streaming": {
-        "stream_interval": ("worker",),
-        "detokenize_in": (*EVERY, "launcher"),
-    },
-    "Worker": {
-        "dtype": ("scheduler", "worker"),
-        "weight_quant": ("worker",),
-        "weight_prefetch": ("worker",),
-        "kv_cache_dtype": ("worker",),
-        "device": EVERY,
-        "cuda_graph_max_batch": ("worker",),
-        "gpu_memory_utilization": ("worker",),
-        "num_threads": ("worker",),
-        "worker_core": EVERY,
-    },
-    "Liveness and shutdown": {
-        "heartbeat_s": EVERY,
-        "engine_timeout_s": ("api", "scheduler"),
-        "stall_timeout_s": ("scheduler",),
-        "drain_timeout_s": ("api", "launcher"),
-    },
-    "Security and limits": {
-        "max_body_bytes": ("api",),
-        "max_in_flight": ("api",),
-        "api_key": ("api", "launcher"),
-        "auth_health_metrics": ("api",),
-        "curve_key_file": (*EVERY, "launcher"),
-    },
-    "Logging": {
-        "log_level": EVERY,
-        "log_format": EVERY,
-    },
+# Setting -> the processes that read it (which the code does not say in one place). The launcher reads what
+# it needs to start the others (ports, addresses, replicas, ranks) and passes every flag on to each child.
+READERS: dict[str, tuple[str, ...]] = {
+    # Model
+    "model": (*EVERY, "launcher"),
+    "served_model_name": EVERY,
+    "max_model_len": ("api", "worker"),
+    # HTTP api
+    "host": ("api", "launcher"),
+    "port": (*EVERY, "launcher"),
+    "api_replica": ("api",),
+    "engines": ("api",),
+    "router_policy": ("api",),
+    "tool_call_parser": ("api",),
+    "reasoning_parser": ("api",),
+    "max_body_bytes": ("api",),
+    "max_in_flight": ("api",),
+    "drain_timeout_s": ("api", "launcher"),
+    "api_key": ("api", "launcher"),
+    "auth_health_metrics": ("api",),
+    # ZMQ transport
+    "run_dir": (*EVERY, "launcher"),
+    "api_addr": EVERY,
+    "scheduler_addr": (*EVERY, "launcher"),
+    "worker_addr": ("scheduler", "worker", "launcher"),
+    "detokenizer_addr": (*ENGINE, "launcher"),
+    "curve_key_file": (*EVERY, "launcher"),
+    "heartbeat_s": EVERY,
+    "engine_timeout_s": ("api", "scheduler"),
+    "stall_timeout_s": ("scheduler",),
+    # Scheduler
+    "kv_cache_tokens": ("scheduler", "worker"),
+    "kv_cache_bytes": ("scheduler", "worker"),
+    "block_size": ("api", "scheduler", "worker"),
+    "max_num_seqs": ("api", "scheduler", "worker"),
+    "max_num_batched_tokens": ("scheduler", "worker"),
+    "mixed_step_target_ms": ("scheduler",),
+    "decode_plan_ms": ("scheduler",),
+    "max_waiting": ("api", "scheduler"),
+    "enable_prefix_cache": ("scheduler",),
+    "pipeline_depth": ("scheduler",),
+    # Worker
+    "dtype": ("scheduler", "worker"),
+    "weight_quant": ("worker",),
+    "weight_prefetch": ("worker",),
+    "kv_cache_dtype": ("worker",),
+    "device": EVERY,
+    "cuda_graph_max_batch": ("worker",),
+    "gpu_memory_utilization": ("worker",),
+    "num_threads": ("worker",),
+    "worker_core": EVERY,
+    "tensor_parallel_size": (*EVERY, "launcher"),
+    "tensor_parallel_rank": ("worker",),
+    "tensor_parallel_addr": ("worker", "launcher"),
+    "stream_interval": ("worker",),
+    # Processes
+    "replicas": (*EVERY, "launcher"),
+    "engine_name": ENGINE,
+    "detokenize_in": (*EVERY, "launcher"),
+    "metrics_host": (*ENGINE, "launcher"),
+    "scheduler_metrics_port": ("scheduler", "launcher"),
+    "worker_metrics_port": ("worker", "launcher"),
+    "detokenizer_metrics_port": ("detokenizer", "launcher"),
+    # Logging
+    "log_level": EVERY,
+    "log_format": EVERY,
 }
-UNSORTED = "Other settings"  # a setting not yet given a section above
 
 
 def _cell(text: str) -> str:
@@ -130,21 +120,23 @@ def _values(f: dataclasses.Field, kind: type) -> str:
     return text
 
 
+def _summary(group: type) -> str:
+    """The group's docstring after the colon, as a sentence."""
+    text = (group.__doc__ or "").partition(":")[2].strip()
+    return text[:1].upper() + text[1:]
+
+
 def render_settings() -> str:
-    """The generated part: one table per section, every field of StackConfig exactly once."""
+    """The generated part: one table per group."""
     hints = typing.get_type_hints(StackConfig)
-    fields = {f.name: f for f in dataclasses.fields(StackConfig)}
-    sections = {title: {name: readers for name, readers in rows.items() if name in fields} for title, rows in SECTIONS.items()}
-    placed = {name for rows in sections.values() for name in rows}
-    sections[UNSORTED] = {name: () for name in fields if name not in placed}
+    summaries = [_summary(group) for group in GROUPS]
     lines = [BEGIN]
-    for title, rows in sections.items():
-        if not rows:
-            continue
-        lines += ["", f"### {title}", "", "| flag | default | values | read by | what it sets |", "|---|---|---|---|---|"]
-        for name, readers in rows.items():
-            f = fields[name]
-            cells = (f"`{_flag(name)}`", _default(f), _values(f, hints[name]), ", ".join(readers) or "?", _cell(f.metadata["help"]))
+    for (title, fields), summary in itertools.zip_longest(setting_groups(), summaries, fillvalue=""):
+        lines += ["", f"### {title}", ""] + ([summary, ""] if summary else [])
+        lines += ["| flag | default | values | read by | what it sets |", "|---|---|---|---|---|"]
+        for f in fields:
+            readers = ", ".join(READERS.get(f.name, ())) or "?"
+            cells = (f"`{_flag(f.name)}`", _default(f), _values(f, hints[f.name]), readers, _cell(f.metadata["help"]))
             lines.append("| " + " | ".join(cells) + " |")
     lines += ["", END]
     return "\n".join(lines)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from shared import config_docs
-from shared.config import StackConfig
+from shared.config import StackConfig, setting_groups
 
 
 def _committed() -> str:
@@ -20,10 +20,17 @@ def test_the_committed_settings_tables_are_the_generated_ones() -> None:
     )
 
 
-def test_every_setting_has_a_section_and_its_readers() -> None:
-    placed = {name for rows in config_docs.SECTIONS.values() for name in rows}
-    unplaced = [f.name for f in dataclasses.fields(StackConfig) if f.name not in placed]
-    assert not unplaced, f"add {unplaced} to SECTIONS in shared/config_docs.py (the processes that read each), then run `{config_docs.COMMAND}`"
+def test_every_setting_has_its_readers() -> None:
+    missing = [f.name for f in dataclasses.fields(StackConfig) if f.name not in config_docs.READERS]
+    assert not missing, f"add {missing} to READERS in shared/config_docs.py (the processes that read each), then run `{config_docs.COMMAND}`"
+    assert set(config_docs.READERS) <= {f.name for f in dataclasses.fields(StackConfig)}
+
+
+def test_the_sections_are_the_groups_of_settings() -> None:
+    headings = [
+        line.removeprefix("### ") for line in _committed().split(config_docs.BEGIN)[1].split(config_docs.END)[0].splitlines() if line.startswith("### ")
+    ]
+    assert headings == [title for title, _ in setting_groups()]
 
 
 def test_each_setting_is_one_row_with_its_flag_default_and_bounds() -> None:
