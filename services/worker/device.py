@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from shared.config import DEVICES
+from shared.choices import DEVICES
 
 
 def resolve_device(name: str) -> torch.device:

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from services.worker import block_quant
 from services.worker.cpu_kernels import cpu_kernels
-from shared.config import WEIGHT_QUANTS
+from shared.choices import WEIGHT_QUANTS
 
 SPLIT_MAX_ROWS = 8  # measured: the split wins up to 8 rows, plain GEMM beyond
 INT8_ACTIVATION_BLOCK = 32  # features per activation scale in csrc/int8_linear.cpp
