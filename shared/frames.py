@@ -21,10 +21,46 @@ class _Part(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, froze
 
 
 class FinishReason(enum.StrEnum):
+    """Why a request ended; its value is the ``finish_reason`` of the OpenAI API."""
+
     STOP = "stop"  # EOS token or a stop string
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"  # the client went away
     ERROR = "error"  # the engine failed the request
+
+
+class Process(enum.StrEnum):
+    """The processes that send the scheduler a heartbeat."""
+
+    WORKER = "worker"
+    DETOKENIZER = "detokenizer"
+
+
+class ProcessState(enum.StrEnum):
+    """A process's state in its heartbeat."""
+
+    LOADING = "loading"
+    WARMING = "warming"  # loaded, running its warm-up
+    READY = "ready"
+    FAILED = "failed"  # up, but it cannot serve (e.g. a tensor-parallel rank died); ``detail`` says why
+
+
+class EngineState(enum.StrEnum):
+    """An engine replica's state, as its scheduler reports it (and as the api sums its replicas)."""
+
+    LOADING = "loading"  # a process is not ready yet
+    READY = "ready"
+    FAILED = "failed"  # a process reported a failure
+    UNHEALTHY = "unhealthy"  # the worker has not answered a step for --stall-timeout-s
+    UNAVAILABLE = "unavailable"  # the api's own word for a replica whose scheduler went silent
+
+
+class ErrorType(enum.StrEnum):
+    """The error ``type`` of the OpenAI API for a request the engine refused or failed."""
+
+    INVALID_REQUEST = "invalid_request_error"
+    RATE_LIMIT = "rate_limit_error"
+    SERVER = "server_error"
 
 
 class SamplingParams(_Part):
@@ -163,7 +199,7 @@ class StepResult(_Frame):
 class TokenDelta(_Part):
     rid: str
     token_ids: list[int] = []
-    finish: str = ""  # from the scheduler, without tokens: the request was aborted or failed
+    finish: FinishReason | None = None  # from the scheduler, without tokens: the request was aborted or failed
     logprobs: list[TokenLogprobs] = []  # one per token id, when the request asked for logprobs
 
 
@@ -195,7 +231,7 @@ class TextDelta(_Part):
     rid: str
     text: str = ""
     completion_tokens: int = 0  # tokens of output so far, counted up to a matched stop string
-    finish: str = ""
+    finish: FinishReason | None = None  # on the request's last delta
     prompt_tokens: int = 0
     cached_tokens: int = 0
     matched: str = ""  # the stop string that finished the request, if one did
@@ -210,7 +246,7 @@ class Finish(_Frame):
     """The text maker matched a stop string: the scheduler must finish the request."""
 
     rid: str
-    reason: str = FinishReason.STOP.value
+    reason: FinishReason = FinishReason.STOP
     matched: str = ""
 
 
@@ -220,15 +256,15 @@ class Error(_Frame):
     rid: str
     status: int
     message: str
-    type: str = "server_error"
+    type: ErrorType = ErrorType.SERVER
 
 
 class Heartbeat(_Frame):
     """Liveness and load progress of one process, sent to its downstream neighbour."""
 
-    process: str
+    process: Process
     pid: int
-    state: str  # "loading" | "warming" | "ready" | "failed"
+    state: ProcessState
     detail: str = ""
     progress: float = 0.0
     kv_blocks: int = 0  # the worker's KV cache blocks (it may size them from device memory); 0: not said
@@ -242,7 +278,7 @@ class EngineStatus(_Frame):
     replica gave this engine in its ``ApiAnnounce`` ("" before it has announced itself).
     """
 
-    state: str
+    state: EngineState
     boot: str = ""
     detail: str = ""
     running: int = 0

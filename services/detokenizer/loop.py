@@ -19,7 +19,7 @@ from prometheus_client import Histogram
 from shared.config import StackConfig
 from shared.cpu_placement import keep_off_worker_core
 from shared.detokenize.requests import Detokenization
-from shared.frames import Heartbeat, TextBatch, TextDelta, TokenBatch
+from shared.frames import Heartbeat, Process, ProcessState, TextBatch, TextDelta, TokenBatch
 from shared.metrics import FRAMES_UNEXPECTED, PREFIX, PROCESS_UP, start_metrics_server
 from shared.tokenizer import load_tokenizer
 from shared.transport import Curve, Inbox, Outbox, ReplyOutboxes
@@ -38,7 +38,7 @@ class DetokenizerLoop:
         self.to_scheduler = Outbox(ctx, config.scheduler_address, "detokenizer_to_scheduler", curve)
         self.tokenizer = None
         self.detokenization: Detokenization | None = None
-        self.state = "loading"
+        self.state = ProcessState.LOADING
         self.stopping = False
 
     def run(self) -> None:
@@ -46,7 +46,7 @@ class DetokenizerLoop:
         signal.signal(signal.SIGINT, lambda *_: setattr(self, "stopping", True))
         self._heartbeat()
         self.load_tokenizer()
-        self.state = "ready"
+        self.state = ProcessState.READY
         PROCESS_UP.labels("detokenizer").set(1)
         next_beat = 0.0
         while not self.stopping:
@@ -65,7 +65,7 @@ class DetokenizerLoop:
         self.detokenization = Detokenization(self.tokenizer)
 
     def _heartbeat(self) -> None:
-        self.to_scheduler.send(Heartbeat(process="detokenizer", pid=os.getpid(), state=self.state))
+        self.to_scheduler.send(Heartbeat(process=Process.DETOKENIZER, pid=os.getpid(), state=self.state))
 
     def handle(self, batch: TokenBatch) -> None:
         started = time.perf_counter()
@@ -91,7 +91,7 @@ class DetokenizerLoop:
         }
 
     def health(self) -> tuple[int, dict]:
-        return (200 if self.state == "ready" else 503), {"state": self.state}
+        return (200 if self.state is ProcessState.READY else 503), {"state": self.state}
 
 
 def main(argv: list[str] | None = None) -> None:

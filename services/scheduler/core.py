@@ -285,7 +285,7 @@ class Scheduler:
             request.output_ids.append(sampled.token_id)
             reason = request.end_rule.ends_at(sampled.token_id, len(request.output_ids))
             logprobs = [sampled.logprobs] if sampled.logprobs is not None else []
-            outcome.deltas.append(TokenDelta(rid=request.rid, token_ids=[sampled.token_id], finish=reason.value if reason else "", logprobs=logprobs))
+            outcome.deltas.append(TokenDelta(rid=request.rid, token_ids=[sampled.token_id], finish=reason, logprobs=logprobs))
             if reason is None:
                 self._register_full_blocks(request)
             else:
@@ -309,7 +309,7 @@ class Scheduler:
         outcome = Outcome()
         request = self.requests.get(rid)
         if request is not None:
-            outcome.deltas.append(TokenDelta(rid=rid, finish=reason.value))
+            outcome.deltas.append(TokenDelta(rid=rid, finish=reason))
             self._end(request, outcome)
         return outcome
 

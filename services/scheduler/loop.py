@@ -22,11 +22,14 @@ from shared.cpu_placement import keep_off_worker_core
 from shared.frames import (
     Abort,
     ApiAnnounce,
+    EngineState,
     EngineStatus,
     Error,
+    ErrorType,
     Finish,
     FinishReason,
     Heartbeat,
+    ProcessState,
     Release,
     StepResult,
     Submit,
@@ -64,7 +67,7 @@ class _Peer:
     """What the scheduler last heard from a neighbour process."""
 
     def __init__(self) -> None:
-        self.state = "unknown"
+        self.state: ProcessState | str = "unknown"  # or "lost": what the scheduler concluded, not what the peer said
         self.detail = ""
         self.progress = 0.0
         self.seen = 0.0
@@ -136,7 +139,7 @@ class SchedulerLoop:
     @property
     def ready(self) -> bool:
         timeout = self.config.engine_timeout_s
-        return all(p.state == "ready" and p.alive(timeout) for p in self.peers.values())
+        return all(p.state == ProcessState.READY and p.alive(timeout) for p in self.peers.values())
 
     def stalled_for(self) -> float:
         """Seconds the oldest step in flight has gone unanswered (0 when none is)."""
@@ -146,14 +149,14 @@ class SchedulerLoop:
         worker = self.peers["worker"]
         stalled = self.stalled_for()
         if stalled > self.config.stall_timeout_s:
-            state, detail = "unhealthy", f"the worker has not answered step {min(self.in_flight)} for {stalled:.0f}s"
+            state, detail = EngineState.UNHEALTHY, f"the worker has not answered step {min(self.in_flight)} for {stalled:.0f}s"
         elif self.ready:
-            state, detail = "ready", worker.detail  # e.g. what the worker still warms while it serves
-        elif any(p.state == "failed" for p in self.peers.values()):
-            state, detail = "failed", "; ".join(f"{n}: {p.detail}" for n, p in self.peers.items() if p.state == "failed")
+            state, detail = EngineState.READY, worker.detail  # e.g. what the worker still warms while it serves
+        elif any(p.state == ProcessState.FAILED for p in self.peers.values()):
+            state, detail = EngineState.FAILED, "; ".join(f"{n}: {p.detail}" for n, p in self.peers.items() if p.state == ProcessState.FAILED)
         else:
-            waiting_on = [n for n, p in self.peers.items() if p.state != "ready" or not p.alive(self.config.engine_timeout_s)]
-            state = "loading"
+            waiting_on = [n for n, p in self.peers.items() if p.state != ProcessState.READY or not p.alive(self.config.engine_timeout_s)]
+            state = EngineState.LOADING
             heard = worker.detail or ("not heard from yet" if worker.state == "unknown" else worker.state)
             detail = f"waiting for {', '.join(waiting_on)}; worker: {heard}"
         return EngineStatus(
@@ -250,7 +253,7 @@ class SchedulerLoop:
 
     def _reject(self, submit: Submit, status: int, message: str) -> None:
         REJECTED.labels(str(status)).inc()
-        kind = "invalid_request_error" if status == 400 else "rate_limit_error" if status == 429 else "server_error"
+        kind = ErrorType.INVALID_REQUEST if status == 400 else ErrorType.RATE_LIMIT if status == 429 else ErrorType.SERVER
         self.to_api.send(submit.reply_to, Error(rid=submit.rid, status=status, message=message, type=kind))
 
     def _send_status(self) -> None:
@@ -290,7 +293,7 @@ class SchedulerLoop:
         lost = None
         if peer.serving and beat.pid != peer.pid:  # restarted between two heartbeats
             lost = f"restarted (pid {peer.pid} -> {beat.pid})"
-        elif peer.serving and beat.state == "failed":  # e.g. a worker whose tensor-parallel rank died
+        elif peer.serving and beat.state == ProcessState.FAILED:  # e.g. a worker whose tensor-parallel rank died
             lost = f"failed: {beat.detail}"
         changed = peer.state != beat.state
         if changed:
@@ -298,7 +301,7 @@ class SchedulerLoop:
         peer.state, peer.detail, peer.progress, peer.seen, peer.pid = beat.state, beat.detail, beat.progress, time.monotonic(), beat.pid
         if lost is not None:  # after taking the beat: the status sent before the requests' errors says what the peer said
             self._peer_lost(beat.process, lost)
-        peer.serving = peer.serving or beat.state == "ready"
+        peer.serving = peer.serving or beat.state == ProcessState.READY
         if beat.kv_blocks and beat.kv_blocks != self.core.pool.num_blocks:
             self._adopt_kv_blocks(beat.kv_blocks)
         if changed and lost is None:  # readiness changes reach the api at once, not at the next periodic status
@@ -341,7 +344,7 @@ class SchedulerLoop:
             self.to_api.send(owners[rid], Error(rid=rid, status=status, message=message))
         self.to_worker.send(Release(rids=rids))
         if self.to_detokenizer is not None:
-            self.to_detokenizer.send(TokenBatch(deltas=[TokenDelta(rid=rid, finish=FinishReason.ERROR.value) for rid in rids]))
+            self.to_detokenizer.send(TokenBatch(deltas=[TokenDelta(rid=rid, finish=FinishReason.ERROR) for rid in rids]))
 
     def _send(self, outcome: Outcome, tell_detokenizer: bool = False) -> None:
         """Releases the ended requests' worker state. The text maker has their tokens from the worker and
@@ -413,7 +416,7 @@ class SchedulerLoop:
 
     def health(self) -> tuple[int, dict]:
         status = self.status()
-        return (200 if status.state == "ready" else 503), {"state": status.state, "detail": status.detail}
+        return (200 if status.state == EngineState.READY else 503), {"state": status.state, "detail": status.detail}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -86,7 +86,7 @@ class Detokenization:
             if delta.finish:
                 self._remember_ended(delta.rid)
             return None
-        if delta.finish == FinishReason.ERROR.value:
+        if delta.finish == FinishReason.ERROR:
             # The scheduler failed it and told its api why (an Error frame); a finishing delta from here
             # could overtake that frame and replace the reason with a generic one.
             del self.requests[delta.rid]
@@ -99,7 +99,7 @@ class Detokenization:
         text = update.text
         if update.finished_by_stop is not None:
             STOP_MATCHES.inc()
-            finish = FinishReason.STOP.value
+            finish = FinishReason.STOP
             stops.append(Finish(rid=delta.rid, matched=update.finished_by_stop))
         elif finish:
             text += tracked.state.finish()
@@ -118,14 +118,14 @@ class Detokenization:
         )
 
     @staticmethod
-    def _take_until_end(tracked: _Tracked, token_ids: list[int], finish: str) -> tuple[list[int], str]:
+    def _take_until_end(tracked: _Tracked, token_ids: list[int], finish: FinishReason | None) -> tuple[list[int], FinishReason | None]:
         """The delta's tokens up to the one that ends the request by the end rule, and the ending (the
         delta's own, an abort, when the rule ends nothing)."""
         for i, token_id in enumerate(token_ids):
             tracked.generated += 1
             reason = tracked.end_rule.ends_at(token_id, tracked.generated)
             if reason is not None:
-                return token_ids[: i + 1], reason.value
+                return token_ids[: i + 1], reason
         return token_ids, finish
 
     def _remember_ended(self, rid: str) -> None:

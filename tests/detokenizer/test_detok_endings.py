@@ -51,7 +51,7 @@ def test_a_stop_token_before_min_tokens_is_an_ordinary_token(loop) -> None:
     loop.handle(TokenBatch(opened=[StreamOpen(rid="r", prompt_tokens=3, max_tokens=50, stop_token_ids=[EOS], min_tokens=3)]))
     loop.handle(TokenBatch(deltas=[TokenDelta(rid="r", token_ids=[EOS]), TokenDelta(rid="r", token_ids=[*hello, EOS])]))
     first, second = _texts(loop)
-    assert (first.finish, second.finish, second.completion_tokens) == ("", "stop", len(hello) + 2)
+    assert (first.finish, second.finish, second.completion_tokens) == (None, "stop", len(hello) + 2)
 
 
 def test_max_tokens_ends_the_request_where_no_stop_token_does(loop) -> None:
@@ -59,7 +59,7 @@ def test_max_tokens_ends_the_request_where_no_stop_token_does(loop) -> None:
     loop.handle(TokenBatch(deltas=[TokenDelta(rid="r", token_ids=[EOS, EOS])]))
     loop.handle(TokenBatch(deltas=[TokenDelta(rid="r", token_ids=[EOS, EOS])]))
     first, second = _texts(loop)
-    assert (first.finish, second.finish, second.completion_tokens) == ("", "length", 3)
+    assert (first.finish, second.finish, second.completion_tokens) == (None, "length", 3)
 
 
 def test_an_abort_ends_an_open_request_and_one_that_overtook_its_opening(loop) -> None:

@@ -60,14 +60,14 @@ def test_finish_on_eos_and_length_frees_blocks_and_drops_the_pipelined_token() -
     p0 = s.plan(0)
     s.plan(1)  # in flight together with p0
     out = answer(s, p0, token=5)
-    assert [d.finish for d in out.deltas] == ["", ""]
+    assert [d.finish for d in out.deltas] == [None, None]
     out = s.on_result(StepResult(step=1, sampled=[Sampled(rid="a", token_id=5), Sampled(rid="b", token_id=0)]))  # b samples EOS
-    assert {d.rid: d.finish for d in out.deltas} == {"a": "", "b": FinishReason.STOP.value}
+    assert {d.rid: d.finish for d in out.deltas} == {"a": None, "b": FinishReason.STOP}
     assert out.released == ["b"]
     p2 = s.plan(2)
     assert [x.rid for x in p2.slices] == ["a"]
     out = answer(s, p2)
-    assert out.deltas[0].finish == FinishReason.LENGTH.value  # 3 tokens: max_tokens reached
+    assert out.deltas[0].finish is FinishReason.LENGTH  # 3 tokens: max_tokens reached
     assert s.plan(3).slices == []  # never schedules past max_tokens
     assert s.pool.num_used == 0 and not s.requests
     assert s.on_result(StepResult(step=1, sampled=[Sampled(rid="b", token_id=9)])).deltas == []  # late token dropped
@@ -82,8 +82,8 @@ def test_ignore_eos_and_min_tokens() -> None:
         plan = s.plan(step)
         for d in answer(s, plan, token=0).deltas:
             finishes.setdefault(d.rid, []).append(d.finish)
-    assert finishes["a"] == ["", "", "length"]
-    assert finishes["b"] == ["", "stop"]
+    assert finishes["a"] == [None, None, FinishReason.LENGTH]
+    assert finishes["b"] == [None, FinishReason.STOP]
 
 
 def test_abort_frees_everything_at_once() -> None:

@@ -9,11 +9,16 @@ from shared.codec import FrameDecodeError, decode, encode
 from shared.frames import (
     Abort,
     ApiAnnounce,
+    EngineState,
     EngineStatus,
     Error,
+    ErrorType,
     Finish,
+    FinishReason,
     Frame,
     Heartbeat,
+    Process,
+    ProcessState,
     Release,
     Sampled,
     SamplingParams,
@@ -77,13 +82,13 @@ EXAMPLES = [
         opened=[
             StreamOpen(rid="r1", prompt_tokens=3, max_tokens=4, stop_token_ids=[2, 7], min_tokens=1, stop=["x"], skip_special_tokens=False, reply_to="api-0")
         ],
-        deltas=[TokenDelta(rid="r1", token_ids=[42]), TokenDelta(rid="r2", finish="abort")],
+        deltas=[TokenDelta(rid="r1", token_ids=[42]), TokenDelta(rid="r2", finish=FinishReason.ABORT)],
     ),
-    TextBatch(deltas=[TextDelta(rid="r1", text="héllo 👋", completion_tokens=2, finish="stop", prompt_tokens=3)]),
+    TextBatch(deltas=[TextDelta(rid="r1", text="héllo 👋", completion_tokens=2, finish=FinishReason.STOP, prompt_tokens=3)]),
     Finish(rid="r1", matched="\n\n"),
-    Error(rid="", status=503, message="engine gone", type="server_error"),
-    Heartbeat(process="worker", pid=123, state="loading", detail="weights", progress=0.5),
-    EngineStatus(state="ready", running=2, waiting=1, kv_blocks_total=10, kv_blocks_used=3, engine="engine-1"),
+    Error(rid="", status=503, message="engine gone", type=ErrorType.SERVER),
+    Heartbeat(process=Process.WORKER, pid=123, state=ProcessState.LOADING, detail="weights", progress=0.5),
+    EngineStatus(state=EngineState.READY, running=2, waiting=1, kv_blocks_total=10, kv_blocks_used=3, engine="engine-1"),
     ApiAnnounce(replica="api-1", address="tcp://api-1:5550", engine="engine-0"),
 ]
 
@@ -118,3 +123,15 @@ def test_step_frames_do_not_grow_with_context() -> None:
     short = encode(StepPlan(step=1, slices=[Slice(rid="a" * 32, start=10, num_tokens=1)]))
     long = encode(StepPlan(step=1, slices=[Slice(rid="a" * 32, start=100_000, num_tokens=1)]))
     assert len(long) - len(short) <= 4
+
+
+def test_closed_sets_travel_as_their_strings_and_other_strings_are_refused() -> None:
+    """The enums' values are the wire's (and the OpenAI API's) strings; a value outside the set does not decode."""
+    delta = TextDelta(rid="r", finish=FinishReason.LENGTH)
+    assert msgspec.msgpack.decode(encode(TextBatch(deltas=[delta])))[1][0][:4] == ["r", "", 0, "length"]
+    assert decode(encode(TextBatch(deltas=[delta]))).deltas[0].finish is FinishReason.LENGTH
+    assert decode(encode(TokenBatch(deltas=[TokenDelta(rid="r", token_ids=[5])]))).deltas[0].finish is None
+    with pytest.raises(FrameDecodeError, match="bad frame"):
+        decode(msgspec.msgpack.encode(["Heartbeat", "worker", 1, "sleeping"]))
+    with pytest.raises(FrameDecodeError, match="bad frame"):
+        decode(msgspec.msgpack.encode(["Finish", "r", "done"]))
