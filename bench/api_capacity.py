@@ -3,7 +3,7 @@
 The api runs alone, as the stack starts it, on a CPU of its own; a scripted engine in this process takes
 its place on the api's real ZeroMQ sockets (it receives the api's Submit and Abort frames, reports itself
 ready and sends one TextBatch per step, with one one-token TextDelta for each open request, as the
-detokenizer does), and the lean client of bench/sse_client.py reads the chat streams. The engine and the
+detokenizer does), and the lean client of shared/devtools/sse.py reads the chat streams. The engine and the
 client share the other CPU. Each round runs ``--streams`` streams of ``--tokens`` chunks each and reads the
 api's CPU time over it (every thread, ZeroMQ's included):
 
@@ -35,10 +35,11 @@ from statistics import median
 
 import zmq
 
-from bench.sse_client import stream_chat
-from bench.stack_client import free_port_block, served_model, stop_process, wait_healthy, write_results
+from bench.report import write_results
 from bench.stack_throughput import process_cpu_seconds, user_system_seconds
 from shared.config import DEFAULT_MODEL_DIR, StackConfig
+from shared.devtools.sse import stream_chat
+from shared.devtools.stack import free_port_block, served_model, stop_process, wait_healthy
 from shared.frames import Abort, EngineStatus, Submit, TextBatch, TextDelta
 from shared.transport import Inbox, Outbox
 
@@ -117,7 +118,7 @@ async def _round(url: str, model: str, streams: int, tokens: int, api_pid: int) 
     runs = await asyncio.gather(*(stream_chat(url, model, PROMPT, tokens) for _ in range(streams)))
     wall, cpu = time.perf_counter() - started, process_cpu_seconds(api_pid) - cpu_before
     split = [after - before for after, before in zip(user_system_seconds(api_pid), split_before)]
-    chunks = sum(len(r["stamps"]) for r in runs)
+    chunks = sum(len(r.chunk_times) for r in runs)
     if chunks != streams * tokens:
         raise RuntimeError(f"expected {streams * tokens} content chunks, got {chunks}")
     return {"chunks": chunks, "wall_s": wall, "api_cpu_s": cpu, "api_cpu_us_per_chunk": 1e6 * cpu / chunks, "api_user_system_s": split}

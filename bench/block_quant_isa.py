@@ -26,7 +26,7 @@ import subprocess
 import sys
 
 from bench.quantization import decode_step_s
-from bench.stack_client import write_results
+from bench.report import write_results
 from services.worker.cpu_kernels import cpu_kernels
 from services.worker.runner import ModelRunner
 from shared.config import DEFAULT_MODEL_DIR, StackConfig

@@ -71,7 +71,7 @@ if [ ! -f "$TOKENIZER_DIR/tokenizer.json" ]; then
 fi
 part "stack on the gpu" 150 "$PY" -m bench.gpu_stack_check --tokenizer "$TOKENIZER_DIR" --log "$OUT_DIR/stack.log" --out "$OUT_DIR/instrumentation.json"
 serving_model=$(mktemp -d)/smollm2-135m-random
-part "random smollm2-135m checkpoint" 60 "$PY" -m bench.random_model "$serving_model" --shape smollm2-135m --dtype bfloat16 --tokenizer "$TOKENIZER_DIR"
+part "random smollm2-135m checkpoint" 60 "$PY" -m shared.devtools.random_model "$serving_model" --shape smollm2-135m --dtype bfloat16 --tokenizer "$TOKENIZER_DIR"
 part "serving chat-128 on the gpu" 200 "$PY" -m bench.serve --start-stack --stack-model "$serving_model" --stack-args "--device cuda" --stack-log "$OUT_DIR/serve-stack.log" \
     --workload bench/workloads/chat-128.json --concurrency 1 8 32 --out "$OUT_DIR/serve-gpu"
 part "in-process decode of that checkpoint" 60 "$PY" -m bench.gpu_decode --model "$serving_model" --batches 1,8,32 --context 96

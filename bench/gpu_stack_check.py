@@ -1,6 +1,6 @@
 """The whole stack (launcher, api, scheduler, worker, detokenizer) serving from a CUDA device, with no network.
 
-A random 2-layer Llama with SmolLM2's vocabulary (``bench/random_model.py``, wide logit margins) is served in
+A random 2-layer Llama with SmolLM2's vocabulary (``shared/devtools/random_model.py``, wide logit margins) is served in
 float32 with CUDA graphs on. Eight concurrent greedy completions, whose prompts (token ids) and lengths differ so
 that they join and leave the batch at different steps, must equal Hugging Face transformers' greedy decoding on
 the same GPU, text and token counts; two completions held to a JSON schema (greedy and sampled) must end in a
@@ -14,6 +14,7 @@ skips with a message when there is no CUDA device.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import sys
@@ -23,9 +24,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from bench.random_model import build_random_smollm
-from bench.stack_client import running_stack, served_model
 from shared.config import DEFAULT_MODEL_DIR
+from shared.devtools.random_model import build_random_smollm
+from shared.devtools.sse import StreamError, stream_chat
+from shared.devtools.stack import running_stack, served_model
 
 PROMPT_LENGTHS = (5, 17, 33, 64, 100, 3, 250, 9)
 OUTPUT_LENGTHS = (24, 8, 40, 16, 32, 12, 20, 36)
@@ -50,33 +52,6 @@ def greedy_reference(model_dir: str, prompts: list[list[int]], lengths: tuple[in
                 tokens.append(int(model(torch.tensor([tokens], device=device)).logits[0, -1].argmax()))
             outputs.append(tokens[len(prompt) :])
     return outputs
-
-
-def streamed_chat(url: str, model: str, max_tokens: int) -> tuple[int, dict, str]:
-    """(content chunks, usage, last data line) of one streamed greedy chat completion."""
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": "Name three rivers."}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST")
-    chunks, usage, last = 0, {}, ""
-    with urllib.request.urlopen(request, timeout=120) as response:
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            last = line
-            if line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            usage = event.get("usage") or usage
-            chunks += bool(event["choices"] and event["choices"][0]["delta"].get("content"))
-    return chunks, usage, last
 
 
 def main() -> int:
@@ -131,10 +106,13 @@ def main() -> int:
                 print(f"structured output at temperature {temperature}: {reply['text']!r} ({reply['finish_reason']})")
                 if not ok:
                     failures.append(f"structured output at temperature {temperature}: {reply['text']!r}, finish {reply['finish_reason']}")
-            chunks, usage, last = streamed_chat(url, model, 16)
-            print(f"streamed chat: {chunks} content chunks, usage {usage}, last line {last!r}")
-            if last != "data: [DONE]" or usage.get("completion_tokens") != 16 or chunks == 0:
-                failures.append(f"streamed chat: {chunks} chunks, usage {usage}, last line {last!r}")
+            try:  # a stream that does not end in [DONE] is a StreamError
+                streamed = asyncio.run(stream_chat(url, model, [{"role": "user", "content": "Name three rivers."}], 16))
+                print(f"streamed chat: {len(streamed.chunk_times)} content chunks, usage {streamed.usage}")
+                if streamed.usage.get("completion_tokens") != 16 or not streamed.chunk_times:
+                    failures.append(f"streamed chat: {len(streamed.chunk_times)} chunks, usage {streamed.usage}")
+            except StreamError as exc:
+                failures.append(f"streamed chat: {exc}")
             port = int(url.rsplit(":", 1)[1])
             with urllib.request.urlopen(f"http://127.0.0.1:{port + 2}/instrumentation", timeout=10) as response:
                 instrumentation = json.load(response)

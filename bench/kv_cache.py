@@ -22,7 +22,7 @@ import torch
 
 from bench.attention_kernel import DIM, KV_HEADS, call_layers, per_call_s, step
 from bench.quantization import TEXT, accuracy_against, decode_step_s
-from bench.stack_client import write_results
+from bench.report import write_results
 from services.worker.cpu_kernels import cpu_kernels
 from services.worker.runner import ModelRunner
 from shared.model_info import q8_row_width

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from bench.stack_client import write_results
+from bench.report import write_results
 from services.worker.attention import AttentionMetadata
 from services.worker.runner import ModelRunner
 from shared.frames import SamplingParams, Slice, StepPlan

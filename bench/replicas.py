@@ -17,29 +17,29 @@ import platform
 import time
 import urllib.request
 
-import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.stack_client import percentile, running_stack, served_model, stream_chat, write_results
+from bench.report import percentile, write_results
 from bench.stack_throughput import PROMPTS
 from shared.config import DEFAULT_MODEL_DIR
+from shared.devtools.sse import stream_chat
+from shared.devtools.stack import running_stack, served_model
 
 
 async def _load(url: str, model: str, requests: int, output_tokens: int) -> dict:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
-        await stream_chat(session, url, model, [{"role": "user", "content": "Hello"}], 4)  # warm-up, not counted
-        started = time.perf_counter()
-        messages = [[{"role": "user", "content": f"{PROMPTS[i % len(PROMPTS)]} (variant {i})"}] for i in range(requests)]
-        runs = await asyncio.gather(*(stream_chat(session, url, model, m, output_tokens) for m in messages))
-        wall = time.perf_counter() - started
-    tokens = sum(r["usage"].get("completion_tokens", 0) for r in runs)
-    gaps = [b - a for r in runs for a, b in zip(r["stamps"], r["stamps"][1:])]
+    await stream_chat(url, model, [{"role": "user", "content": "Hello"}], 4)  # warm-up, not counted
+    started = time.perf_counter()
+    messages = [[{"role": "user", "content": f"{PROMPTS[i % len(PROMPTS)]} (variant {i})"}] for i in range(requests)]
+    runs = await asyncio.gather(*(stream_chat(url, model, m, output_tokens) for m in messages))
+    wall = time.perf_counter() - started
+    tokens = sum(r.usage.get("completion_tokens", 0) for r in runs)
+    gaps = [b - a for r in runs for a, b in zip(r.chunk_times, r.chunk_times[1:])]
     return {
         "output_tokens": tokens,
         "wall_s": round(wall, 3),
         "output_tok_s": round(tokens / wall, 2),
-        "ttft_p50_s": percentile([r["stamps"][0] - r["start"] for r in runs if r["stamps"]], 50),
-        "ttft_p90_s": percentile([r["stamps"][0] - r["start"] for r in runs if r["stamps"]], 90),
+        "ttft_p50_s": percentile([r.chunk_times[0] - r.start for r in runs if r.chunk_times], 50),
+        "ttft_p90_s": percentile([r.chunk_times[0] - r.start for r in runs if r.chunk_times], 90),
         "itl_p50_s": percentile(gaps, 50),
         "itl_p90_s": percentile(gaps, 90),
     }

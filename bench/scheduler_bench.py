@@ -14,55 +14,44 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-import aiohttp
-
-from bench.stack_client import percentile, running_stack, served_model, stream_chat, write_results
+from bench.report import percentile, write_results
 from shared.config import DEFAULT_MODEL_DIR
+from shared.devtools.sse import stream_chat
+from shared.devtools.stack import running_stack, served_model
 
 SYSTEM = " ".join(f"Rule {i}: always answer politely, precisely and briefly, citing the relevant rule number." for i in range(40))
 LONG_PROMPT = " ".join(f"Paragraph {i} of a long document about the history of lighthouses and their keepers." for i in range(60))
 
 
 async def _decode_throughput(url: str, model: str, streams: int = 8, tokens: int = 96) -> dict:
-    async with aiohttp.ClientSession() as session:
-        await stream_chat(session, url, model, [{"role": "user", "content": "warm up"}], 4)
-        runs = await asyncio.gather(
-            *(stream_chat(session, url, model, [{"role": "user", "content": f"Tell story number {i}."}], tokens) for i in range(streams))
-        )
-    start, end = min(r["start"] for r in runs), max(r["end"] for r in runs)
-    total = sum(r["usage"]["completion_tokens"] for r in runs)
-    return {"output_tok_s": total / (end - start), "itl_p50_ms": 1000 * percentile([b - a for r in runs for a, b in zip(r["stamps"], r["stamps"][1:])], 50)}
+    await stream_chat(url, model, [{"role": "user", "content": "warm up"}], 4)
+    runs = await asyncio.gather(*(stream_chat(url, model, [{"role": "user", "content": f"Tell story number {i}."}], tokens) for i in range(streams)))
+    start, end = min(r.start for r in runs), max(r.end for r in runs)
+    total = sum(r.usage["completion_tokens"] for r in runs)
+    return {"output_tok_s": total / (end - start), "itl_p50_ms": 1000 * percentile([b - a for r in runs for a, b in zip(r.chunk_times, r.chunk_times[1:])], 50)}
 
 
 async def _shared_prefix_ttft(url: str, model: str, requests: int = 6) -> dict:
-    async with aiohttp.ClientSession() as session:
-        ttfts, cached = [], []
-        for i in range(requests):  # one after another: each can reuse what the previous ones computed
-            run = await stream_chat(
-                session, url, model, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Question {i}: what is rule {i}?"}], 4
-            )
-            ttfts.append(run["stamps"][0] - run["start"])
-            cached.append(run["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0))
+    ttfts, cached = [], []
+    for i in range(requests):  # one after another: each can reuse what the previous ones computed
+        run = await stream_chat(url, model, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Question {i}: what is rule {i}?"}], 4)
+        ttfts.append(run.chunk_times[0] - run.start)
+        cached.append(run.usage.get("prompt_tokens_details", {}).get("cached_tokens", 0))
     return {
         "ttft_first_ms": 1000 * ttfts[0],
         "ttft_rest_p50_ms": 1000 * percentile(ttfts[1:], 50),
-        "prompt_tokens": run["usage"]["prompt_tokens"],
+        "prompt_tokens": run.usage["prompt_tokens"],
         "cached_tokens": cached,
     }
 
 
 async def _itl_under_long_prompts(url: str, model: str, streams: int = 8, long_prompts: int = 3) -> dict:
-    async with aiohttp.ClientSession() as session:
-        running = [
-            asyncio.create_task(stream_chat(session, url, model, [{"role": "user", "content": f"Count slowly, story {i}."}], 120)) for i in range(streams)
-        ]
-        await asyncio.sleep(1.0)
-        longs = [
-            asyncio.create_task(stream_chat(session, url, model, [{"role": "user", "content": f"{LONG_PROMPT} Summary {j}:"}], 4)) for j in range(long_prompts)
-        ]
-        runs = await asyncio.gather(*running)
-        await asyncio.gather(*longs)
-    gaps = [b - a for r in runs for a, b in zip(r["stamps"], r["stamps"][1:])]
+    running = [asyncio.create_task(stream_chat(url, model, [{"role": "user", "content": f"Count slowly, story {i}."}], 120)) for i in range(streams)]
+    await asyncio.sleep(1.0)
+    longs = [asyncio.create_task(stream_chat(url, model, [{"role": "user", "content": f"{LONG_PROMPT} Summary {j}:"}], 4)) for j in range(long_prompts)]
+    runs = await asyncio.gather(*running)
+    await asyncio.gather(*longs)
+    gaps = [b - a for r in runs for a, b in zip(r.chunk_times, r.chunk_times[1:])]
     return {"itl_p50_ms": 1000 * percentile(gaps, 50), "itl_p99_ms": 1000 * percentile(gaps, 99), "itl_max_ms": 1000 * max(gaps)}
 
 

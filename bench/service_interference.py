@@ -30,7 +30,7 @@ import sys
 import time
 from statistics import median
 
-from bench.stack_client import write_results
+from bench.report import write_results
 from shared.config import DEFAULT_MODEL_DIR, StackConfig
 
 

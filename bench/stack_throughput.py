@@ -30,7 +30,7 @@ The two read the same within the rounds' spread (docs/performance.md). Its CPU s
 Where the stack's difference goes: each stack run also records the CPU time per output token of
 every process (all its threads, ZMQ's included) and of the benchmark itself (the client, which
 shares the machine's cores with the stack but not with the in-process runner; a lean one,
-bench/sse_client.py, that costs about half of aiohttp's reader per token). Where the worker
+shared/devtools/sse.py, that costs about half of aiohttp's reader per token). Where the worker
 alone fills every core (a CPU worker at one stream), the others' CPU comes out of the worker's, so
 stack / worker tends to the worker's share of the total, which the report prints beside it. It
 also prints each process's wake-ups per token and what one wake-up costs this machine
@@ -58,12 +58,13 @@ from statistics import median
 from typing import TypeVar
 
 from bench import wake_cost
-from bench.inprocess_engine import InProcessEngine
-from bench.sse_client import stream_chat
-from bench.stack_client import percentile, running_stack, served_model, write_results
+from bench.report import percentile, write_results
 from services.scheduler.core import Scheduler
 from services.scheduler.kv_blocks import BlockPool
 from shared.config import DEFAULT_MODEL_DIR, StackConfig
+from shared.devtools.inprocess_engine import InProcessEngine
+from shared.devtools.sse import stream_chat
+from shared.devtools.stack import running_stack, served_model
 from shared.frames import SamplingParams, Submit
 from shared.model_info import kv_cache_blocks, load_model_info
 
@@ -103,14 +104,14 @@ def run_as_client(policy: str, work: Callable[[], T]) -> T:
 
 
 async def _stack_run(url: str, model: str, concurrency: int, output_tokens: int, pids: dict[str, int]) -> dict:
-    # The lean client (bench/sse_client.py): its CPU shares the cores with the stack, not with the in-process run.
+    # The lean client (shared/devtools/sse.py): its CPU shares the cores with the stack, not with the in-process run.
     await stream_chat(url, model, [{"role": "user", "content": "Hello"}], 8)  # warm-up, not counted
     cpu_before, wakes_before, split_before = _cpu_seconds(pids), _wake_ups(pids), _user_system(pids)
     started = time.perf_counter()
     runs = await asyncio.gather(*(stream_chat(url, model, [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], output_tokens) for i in range(concurrency)))
     wall = time.perf_counter() - started
     cpu_after, wakes_after, split_after = _cpu_seconds(pids), _wake_ups(pids), _user_system(pids)
-    tokens = sum(r["usage"].get("completion_tokens", 0) for r in runs)
+    tokens = sum(r.usage.get("completion_tokens", 0) for r in runs)
     return {
         "output_tokens": tokens,
         "wall_s": wall,
@@ -118,8 +119,8 @@ async def _stack_run(url: str, model: str, concurrency: int, output_tokens: int,
         "cpu_ms_per_token": {name: 1000 * (cpu_after[name] - cpu_before[name]) / max(tokens, 1) for name in cpu_before},
         "wake_ups_per_token": {name: (wakes_after[name] - wakes_before[name]) / max(tokens, 1) for name in wakes_before},
         "user_system_s": {name: [a - b for a, b in zip(split_after[name], split_before[name])] for name in split_before},
-        "ttft_p50_s": percentile([r["stamps"][0] - r["start"] for r in runs if r["stamps"]], 50),
-        "itl_p50_s": percentile([b - a for r in runs for a, b in zip(r["stamps"], r["stamps"][1:])], 50),
+        "ttft_p50_s": percentile([r.chunk_times[0] - r.start for r in runs if r.chunk_times], 50),
+        "itl_p50_s": percentile([b - a for r in runs for a, b in zip(r.chunk_times, r.chunk_times[1:])], 50),
     }
 
 

@@ -1,4 +1,5 @@
-"""One streamed request against an OpenAI-compatible endpoint, recorded with every chunk's arrival time.
+"""One streamed request against an OpenAI-compatible endpoint (``shared.devtools.sse``), recorded with every
+chunk's arrival time.
 
 Tokens are counted from the usage the server reports (``stream_options.include_usage``), never from the
 chunks: one chunk may carry several tokens (llama.cpp does this) or a token may carry no text yet. The
@@ -7,13 +8,10 @@ chunk times are recorded as they arrived; inter-token latency is the gap between
 
 from __future__ import annotations
 
-import json
-import time
 from dataclasses import asdict, dataclass, field
 
-import aiohttp
-
 from bench.serve.workload import Workload
+from shared.devtools.sse import stream
 
 
 @dataclass
@@ -90,50 +88,17 @@ def request_body(workload: Workload, model: str, prompt: str) -> tuple[str, dict
     return "/v1/completions", {**body, "prompt": prompt}
 
 
-def _chunk_text(choice: dict) -> str:
-    delta = choice.get("delta")
-    if delta is not None:  # chat
-        return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
-    return choice.get("text") or ""
-
-
-async def stream_request(session: aiohttp.ClientSession, url: str, path: str, body: dict, record: RequestRecord, clock_origin: float) -> RequestRecord:
+async def stream_request(url: str, path: str, body: dict, record: RequestRecord, clock_origin: float, timeout_s: float | None = None) -> RequestRecord:
     """Sends one streamed request and fills in the record; every failure ends up in record.error, never raised."""
-    started = time.perf_counter()
-    record.start_s = started - clock_origin
-    try:
-        async with session.post(url.rstrip("/") + path, json=body) as response:
-            record.http_status = response.status
-            if response.status != 200:
-                record.error = f"HTTP {response.status}: {(await response.text())[:300]}"
-                return record
-            done = False
-            async for raw_line in response.content:
-                now = time.perf_counter()
-                line = raw_line.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    done = True
-                    break
-                chunk = json.loads(data)
-                if chunk.get("error"):
-                    record.error = f"stream error: {json.dumps(chunk['error'])[:300]}"
-                    return record
-                if chunk.get("usage"):
-                    record.prompt_tokens = chunk["usage"].get("prompt_tokens")
-                    record.completion_tokens = chunk["usage"].get("completion_tokens")
-                for choice in chunk.get("choices") or []:
-                    text = _chunk_text(choice)
-                    if text:
-                        record.chunk_offsets_s.append(now - started)
-                        record.chunk_chars.append(len(text))
-                    if choice.get("finish_reason"):
-                        record.finish_reason = choice["finish_reason"]
-            record.end_s = time.perf_counter() - started
-            if not done:
-                record.error = "the stream ended without [DONE]"
-    except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        record.error = f"{type(exc).__name__}: {exc}"[:300]
+    result = await stream(url, path, body, timeout_s)
+    record.start_s = result.start - clock_origin
+    record.http_status = result.status
+    record.error = result.error
+    record.chunk_offsets_s = [t - result.start for t in result.chunk_times]
+    record.chunk_chars = result.chunk_chars
+    record.finish_reason = result.finish_reason
+    record.prompt_tokens = result.usage.get("prompt_tokens")
+    record.completion_tokens = result.usage.get("completion_tokens")
+    if result.status == 200:
+        record.end_s = result.end - result.start
     return record

@@ -43,7 +43,7 @@ class StackEndpoint:
         if self._failure is not None:
             raise self._failure
         if self._url is None:
-            from bench.stack_client import running_stack
+            from shared.devtools.stack import running_stack
 
             try:
                 self._url = self._exit.enter_context(

@@ -13,8 +13,6 @@ import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import aiohttp
-
 from bench.serve.client import RequestRecord, request_body, stream_request
 from bench.serve.workload import Workload
 
@@ -85,20 +83,18 @@ async def run_phase(
     ``prompt_offset + i`` (cycled), so every endpoint and every split into rounds sees the same prompts.
     Send times are relative to ``clock_origin`` (perf_counter seconds)."""
     records: list[RequestRecord | None] = [None] * len(indices)
-    timeout = aiohttp.ClientTimeout(total=request_timeout_s)
-    # A fresh connection per request: a server may close an idle keep-alive connection just as a
-    # reused one is written to (llama-server does), which would fail a request for the client's sake.
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0, force_close=True)) as session:
 
-        async def send(position: int) -> None:
-            index = indices[position]
-            prompt_index = (prompt_offset + index) % len(workload.prompts)
-            path, body = request_body(workload, model, workload.prompts[prompt_index])
-            record = RequestRecord(endpoint, level.describe(), phase, index, prompt_index, workload.output_tokens, workload.ignore_eos, round=round_index)
-            records[position] = await stream_request(session, url, path, body, record, clock_origin)
+    # Each request on a fresh connection (stream_request's): a server may close an idle keep-alive connection
+    # just as a reused one is written to (llama-server does), which would fail a request for the client's sake.
+    async def send(position: int) -> None:
+        index = indices[position]
+        prompt_index = (prompt_offset + index) % len(workload.prompts)
+        path, body = request_body(workload, model, workload.prompts[prompt_index])
+        record = RequestRecord(endpoint, level.describe(), phase, index, prompt_index, workload.output_tokens, workload.ignore_eos, round=round_index)
+        records[position] = await stream_request(url, path, body, record, clock_origin, request_timeout_s)
 
-        if level.mode == "concurrency":
-            await _closed_loop(int(level.value), len(indices), send)
-        else:
-            await _poisson(level.value, len(indices), level.max_concurrency, random.Random(seed + round_index), send)
+    if level.mode == "concurrency":
+        await _closed_loop(int(level.value), len(indices), send)
+    else:
+        await _poisson(level.value, len(indices), level.max_concurrency, random.Random(seed + round_index), send)
     return [r for r in records if r is not None]

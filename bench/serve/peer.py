@@ -15,7 +15,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from bench.stack_client import stop_process, wait_healthy
+from shared.devtools.stack import free_port_block, stop_process, wait_healthy
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_BINARY = os.path.join(REPO, "bench", "peer", "build", "bin", "llama-server")
@@ -58,8 +58,6 @@ def llama_server_command(binary: str, gguf: str, port: int, parallel: int, threa
 @contextmanager
 def running_llama_server(parallel: int, gguf: str | None = None, threads: int = 2, log_path: str | None = None, timeout_s: float = 300) -> Iterator[str]:
     """Starts llama-server with --parallel slots on a free port; yields its base URL; stops it afterwards."""
-    from bench.stack_client import free_port_block
-
     port = free_port_block(1)
     command = llama_server_command(llama_server_binary(), gguf or default_gguf(), port, parallel, threads)
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL

@@ -213,7 +213,7 @@ def test_an_unreachable_endpoint_is_a_labelled_failure_not_a_crash(tmp_path, wor
         tmp_path, "--workload", workload(), "--endpoint", "gone=http://127.0.0.1:9", "--model-name", "m", "--num-requests", "1", "--warmup-requests", "0"
     )
     assert code == 1
-    assert "ClientConnectorError" in summary["incomplete_reasons"][0]
+    assert "ConnectionRefusedError" in summary["incomplete_reasons"][0]
 
 
 def test_the_started_peer_is_restarted_per_level_with_one_slot_per_stream(tmp_path, workload, monkeypatch):

@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench.stack_client import free_port_block
 from shared.config import DEFAULT_MODEL_DIR, StackConfig
+from shared.devtools.stack import free_port_block
 from shared.transport import create_keys
 from tests.deploy.files import (
     PROCESSES,

@@ -18,9 +18,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.random_model import build_random_smollm
-from bench.stack_client import free_port_block, stop_process
 from shared.config import DEFAULT_MODEL_DIR
+from shared.devtools.random_model import build_random_smollm
+from shared.devtools.stack import free_port_block, stop_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -178,7 +178,7 @@ TINY_MODEL = "tiny-smollm"
 
 @contextmanager
 def tiny_model_stack(tmp_path_factory, name: str, flags: list[str]) -> Iterator[Stack]:
-    """A healthy stack with these flags serving a random tiny SmolLM (``bench.random_model``) on one thread:
+    """A healthy stack with these flags serving a random tiny SmolLM (``shared.devtools.random_model``) on one thread:
     for tests of the serving path, whose text need not mean anything."""
     tmp = tmp_path_factory.mktemp(name)
     build_random_smollm(str(tmp / TINY_MODEL))

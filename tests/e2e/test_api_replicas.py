@@ -17,10 +17,10 @@ from collections.abc import Callable
 import openai
 import pytest
 
-from bench.random_model import build_random_smollm
-from bench.stack_client import free_port_block, stop_process
 from services.launcher.__main__ import replica_config
 from shared.config import StackConfig
+from shared.devtools.random_model import build_random_smollm
+from shared.devtools.stack import free_port_block, stop_process
 from tests.e2e.conftest import ENGINES, Replicas, Stack, launched_stack, metric_value, running_service
 
 MODEL = "tiny-smollm"

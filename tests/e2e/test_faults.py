@@ -10,7 +10,7 @@ import time
 import openai
 import pytest
 
-from bench.stack_client import free_port_block
+from shared.devtools.stack import free_port_block
 from tests.e2e.conftest import Stack, launched_stack, metric_value, wait_healthy, wait_supervised, wait_until_quiescent
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -15,8 +15,8 @@ import time
 import openai
 import pytest
 
-from bench.random_model import build_random_smollm
-from bench.stack_client import free_port_block
+from shared.devtools.random_model import build_random_smollm
+from shared.devtools.stack import free_port_block
 from tests.e2e.conftest import ENGINES, Replicas, launched_stack, metric_value, wait_supervised
 
 MODEL = "tiny-smollm"

@@ -16,7 +16,7 @@ import openai
 import pytest
 import zmq
 
-from bench.stack_client import free_port_block
+from shared.devtools.stack import free_port_block
 from shared.transport import Curve, Outbox, create_keys
 from tests.e2e.conftest import ROOT, Stack, http_get, http_post, launched_stack, metric_value, wait_healthy
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from bench.stack_client import free_port_block
+from shared.devtools.stack import free_port_block
 from tests.e2e.conftest import Stack, launched_stack, metric_value, wait_healthy
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -17,8 +17,8 @@ from collections.abc import Callable
 import openai
 import pytest
 
-from bench.random_model import build_random_smollm
-from bench.stack_client import free_port_block
+from shared.devtools.random_model import build_random_smollm
+from shared.devtools.stack import free_port_block
 from tests.e2e.conftest import Stack, http_get, launched_stack, wait_healthy, wait_supervised, wait_until_quiescent
 
 MODEL = "tiny-smollm"

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.inprocess_engine import InProcessEngine
 from services.scheduler.core import Scheduler
 from services.scheduler.kv_blocks import BlockPool
 from services.worker.runner import ModelRunner
+from shared.devtools.inprocess_engine import InProcessEngine
 from shared.frames import SamplingParams, Submit
 from tests.worker.harness import build_tiny_llama
 

@@ -156,10 +156,10 @@ def test_layer_kinds_and_kv_size_come_from_layer_types_or_the_full_attention_int
 def test_greedy_matches_transformers_through_the_scheduler_with_runs_of_decode_steps(tiny_qwen3_next: Checkpoint) -> None:
     """The scheduler's own plans, state slots and plans of several decode steps (each step moving every
     request's GDN state on by one token) give transformers' continuations."""
-    from bench.inprocess_engine import InProcessEngine
     from services.scheduler.core import Scheduler
     from services.scheduler.kv_blocks import BlockPool
     from services.scheduler.state_slots import SlotPool
+    from shared.devtools.inprocess_engine import InProcessEngine
     from shared.frames import Submit
 
     prompts = {f"r{i}": prompt_of(40 + i, n) for i, n in enumerate((5, 37, 70))}

@@ -12,10 +12,10 @@ import jsonschema
 import pytest
 import torch
 
-from bench.random_model import build_random_smollm
 from services.worker.runner import ModelRunner
 from services.worker.sampling import sample
 from services.worker.structured import StructuredOutputs, Vocabulary
+from shared.devtools.random_model import build_random_smollm
 from shared.frames import SamplingParams, Slice, StepPlan
 from shared.json_grammar import JsonGrammar, Matcher
 from shared.tokenizer import load_tokenizer

@@ -1,9 +1,9 @@
-"""What the benchmarks share: starting a stack on a free port, streaming requests, percentiles."""
+"""Starting a server on free loopback ports, waiting until it is healthy and stopping it: the launcher's stack
+for the benchmarks and the tests, llama-server for ``bench.serve``."""
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -12,8 +12,6 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
-
-import aiohttp
 
 
 def free_port_block(count: int = 4) -> int:
@@ -87,49 +85,3 @@ def stop_process(process: subprocess.Popen, grace_s: float = 30) -> int:
 def served_model(url: str) -> str:
     with urllib.request.urlopen(f"{url}/v1/models") as response:
         return json.load(response)["data"][0]["id"]
-
-
-def chat_body(model: str, messages: list[dict], output_tokens: int) -> dict:
-    """The benchmarks' chat request: greedy, ``output_tokens`` with ignore_eos, streamed with usage."""
-    return {
-        "model": model,
-        "messages": messages,
-        "max_tokens": output_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-
-
-async def stream_chat(session: aiohttp.ClientSession, url: str, model: str, messages: list[dict], output_tokens: int) -> dict:
-    """One greedy streamed chat request with ignore_eos; returns its start, token timestamps and usage."""
-    body = chat_body(model, messages, output_tokens)
-    started = time.perf_counter()
-    stamps: list[float] = []
-    usage: dict = {}
-    async with session.post(f"{url}/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.content:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                stamps.append(time.perf_counter())
-    return {"start": started, "stamps": stamps, "end": time.perf_counter(), "usage": usage}
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
-
-
-def write_results(path: str, results: dict) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"wrote {path}")

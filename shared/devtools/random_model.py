@@ -2,7 +2,7 @@
 ``tiny`` (2 layers of 64: steps take milliseconds; the stack tests' model) and ``smollm2-135m`` (the default
 model's exact shapes: serving runs on a machine the 540 MB weights cannot travel to, such as a lent GPU).
 
-    python -m bench.random_model DIR [--shape tiny|smollm2-135m] [--dtype float32|bfloat16] [--initializer-range 0.02]
+    python -m shared.devtools.random_model DIR [--shape tiny|smollm2-135m] [--dtype float32|bfloat16] [--initializer-range 0.02]
 
 Greedy comparisons across batch sizes or devices want a large ``initializer_range`` (0.2): the top logits
 are then far apart, so rounding never flips a greedy token.
