@@ -4,7 +4,6 @@ lossless (a checkpoint on the q4_1 grid, as one converted from a q4_1 GGUF)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -341,16 +340,3 @@ def test_decode_steps_run_on_the_takeover_pool_up_to_its_limit_for_the_format(
         assert pooled(8, 4)
     finally:
         torch.set_num_threads(threads)
-
-
-@kernels
-def test_the_isa_bench_times_each_variant_of_this_build(tiny_llamas: dict[str, Checkpoint]) -> None:
-    """bench.block_quant_isa's per-process measurement: a decode step time per batch for each variant the
-    build runs (avx2 alone, or both VNNI variants)."""
-    from bench.block_quant_isa import VNNI_VARIANTS, measure
-
-    args = argparse.Namespace(model=tiny_llamas["untied"].path, batches=[1, 2], context=6, steps=2)
-    results = measure(args)
-    expected = {"avx2"} if cpu_kernels()[0].block_quant_gemm_isa() == "avx2" else set(VNNI_VARIANTS)
-    assert set(results) == expected
-    assert all(set(per) == {1, 2} and all(s > 0 for s in per.values()) for per in results.values())
