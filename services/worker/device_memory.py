@@ -13,10 +13,13 @@ blocks as fit. Pure arithmetic, so it is tested without a device, with injected 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
+
+from shared.frames import SamplingParams, Slice
 
 GRAPH_POOL_RESERVE = 512 << 20  # captured decode graphs' intermediates (one shared pool), and allocator slack
 
@@ -72,6 +75,43 @@ class CudaMemoryProbe:
     def release(self) -> None:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """How a runner sizes its KV cache once the weights are loaded: ``size(model, profile, state_slots)`` says
+    how many KV blocks fit (graphs' dummy block included) beside ``state_slots`` GDN state slots. With
+    ``profile_tokens`` > 0 (and no tensor parallelism: every rank would have to join the profile step) it
+    first gets the ``ActivationProfile`` of one step of that many tokens, measured by ``probe`` (the CUDA
+    allocator's by default)."""
+
+    size: Callable[[Any, ActivationProfile | None, int], int]
+    profile_tokens: int = 0
+    probe: MemoryProbe | None = None
+
+
+class ProfileStep(NamedTuple):
+    """The profile step's slices and the scratch they run through."""
+
+    slices: list[Slice]
+    sequences: int
+    blocks: int
+
+
+def profile_step(tokens: int, max_num_seqs: int, block_size: int, vocab_size: int) -> ProfileStep:
+    """One step at the largest a plan may be: ``tokens`` prompt tokens over as many sequences as a step may
+    hold, every one sampled (top-k/top-p, so the sampler's buffers count), each sequence in its own blocks
+    and state slot."""
+    seqs = max(1, min(max_num_seqs, tokens))
+    lens = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
+    blocks = [-(-n // block_size) for n in lens]
+    first, slices = 0, []
+    for i, n in enumerate(lens):
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=i)
+        prompt = [(first + j) % vocab_size for j in range(n)]
+        slices.append(Slice(f"__profile{i}__", 0, n, prompt, list(range(first, first + blocks[i])), sampling=params, slot=i))
+        first += blocks[i]
+    return ProfileStep(slices, seqs, sum(blocks))
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,7 @@ def test_the_runner_profiles_the_largest_step_before_it_sizes_the_cache(tiny_qwe
     assert (profile.tokens, profile.sequences, profile.activation_bytes) == (10, 3, GIB // 4)
     assert state_slots == 4  # max_num_seqs slots and the graphs' dummy slot
     assert runner.num_blocks == 39 and runner.kv_cache.num_blocks == 40  # the dummy block is the worker's
-    assert runner.states.num_slots == 4 and runner.describe()["requests"] == 0 and not runner._slot_holders
+    assert runner.states.num_slots == 4 and runner.describe()["requests"] == 0 and not runner.requests.slot_holders
     assert runner.activation_profile is profile
 
 

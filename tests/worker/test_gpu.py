@@ -39,7 +39,7 @@ def test_bf16_logits_are_as_close_to_float32_transformers_as_transformers_bf16_t
     exact = copy.deepcopy(reference).to("cuda", torch.float32)
     theirs_bf16 = copy.deepcopy(reference).to("cuda", torch.bfloat16)
     runner = ModelRunner(path, num_blocks=64, block_size=16, dtype="bfloat16", device="cuda")
-    assert runner.describe()["attention_backend"] == "triton" and runner.sampler == "device"
+    assert runner.describe()["attention_backend"] == "triton" and runner.sampler.name == "device"
     assert runner.describe()["fusion_kernels"] == {"add_rms_norm": "triton", "silu_and_mul": "triton", "rotary": "none (torch)"}  # the fused forward
     slot = 0 if runner.states is not None else -1  # a hybrid (qwen3_next) request names its GDN state slot
     prompt = prompt_of(5, 37)
@@ -57,7 +57,7 @@ def test_bf16_logits_are_as_close_to_float32_transformers_as_transformers_bf16_t
         assert ours_err < BF16_ERR_RATIO * theirs_err + BF16_ERR_FLOOR, (step, errors)
         token = int(truth.argmax())
         tokens.append(token)
-        runner._requests["r"].last_token = token  # a decode slice feeds back the worker's last token
+        runner.requests["r"].last_token = token  # a decode slice feeds back the worker's last token
         logits = runner.logits(StepPlan(step + 1, [Slice("r", len(tokens) - 1, 1, slot=slot)]))["r"]
     print(f"bf16 relative logit error against float32 transformers, (ours, transformers bf16) per step: {errors}")
 
