@@ -28,7 +28,7 @@ import sys
 from bench.quantization import decode_step_s
 from bench.report import write_results
 from services.worker.cpu_kernels import cpu_kernels
-from services.worker.runner import ModelRunner
+from services.worker.runner import ModelRunner, RunnerConfig
 from shared.config import DEFAULT_MODEL_DIR, StackConfig
 
 VNNI_VARIANTS = {"vnni": False, "vnni-pairs": True}  # variant -> pair tiles
@@ -39,7 +39,7 @@ def measure(args: argparse.Namespace) -> dict[str, dict[int, float]]:
     kernels = cpu_kernels()[0]
     config = StackConfig(model=args.model)
     blocks = max(args.batches) * -(-(args.context + args.steps + 8) // config.block_size)
-    runner = ModelRunner(args.model, num_blocks=blocks, block_size=config.block_size, weight_quant="int4", kv_cache_dtype=config.kv_cache_dtype)
+    runner = ModelRunner(RunnerConfig(args.model, num_blocks=blocks, block_size=config.block_size, weight_quant="int4", kv_cache_dtype=config.kv_cache_dtype))
     variants = {"avx2": None} if kernels.block_quant_gemm_isa() == "avx2" else VNNI_VARIANTS
     seconds: dict[str, dict[int, list[float]]] = {name: {b: [] for b in args.batches} for name in variants}
     for batch in args.batches:

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from services.worker.runner import ModelRunner
+from services.worker.runner import ModelRunner, RunnerConfig
 from shared.config import DEFAULT_MODEL_DIR
 from shared.frames import SamplingParams, Slice, StepPlan
 
@@ -83,8 +83,8 @@ def main() -> None:
         model = args.model if os.path.isfile(os.path.join(args.model, "config.json")) else synthetic_llama(os.path.join(scratch, "llama"))
         blocks = max(batches) * (-(-(args.context + args.steps + 8) // 16))
         runners = {
-            "eager": ModelRunner(model, blocks, 16, "bfloat16", max(batches), device="cuda"),
-            "graph": ModelRunner(model, blocks, 16, "bfloat16", max(batches), device="cuda", cuda_graph_max_batch=max(batches)),
+            "eager": ModelRunner(RunnerConfig(model, blocks, 16, "bfloat16", max(batches), device="cuda")),
+            "graph": ModelRunner(RunnerConfig(model, blocks, 16, "bfloat16", max(batches), device="cuda", cuda_graph_max_batch=max(batches))),
         }
         runners["graph"].capture_graphs()
         print(f"model {model} ({runners['eager'].family}), context {args.context}, bf16")

@@ -24,7 +24,7 @@ from bench.attention_kernel import DIM, KV_HEADS, call_layers, per_call_s, step
 from bench.quantization import TEXT, accuracy_against, decode_step_s
 from bench.report import write_results
 from services.worker.cpu_kernels import cpu_kernels
-from services.worker.runner import ModelRunner
+from services.worker.runner import ModelRunner, RunnerConfig
 from shared.model_info import q8_row_width
 from shared.tokenizer import load_tokenizer
 
@@ -65,7 +65,7 @@ def main() -> None:
 
     ids = load_tokenizer(args.model).encode(TEXT)
     blocks = max(args.batches) * -(-(max(args.contexts) + args.steps + 8) // 16)  # decode_step_s's requests at once, blocks of 16
-    runners = {fmt: ModelRunner(args.model, num_blocks=blocks, block_size=16, weight_quant="int4", kv_cache_dtype=fmt) for fmt in FORMATS}
+    runners = {fmt: ModelRunner(RunnerConfig(args.model, num_blocks=blocks, block_size=16, weight_quant="int4", kv_cache_dtype=fmt)) for fmt in FORMATS}
     results: dict = {"model": args.model, "weight_quant": "int4", "text_tokens": len(ids), "decode_step_ms": {}}
     results.update(accuracy_against(runners, "model", ids))
     results["kv_bytes_per_token"] = {fmt: runner.describe()["kv_bytes_per_token"] for fmt, runner in runners.items()}

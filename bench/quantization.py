@@ -19,7 +19,7 @@ import torch
 
 from bench.report import write_results
 from services.worker.attention import AttentionMetadata
-from services.worker.runner import ModelRunner
+from services.worker.runner import ModelRunner, RunnerConfig
 from shared.frames import SamplingParams, Slice, StepPlan
 from shared.tokenizer import load_tokenizer
 
@@ -110,7 +110,7 @@ def main() -> None:
 
     ids = load_tokenizer(args.model).encode(TEXT)
     formats = ("none", "fp16", "int8", "int4", "int4-a8")
-    runners = {quant: ModelRunner(args.model, num_blocks=1024, block_size=16, weight_quant=quant) for quant in formats}
+    runners = {quant: ModelRunner(RunnerConfig(args.model, num_blocks=1024, block_size=16, weight_quant=quant)) for quant in formats}
     results: dict = {"model": args.model, "text_tokens": len(ids), "decode_step_ms": {}}
     results.update(accuracy_against(runners, "none", ids))
     for quant, runner in runners.items():

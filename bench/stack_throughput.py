@@ -244,17 +244,14 @@ def in_process_runner(model: str, flags: list[str]):
     every in-process run, so its prefix cache warms over the rounds as the stack's does."""
     import torch
 
-    from services.worker.runner import ModelRunner  # torch: imported only for the in-process half
+    from services.worker.runner import ModelRunner, RunnerConfig  # torch: imported only for the in-process half
     from shared.tokenizer import load_tokenizer
 
     config = StackConfig.from_argv(["--model", model, *flags])
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     num_blocks = kv_cache_blocks(load_model_info(model), config.kv_cache_tokens, config.kv_cache_bytes, config.block_size, config.dtype)
-    runner = ModelRunner(
-        model, num_blocks=num_blocks, block_size=config.block_size, dtype=config.dtype, max_num_seqs=config.max_num_seqs,
-        weight_quant=config.weight_quant, kv_cache_dtype=config.kv_cache_dtype, weight_prefetch=config.weight_prefetch,
-    )  # fmt: skip
+    runner = ModelRunner(RunnerConfig.of(config, num_blocks))
     runner.warmup()
 
     pool = BlockPool(runner.num_blocks, runner.block_size, config.enable_prefix_cache)

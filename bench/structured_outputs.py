@@ -15,7 +15,7 @@ import json
 import statistics
 import time
 
-from services.worker.runner import ModelRunner
+from services.worker.runner import ModelRunner, RunnerConfig
 from shared.config import DEFAULT_MODEL_DIR, StackConfig
 from shared.frames import SamplingParams, Slice, StepPlan
 from shared.tokenizer import load_tokenizer
@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     args = parser.parse_args()
     config = StackConfig()
-    runner = ModelRunner(args.model, 256, config.block_size, "float32", 8, config.weight_quant)
+    runner = ModelRunner(RunnerConfig(args.model, 256, config.block_size, "float32", 8, config.weight_quant))
     tokenizer = load_tokenizer(args.model)
     messages = [{"role": "user", "content": "Describe Paris as JSON with its name, country and population."}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)

@@ -28,7 +28,7 @@ import zmq
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.worker.device import cpu_name, describe_device, device_memory, resolve_device, resolve_dtype
-from services.worker.device_memory import GRAPH_POOL_RESERVE, ActivationProfile, MemoryPlan, gdn_bytes_per_slot, plan_memory
+from services.worker.device_memory import GRAPH_POOL_RESERVE, ActivationProfile, KVBudget, MemoryPlan, gdn_bytes_per_slot, plan_memory
 from services.worker.plan_runs import PlanRuns
 from services.worker.token_stream import OwnerRoutes, TokenStream
 from shared.config import StackConfig
@@ -132,7 +132,7 @@ class WorkerLoop:
         PROCESS_UP.labels("worker").set(0)
 
     def load(self) -> None:
-        from services.worker.runner import ModelRunner
+        from services.worker.runner import ModelRunner, RunnerConfig
 
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
@@ -153,12 +153,8 @@ class WorkerLoop:
         size_kv = self._kv_budget(torch.cuda.mem_get_info(device)[0]) if cuda and self.config.gpu_memory_utilization > 0 else None
         kv_dtype = resolve_kv_cache_dtype(self.config.kv_cache_dtype, device.type, resolve_dtype(self.config.dtype, device))
         self.num_blocks = kv_cache_blocks(self.model, self.config.kv_cache_tokens, self.config.kv_cache_bytes, self.config.block_size, kv_dtype)
-        self.runner = ModelRunner(
-            self.config.model, self.num_blocks, self.config.block_size, self.config.dtype, self.config.max_num_seqs, self.config.weight_quant,
-            kv_cache_dtype=kv_dtype, weight_prefetch=self.config.weight_prefetch,
-            tp=tp, device=str(device), cuda_graph_max_batch=self.config.cuda_graph_max_batch if cuda else 0,
-            max_model_len=self.config.max_model_len, size_kv_cache=size_kv, profile_tokens=self.config.max_num_batched_tokens if size_kv else 0,
-        )  # fmt: skip
+        budget = KVBudget(size_kv, profile_tokens=self.config.max_num_batched_tokens) if size_kv else None
+        self.runner = ModelRunner(RunnerConfig.of(self.config, self.num_blocks, str(device)), tp=tp, budget=budget)
         self.num_blocks = self.runner.num_blocks  # the scheduler adopts it from the heartbeats
         if cuda:
             DEVICE_MEMORY_USED.set_function(lambda: torch.cuda.memory_allocated(device))
@@ -389,7 +385,7 @@ def run_follower(config: StackConfig, log: structlog.stdlib.BoundLogger) -> None
     terminal; stopping a follower first would look like its death to rank 0), stops when rank 0
     sends stop, and exits at once, with ``EXIT_RANK_LOST``, when rank 0 is gone.
     """
-    from services.worker.runner import ModelRunner
+    from services.worker.runner import ModelRunner, RunnerConfig
     from services.worker.tensor_parallel import init_group
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -408,10 +404,7 @@ def run_follower(config: StackConfig, log: structlog.stdlib.BoundLogger) -> None
     model = load_model_info(config.model)
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, "cpu", resolve_dtype(config.dtype, torch.device("cpu")))
     num_blocks = kv_cache_blocks(model, config.kv_cache_tokens, config.kv_cache_bytes, config.block_size, kv_dtype)
-    runner = ModelRunner(
-        config.model, num_blocks, config.block_size, config.dtype, config.max_num_seqs, config.weight_quant, tp=tp, kv_cache_dtype=kv_dtype,
-        weight_prefetch=config.weight_prefetch,
-    )  # fmt: skip
+    runner = ModelRunner(RunnerConfig.of(config, num_blocks), tp=tp)
     log.info("worker_rank_ready", rank=rank, size=size)
     try:
         runner.follow()

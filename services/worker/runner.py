@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ from services.worker.cpu_cache import keep_weights_cached, l3_cache_bytes
 from services.worker.cpu_kernels import cpu_kernels
 from services.worker.cuda_graphs import Capture, CudaGraphCapture, DecodeGraphs
 from services.worker.device import resolve_dtype
-from services.worker.device_memory import ActivationProfile, CudaMemoryProbe, MemoryProbe, profile_step
+from services.worker.device_memory import ActivationProfile, CudaMemoryProbe, KVBudget, MemoryProbe, profile_step
 from services.worker.gdn_state import GDNStateCache, SlotMetadata
 from services.worker.linear import held_bytes, linears_of, resolve_weight_quant
 from services.worker.request_table import PlanLimits, RequestState, RequestTable
@@ -34,6 +35,7 @@ from services.worker.structured import StructuredOutputs
 from services.worker.tensor_parallel import TensorParallelGroup
 from services.worker.weights_loading import load_model
 from shared.choices import DTYPE_NAMES, keyed_by
+from shared.config import StackConfig
 from shared.frames import Release, Sampled, SamplingParams, Slice, StepPlan, StepResult
 from shared.model_info import HYBRID_PREFIX_CACHE_OFF, KV_Q8_BLOCK, resolve_kv_cache_dtype
 
@@ -43,45 +45,50 @@ DTYPES = keyed_by(DTYPE_NAMES, {"float32": torch.float32, "bfloat16": torch.bflo
 KV_DTYPES = {**DTYPES, "int8": torch.int8}  # int8: codes and fp16 scales per head vector (csrc/kv_q8.h)
 
 
+@dataclass(frozen=True)
+class RunnerConfig:
+    """What a runner serves and how. ``dtype`` "auto" is bfloat16 on CUDA, float32 on the CPU;
+    ``cuda_graph_max_batch`` > 0 captures decode graphs up to that batch at ``capture_graphs()``, over
+    contexts up to ``max_model_len`` (0: the model's); ``weight_prefetch`` (auto, keep or stream): whether the
+    CPU int4 products' prefetch keeps the weights in the caches (``cpu_cache.py``)."""
+
+    model: str
+    num_blocks: int  # the KV cache's, unless a ``KVBudget`` sizes it
+    block_size: int
+    dtype: str = "float32"
+    max_num_seqs: int = 64
+    weight_quant: str = "none"
+    kv_cache_dtype: str = "model"
+    device: str = "cpu"
+    cuda_graph_max_batch: int = 0
+    max_model_len: int = 0
+    weight_prefetch: str = "auto"
+
+    @classmethod
+    def of(cls, config: StackConfig, num_blocks: int, device: str = "cpu") -> RunnerConfig:
+        """A worker's runner on ``device``, with a KV cache of ``num_blocks`` (CUDA graphs only on CUDA)."""
+        return cls(
+            config.model, num_blocks, config.block_size, config.dtype, config.max_num_seqs, config.weight_quant, config.kv_cache_dtype, device,
+            config.cuda_graph_max_batch if torch.device(device).type == "cuda" else 0, config.max_model_len, config.weight_prefetch,
+        )  # fmt: skip
+
+
 class ModelRunner:
     """With ``tp`` (a tensor-parallel group), this runner holds one rank's shard; the leader's
     ``execute`` and ``release`` drive the followers, which run ``follow()``."""
 
-    def __init__(
-        self,
-        model_dir: str,
-        num_blocks: int,
-        block_size: int,
-        dtype: str = "float32",
-        max_num_seqs: int = 64,
-        weight_quant: str = "none",
-        tp: TensorParallelGroup | None = None,
-        kv_cache_dtype: str = "model",
-        device: str = "cpu",
-        cuda_graph_max_batch: int = 0,
-        capture: Capture | None = None,
-        max_model_len: int = 0,
-        size_kv_cache: Callable[[Any, ActivationProfile | None, int], int] | None = None,
-        profile_tokens: int = 0,
-        memory_probe: MemoryProbe | None = None,
-        weight_prefetch: str = "auto",
-    ) -> None:
-        """``dtype`` "auto" is bfloat16 on CUDA, float32 on the CPU. ``cuda_graph_max_batch`` > 0 captures
-        decode graphs up to that batch at ``capture_graphs()`` (with ``capture``: CUDA graphs by default
-        on CUDA; tests pass ``eager_capture``).
-
-        The device memory budget: ``size_kv_cache(model, profile, state_slots)``, when given, is asked once
-        the weights are loaded how many KV blocks fit (graphs' dummy block included) beside ``state_slots``
-        GDN state slots, and overrides ``num_blocks``. With ``profile_tokens`` > 0 (and no tensor
-        parallelism) it first gets the ``ActivationProfile`` of one step of that many tokens, measured by
-        ``memory_probe`` (the CUDA allocator's by default). ``weight_prefetch`` (auto, keep or stream): whether
-        the CPU int4 products' prefetch keeps the weights in the caches (``services/worker/cpu_cache.py``)."""
-        self.device = torch.device(device)
-        dtype = resolve_dtype(dtype, self.device)
+    def __init__(self, config: RunnerConfig, tp: TensorParallelGroup | None = None, budget: KVBudget | None = None, capture: Capture | None = None) -> None:
+        """``budget``, when given, sizes the KV cache from device memory once the weights are loaded (it overrides
+        ``config.num_blocks``); ``capture`` records the decode graphs (CUDA graphs by default on CUDA; tests pass
+        ``eager_capture``)."""
+        self.config = config
+        self.device = torch.device(config.device)
+        dtype = resolve_dtype(config.dtype, self.device)
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported (supported: auto, {', '.join(DTYPES)})")
-        weight_quant = resolve_weight_quant(weight_quant, self.device, DTYPES[dtype])
-        kv_dtype = KV_DTYPES[resolve_kv_cache_dtype(kv_cache_dtype, self.device.type, dtype)]
+        weight_quant = resolve_weight_quant(config.weight_quant, self.device, DTYPES[dtype])
+        kv_dtype = KV_DTYPES[resolve_kv_cache_dtype(config.kv_cache_dtype, self.device.type, dtype)]
+        num_blocks, block_size, max_num_seqs = config.num_blocks, config.block_size, config.max_num_seqs
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"the KV cache needs num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}")
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
@@ -91,11 +98,11 @@ class ModelRunner:
         self.activation_profile: ActivationProfile | None = None
         self.requests = RequestTable()
 
-        config, self.model, self.weight_quant, self.quantized_linears = load_model(model_dir, DTYPES[dtype], self.device, weight_quant, tp)
-        self.family = config.get("model_type", "llama")
-        self.sampler = Sampler(self.device, model_dir, self.model.vocab_size)
+        model_config, self.model, self.weight_quant, self.quantized_linears = load_model(config.model, DTYPES[dtype], self.device, weight_quant, tp)
+        self.family = model_config.get("model_type", "llama")
+        self.sampler = Sampler(self.device, config.model, self.model.vocab_size)
         self._grammars = self.sampler if tp is None or tp.leader else None  # only the leader samples
-        self._set_cpu_kernels(weight_prefetch)
+        self._set_cpu_kernels(config.weight_prefetch)
         self._attention_backend = getattr(self.model, "attention_backend", "torch")
         if kv_dtype == torch.int8 and self._attention_backend != "cpp":
             why = cpu_kernels()[1] or f"the {self._attention_backend} attention backend was chosen"
@@ -105,12 +112,12 @@ class ModelRunner:
 
         # One GDN state slot per request the scheduler may run at once; it hands out ids 0..max_num_seqs-1.
         # With graphs, slot max_num_seqs past them is the dummy slot that padding rows run in.
-        graphed = cuda_graph_max_batch > 0
+        graphed = config.cuda_graph_max_batch > 0
         shape = self.model.gdn_shape
         self._dummy_slot = max_num_seqs if graphed and shape is not None else None
         pool_slots = max_num_seqs + (self._dummy_slot is not None)
-        if size_kv_cache is not None:
-            fit = self._plan_memory(size_kv_cache, profile_tokens, memory_probe, pool_slots if shape is not None else 0, DTYPES[dtype])
+        if budget is not None:
+            fit = self._plan_memory(budget, pool_slots if shape is not None else 0, DTYPES[dtype])
             num_blocks = fit - 1 if graphed else fit  # the scheduler's share: the dummy block is the worker's
             if num_blocks < 1:
                 raise ValueError(f"the device memory budget leaves room for {fit} KV blocks; raise --gpu-memory-utilization")
@@ -122,14 +129,14 @@ class ModelRunner:
             cache_blocks = num_blocks + 1 if graphed else num_blocks
             self.kv_cache = KVCache(self.model.num_kv_layers, cache_blocks, block_size, self.model.num_kv_heads, self.model.head_dim, kv_dtype, self.device)
         if graphed:
-            context = max_model_len or config.get("max_position_embeddings", 2048)
+            context = config.max_model_len or model_config.get("max_position_embeddings", 2048)
             width = min(-(-context // block_size), num_blocks)
             if capture is None:
                 capture = CudaGraphCapture(self.device) if self.device.type == "cuda" else None
             if capture is None:
                 raise ValueError("CUDA graphs need a CUDA device (or an injected capture)")
             self.graphs = DecodeGraphs(
-                self._decode_step, min(cuda_graph_max_batch, max_num_seqs), width, self.model.vocab_size, num_blocks, self.device, self.model.dtype, capture,
+                self._decode_step, min(config.cuda_graph_max_batch, max_num_seqs), width, self.model.vocab_size, num_blocks, self.device, self.model.dtype, capture,
                 self._dummy_slot,
             )  # fmt: skip
 
@@ -151,18 +158,11 @@ class ModelRunner:
             self._weight_prefetch = keep_weights_cached(weight_prefetch, panels, l3_cache_bytes())
             kernels.set_weight_prefetch_keep(self._weight_prefetch[0])
 
-    def _plan_memory(
-        self,
-        size_kv_cache: Callable[[Any, ActivationProfile | None, int], int],
-        profile_tokens: int,
-        probe: MemoryProbe | None,
-        state_slots: int,
-        dtype: torch.dtype,
-    ) -> int:
+    def _plan_memory(self, budget: KVBudget, state_slots: int, dtype: torch.dtype) -> int:
         """The KV blocks the device memory budget leaves, after a profile step where one is asked for."""
-        if profile_tokens > 0 and self.tp is None:  # under TP every rank would have to join the profile step
-            self.activation_profile = self._profile_activations(profile_tokens, probe or CudaMemoryProbe(self.device), dtype)
-        return size_kv_cache(self.model, self.activation_profile, state_slots)
+        if budget.profile_tokens > 0 and self.tp is None:  # under TP every rank would have to join the profile step
+            self.activation_profile = self._profile_activations(budget.profile_tokens, budget.probe or CudaMemoryProbe(self.device), dtype)
+        return budget.size(self.model, self.activation_profile, state_slots)
 
     def _profile_activations(self, tokens: int, probe: MemoryProbe, dtype: torch.dtype) -> ActivationProfile:
         """The memory of one step at the largest a plan may be (``device_memory.profile_step``), run through

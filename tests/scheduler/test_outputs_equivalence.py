@@ -12,7 +12,7 @@ import torch
 
 from services.scheduler.core import Scheduler
 from services.scheduler.kv_blocks import BlockPool
-from services.worker.runner import ModelRunner
+from services.worker.runner import ModelRunner, RunnerConfig
 from shared.devtools.inprocess_engine import InProcessEngine
 from shared.frames import SamplingParams, Submit
 from tests.worker.harness import build_tiny_llama
@@ -36,7 +36,7 @@ def model(tmp_path_factory):
 
 def run(path: str, num_blocks: int, budget: int, prefix_cache: bool, depth: int = 2, decode_plan_s: float = 0.0, stop: int | None = None):
     block_size = 4
-    runner = ModelRunner(path, num_blocks=num_blocks, block_size=block_size)
+    runner = ModelRunner(RunnerConfig(path, num_blocks=num_blocks, block_size=block_size))
     scheduler = Scheduler(
         BlockPool(num_blocks, block_size, prefix_cache), max_num_seqs=8, max_num_batched_tokens=budget, max_waiting=100, decode_plan_s=decode_plan_s
     )
@@ -100,7 +100,7 @@ def test_a_stop_token_ends_each_request_where_the_reference_continuation_has_it(
 def test_running_streams_keep_decoding_while_a_long_prompt_prefills(tmp_path) -> None:
     path = str(tmp_path / "tiny")
     build_tiny_llama(path, max_position_embeddings=4096)
-    runner = ModelRunner(path, num_blocks=1024, block_size=16)
+    runner = ModelRunner(RunnerConfig(path, num_blocks=1024, block_size=16))
     scheduler = Scheduler(BlockPool(1024, 16), max_num_seqs=16, max_num_batched_tokens=256, max_waiting=100)
     streams = [Submit(rid=f"s{i}", prompt_ids=[10 + i, 20, 30], max_tokens=40, sampling=SamplingParams(temperature=0), ignore_eos=True) for i in range(8)]
     long_prompt = Submit(rid="long", prompt_ids=[(7 * i) % 250 + 3 for i in range(2000)], max_tokens=2, sampling=SamplingParams(temperature=0), ignore_eos=True)

@@ -28,7 +28,7 @@ from services.worker.attention import AttentionMetadata
 from services.worker.fusions import FusionKernels
 from services.worker.models import decoder
 from services.worker.rmsnorm import RMSNorm
-from services.worker.runner import ModelRunner
+from services.worker.runner import ModelRunner, RunnerConfig
 from shared.frames import SamplingParams, Slice, StepPlan
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -297,14 +297,14 @@ def _chunked_prefill(runner: ModelRunner, prompt: list[int], blocks: list[int]) 
 def check_logits_after_chunked_prefill_and_in_decode(tiny: Checkpoint, max_rel_err: float = 1e-4) -> None:
     """Last-position logits of a 23-token prompt prefilled in chunks of 5 on shuffled blocks, then of one decode step."""
     prompt, blocks = prompt_of(0, 23), [11, 3, 7, 0, 14, 5, 9]
-    runner = ModelRunner(tiny.path, num_blocks=16, block_size=4)
+    runner = ModelRunner(RunnerConfig(tiny.path, num_blocks=16, block_size=4))
     ours = runner.logits(_chunked_prefill(runner, prompt, blocks))["r"]
     with torch.no_grad():
         theirs = tiny.reference(torch.tensor([prompt])).logits[0, -1]
     assert rel_err(ours, theirs) <= max_rel_err
 
     # A decode slice feeds back the last sampled token: sample it, then check the next logits.
-    runner = ModelRunner(tiny.path, num_blocks=16, block_size=4)
+    runner = ModelRunner(RunnerConfig(tiny.path, num_blocks=16, block_size=4))
     token = runner.execute(_chunked_prefill(runner, prompt, blocks)).sampled[0].token_id
     assert token == int(theirs.argmax())
     ours = runner.logits(StepPlan(10, [Slice("r", 23, 1, new_blocks=blocks[6:7], slot=0)]))["r"]
@@ -317,7 +317,7 @@ def mixed_step_logits(path: str, fusions: FusionKernels) -> tuple[dict[str, torc
     """Logits of a mixed step (a decode beside a prefill chunk that continues a cached prefix), after a
     prefill step, on a runner whose decoder fuses with ``fusions`` in place of its own choice."""
     with mock.patch.object(decoder, "select_fusion_kernels", lambda device, dtype: fusions):
-        runner = ModelRunner(path, 16, 4, max_num_seqs=4)
+        runner = ModelRunner(RunnerConfig(path, 16, 4, max_num_seqs=4))
     distinct_norms(runner.model)
     a, b = prompt_of(1, 9), prompt_of(2, 6)
     first = [Slice("a", 0, 9, a, [0, 1, 2], sampling=GREEDY, slot=0), Slice("b", 0, 4, b[:4], [5], sample=False, sampling=GREEDY, slot=1)]
@@ -340,7 +340,7 @@ def distinct_norms(model: decoder.DecoderForCausalLM) -> None:
 def check_greedy_alone(tiny: Checkpoint) -> None:
     """32 greedy tokens of one request, prefilled in three chunks, equal transformers' generate."""
     prompt = prompt_of(1, 11)
-    runner = ModelRunner(tiny.path, num_blocks=32, block_size=4)
+    runner = ModelRunner(RunnerConfig(tiny.path, num_blocks=32, block_size=4))
     out, stats = drive(runner, {"solo": prompt}, MAX_NEW, chunk=5)
     assert stats.steps == 3 + MAX_NEW - 1  # three prefill chunks, the last one samples
     assert out["solo"] == reference_greedy(tiny.reference, prompt, MAX_NEW)
@@ -349,7 +349,7 @@ def check_greedy_alone(tiny: Checkpoint) -> None:
 def check_greedy_in_mixed_batches(tiny: Checkpoint) -> None:
     """Four requests arriving at different steps, batched with chunked prefills beside decodes, each equal generate."""
     prompts = {f"r{i}": prompt_of(10 + i, n) for i, n in enumerate((3, 9, 14, 22))}
-    runner = ModelRunner(tiny.path, num_blocks=64, block_size=4)
+    runner = ModelRunner(RunnerConfig(tiny.path, num_blocks=64, block_size=4))
     arrivals = {"r0": 0, "r1": 0, "r2": 2, "r3": 5}  # later prompts are prefilled beside earlier decodes
     out, stats = drive(runner, prompts, MAX_NEW, chunk=5, seed=3, arrivals=arrivals)
     assert stats.mixed_steps >= 4 and stats.multi_prefill_steps >= 1

@@ -18,7 +18,7 @@ import torch
 from services.worker import block_quant
 from services.worker.cpu_kernels import cpu_kernels
 from services.worker.linear import BLOCK_QUANT_MAX_ROWS, Linear, RowSplitLinear
-from services.worker.runner import ModelRunner
+from services.worker.runner import ModelRunner, RunnerConfig
 from shared.frames import Slice, StepPlan
 
 from .harness import GREEDY, Checkpoint, check_same_bits_at_every_thread_count, kernel_rounded, prompt_of
@@ -211,8 +211,8 @@ def test_auto_serves_a_checkpoint_on_the_block_grid_in_int4_losslessly(tiny_llam
     tiny = tiny_llamas[checkpoint]
     _snap_to_blocks(tiny.path, tmp_path / "snapped")
     prompt = prompt_of(5, 20)
-    exact = ModelRunner(str(tmp_path / "snapped"), num_blocks=16, block_size=4)
-    served = ModelRunner(str(tmp_path / "snapped"), num_blocks=16, block_size=4, weight_quant="auto")
+    exact = ModelRunner(RunnerConfig(str(tmp_path / "snapped"), num_blocks=16, block_size=4))
+    served = ModelRunner(RunnerConfig(str(tmp_path / "snapped"), num_blocks=16, block_size=4, weight_quant="auto"))
     facts = served.describe()
     assert facts["weight_quant"] == "int4" and facts["quantized_linears"] == 4 * tiny.reference.config.num_hidden_layers + 1
     assert facts["block_quant_bytes"] > 0
@@ -227,15 +227,17 @@ def test_auto_serves_a_checkpoint_on_the_block_grid_in_int4_losslessly(tiny_llam
     relative.append(float((ours - theirs).norm() / theirs.norm()))
     assert all(0 < r < 2e-3 for r in relative), relative
     # The same checkpoint off the grid: auto keeps fp16 packs; int4 asked for explicitly costs 4-bit weights.
-    assert ModelRunner(tiny.path, num_blocks=8, block_size=4, weight_quant="auto").describe()["weight_quant"] == "fp16"
-    assert ModelRunner(tiny.path, num_blocks=8, block_size=4, weight_quant="int4").describe()["weight_quant"] == "int4"
+    assert ModelRunner(RunnerConfig(tiny.path, num_blocks=8, block_size=4, weight_quant="auto")).describe()["weight_quant"] == "fp16"
+    assert ModelRunner(RunnerConfig(tiny.path, num_blocks=8, block_size=4, weight_quant="int4")).describe()["weight_quant"] == "int4"
 
 
 @kernels
 def test_int4_a8_costs_what_int8_activations_cost_in_many_row_steps_and_nothing_in_few_row_ones(tiny_llamas: dict[str, Checkpoint], tmp_path: Path) -> None:
     _snap_to_blocks(tiny_llamas["untied"].path, tmp_path / "snapped")
     prompt = prompt_of(5, 20)
-    exact, lossless, a8 = (ModelRunner(str(tmp_path / "snapped"), num_blocks=16, block_size=4, weight_quant=q) for q in ("none", "int4", "int4-a8"))
+    exact, lossless, a8 = (
+        ModelRunner(RunnerConfig(str(tmp_path / "snapped"), num_blocks=16, block_size=4, weight_quant=q)) for q in ("none", "int4", "int4-a8")
+    )
     facts = a8.describe()
     assert facts["weight_quant"] == "int4-a8" and facts["quantized_linears"] == 4 * tiny_llamas["untied"].reference.config.num_hidden_layers + 1
     prefill = StepPlan(0, [Slice("p", 0, len(prompt), prompt, list(range(8)), sampling=GREEDY)])  # 20 rows: the int8 panels
@@ -255,7 +257,7 @@ def test_a_step_runs_all_layers_in_one_call_with_the_per_layer_paths_own_results
     many rows through it, logits of decode steps equal the per-layer Python path's, bit for bit. Under
     int4-a8, whose many-row steps round activations to int8, only few-row steps take it."""
     _snap_to_blocks(tiny_llamas["untied"].path, tmp_path / "snapped")
-    runners = [ModelRunner(str(tmp_path / "snapped"), num_blocks=24, block_size=4, weight_quant=quant) for quant in ("int4", "int4", "int4-a8")]
+    runners = [ModelRunner(RunnerConfig(str(tmp_path / "snapped"), num_blocks=24, block_size=4, weight_quant=quant)) for quant in ("int4", "int4", "int4-a8")]
     one_call, per_layer, a8 = runners
     assert one_call.model._dense_decoder is not None and a8.model._dense_decoder is not None  # bound at load: int4 weights, a dense family
     per_layer.model._dense_decoder = None  # the per-layer path, as for a family the kernel does not cover
@@ -302,7 +304,7 @@ def test_few_row_steps_run_on_the_takeover_pool_where_the_model_runs_its_layers_
     torch.set_num_threads(2)
     try:
         for quant, pooled in (("int4", True), ("none", False)):
-            runner = ModelRunner(str(tmp_path / "snapped"), num_blocks=24, block_size=4, weight_quant=quant)
+            runner = ModelRunner(RunnerConfig(str(tmp_path / "snapped"), num_blocks=24, block_size=4, weight_quant=quant))
             assert (runner.model.dense_decoder_max_rows > 0) is pooled
             prompt = prompt_of(3, 3)
             runner.execute(StepPlan(0, [Slice("r", 0, len(prompt), prompt, list(range(8)), sampling=GREEDY)]))
@@ -326,8 +328,8 @@ def test_decode_steps_run_on_the_takeover_pool_up_to_its_limit_for_the_format(
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        runner = ModelRunner(str(tmp_path / "snapped"), num_blocks=40, block_size=4, weight_quant=quant)
-        ModelRunner(str(tmp_path / "snapped"), num_blocks=40, block_size=4, weight_quant="int4-a8" if quant == "int4" else "int4")
+        runner = ModelRunner(RunnerConfig(str(tmp_path / "snapped"), num_blocks=40, block_size=4, weight_quant=quant))
+        ModelRunner(RunnerConfig(str(tmp_path / "snapped"), num_blocks=40, block_size=4, weight_quant="int4-a8" if quant == "int4" else "int4"))
         prompts = [prompt_of(i, 3) for i in range(16)]
         runner.execute(StepPlan(0, [Slice(f"r{i}", 0, 3, p, [2 * i, 2 * i + 1], sampling=GREEDY) for i, p in enumerate(prompts)]))
 

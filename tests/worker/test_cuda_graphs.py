@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.worker.cuda_graphs import StaticDecodeInputs, bucket_for, eager_capture, graph_buckets
-from services.worker.runner import ModelRunner
+from services.worker.runner import ModelRunner, RunnerConfig
 from shared.frames import SamplingParams, Slice, StepPlan
 
 from .harness import MAX_NEW, Checkpoint, drive, prompt_of, rel_err
@@ -49,7 +49,7 @@ def _prefill(runner: ModelRunner, rid: str, prompt: list[int], blocks: list[int]
 
 
 def test_padding_rows_write_only_the_dummy_block(untied: Checkpoint) -> None:
-    runner = ModelRunner(untied.path, 16, 4, cuda_graph_max_batch=8, capture=eager_capture)
+    runner = ModelRunner(RunnerConfig(untied.path, 16, 4, cuda_graph_max_batch=8), capture=eager_capture)
     runner.capture_graphs()
     assert runner.graphs.captured == [1, 2, 4, 8] and runner.kv_cache.num_blocks == 17  # 16 + the dummy
     tables = {"a": [3, 7], "b": [12], "c": [0, 5]}
@@ -71,9 +71,9 @@ def test_graphed_decode_equals_eager_decode_as_requests_join_and_leave(untied: C
     prompts = {f"r{i}": prompt_of(20 + i, n) for i, n in enumerate((3, 9, 6, 13))}
     arrivals = {"r0": 0, "r1": 0, "r2": 4, "r3": 9}
     sampling = {"r2": SamplingParams(temperature=0.9, top_k=40, seed=5)}  # sampled rows too
-    graphed = ModelRunner(untied.path, 64, 4, cuda_graph_max_batch=4, capture=eager_capture)
+    graphed = ModelRunner(RunnerConfig(untied.path, 64, 4, cuda_graph_max_batch=4), capture=eager_capture)
     graphed.capture_graphs()
-    eager = ModelRunner(untied.path, 64, 4)
+    eager = ModelRunner(RunnerConfig(untied.path, 64, 4))
     ours, stats = drive(graphed, prompts, MAX_NEW, chunk=5, seed=2, arrivals=arrivals, sampling=sampling)
     theirs, _ = drive(eager, prompts, MAX_NEW, chunk=5, seed=2, arrivals=arrivals, sampling=sampling)
     assert ours == theirs
@@ -90,7 +90,7 @@ def test_graphed_decode_equals_eager_decode_as_requests_join_and_leave(untied: C
 
 
 def test_batches_past_the_largest_bucket_and_prefills_run_eagerly(untied: Checkpoint) -> None:
-    runner = ModelRunner(untied.path, 32, 4, cuda_graph_max_batch=2, capture=eager_capture)
+    runner = ModelRunner(RunnerConfig(untied.path, 32, 4, cuda_graph_max_batch=2), capture=eager_capture)
     runner.capture_graphs()
     for i, rid in enumerate("abc"):
         _prefill(runner, rid, prompt_of(i, 3), [i, i + 10])
@@ -110,8 +110,8 @@ def hybrid(tiny_qwen3_nexts: dict[str, Checkpoint]) -> Checkpoint:
 
 
 def test_the_hybrid_pool_has_one_dummy_slot_past_the_schedulers(hybrid: Checkpoint) -> None:
-    graphed = ModelRunner(hybrid.path, 16, 4, max_num_seqs=6, cuda_graph_max_batch=4, capture=eager_capture)
-    eager = ModelRunner(hybrid.path, 16, 4, max_num_seqs=6)
+    graphed = ModelRunner(RunnerConfig(hybrid.path, 16, 4, max_num_seqs=6, cuda_graph_max_batch=4), capture=eager_capture)
+    eager = ModelRunner(RunnerConfig(hybrid.path, 16, 4, max_num_seqs=6))
     assert graphed.num_slots == eager.num_slots == 6  # what the scheduler's SlotPool(max_num_seqs) hands out
     assert graphed.states.num_slots == 7 and eager.states.num_slots == 6
     assert graphed.describe()["gdn_state"]["dummy_slot"] == 6 and graphed.graphs.describe()["dummy_gdn_slot"] == 6
@@ -132,7 +132,7 @@ def _changed_slots(before: tuple[torch.Tensor, torch.Tensor], runner: ModelRunne
 
 
 def test_hybrid_padding_rows_touch_only_the_dummy_slot_and_block(hybrid: Checkpoint) -> None:
-    runner = ModelRunner(hybrid.path, 16, 4, max_num_seqs=6, cuda_graph_max_batch=8, capture=eager_capture)
+    runner = ModelRunner(RunnerConfig(hybrid.path, 16, 4, max_num_seqs=6, cuda_graph_max_batch=8), capture=eager_capture)
     runner.capture_graphs()
     assert runner.graphs.captured == [1, 2, 4]  # up to max_num_seqs
     tables = {"a": [3, 7], "b": [12], "c": [0, 5], "idle": [9, 10]}
@@ -163,9 +163,9 @@ def test_hybrid_graphed_decode_equals_eager_decode_as_requests_join_and_leave(hy
     prompts = {f"r{i}": prompt_of(50 + i, n) for i, n in enumerate((3, 9, 6, 13, 4))}
     arrivals = {"r0": 0, "r1": 0, "r2": 4, "r3": 9, "r4": 30}
     sampling = {"r2": SamplingParams(temperature=0.9, top_k=40, seed=5)}
-    graphed = ModelRunner(hybrid.path, 64, 4, max_num_seqs=8, cuda_graph_max_batch=4, capture=eager_capture)
+    graphed = ModelRunner(RunnerConfig(hybrid.path, 64, 4, max_num_seqs=8, cuda_graph_max_batch=4), capture=eager_capture)
     graphed.capture_graphs()
-    eager = ModelRunner(hybrid.path, 64, 4, max_num_seqs=8)
+    eager = ModelRunner(RunnerConfig(hybrid.path, 64, 4, max_num_seqs=8))
     ours, stats = drive(graphed, prompts, MAX_NEW, chunk=5, seed=3, arrivals=arrivals, sampling=sampling)
     theirs, _ = drive(eager, prompts, MAX_NEW, chunk=5, seed=3, arrivals=arrivals, sampling=sampling)
     assert ours == theirs

@@ -113,9 +113,9 @@ def test_the_runner_profiles_the_largest_step_before_it_sizes_the_cache(tiny_qwe
     peak's reset and its reading), then the budget with that profile and the state pool with the dummy slot,
     then a cache of what fits: the dummy block past the scheduler's share."""
     from services.worker.cuda_graphs import eager_capture
-    from services.worker.device_memory import gdn_bytes_per_slot
+    from services.worker.device_memory import KVBudget, gdn_bytes_per_slot
     from services.worker.models.qwen3_next import Qwen3NextForCausalLM
-    from services.worker.runner import ModelRunner
+    from services.worker.runner import ModelRunner, RunnerConfig
 
     probe = FakeProbe(weights=3 * GIB, scratch=GIB, activations=GIB // 4)
     steps: list[tuple[int, list[str]]] = []
@@ -138,10 +138,8 @@ def test_the_runner_profiles_the_largest_step_before_it_sizes_the_cache(tiny_qwe
         )  # fmt: skip
         return min(plan.num_blocks, 40)  # the budget's arithmetic, capped: this is a CPU test of the wiring
 
-    runner = ModelRunner(
-        tiny_qwen3_nexts["gqa-dense-layer"].path, 1, 4, max_num_seqs=3, cuda_graph_max_batch=2, capture=eager_capture,
-        size_kv_cache=size, profile_tokens=10, memory_probe=probe,
-    )  # fmt: skip
+    config = RunnerConfig(tiny_qwen3_nexts["gqa-dense-layer"].path, 1, 4, max_num_seqs=3, cuda_graph_max_batch=2)
+    runner = ModelRunner(config, budget=KVBudget(size, profile_tokens=10, probe=probe), capture=eager_capture)
     assert steps == [(10, ["allocated", "allocated", "reset_peak"])]  # 10 tokens (4 + 3 + 3), after the reset
     ((profile, state_slots, calls_then),) = asked
     assert calls_then == ["allocated", "allocated", "reset_peak", "peak", "release"]  # memory handed back first
@@ -212,13 +210,13 @@ def test_the_worker_shows_the_measured_figures_in_its_memory_arithmetic(tmp_path
     /instrumentation's memory plan carries the profile's measured peak and the graph pool estimate."""
     from services.worker.device_memory import GRAPH_POOL_RESERVE
     from services.worker.loop import WorkerLoop
-    from services.worker.runner import ModelRunner
+    from services.worker.runner import ModelRunner, RunnerConfig
 
     config = StackConfig(model=tiny_llamas["untied"].path, run_dir=str(tmp_path), block_size=16, gpu_memory_utilization=0.5, cuda_graph_max_batch=8)
     loop = WorkerLoop(config, structlog.get_logger())
     try:
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (7 * GIB, 8 * GIB))  # free after load, total
-        model = ModelRunner(config.model, 4, 16).model
+        model = ModelRunner(RunnerConfig(config.model, 4, 16)).model
         profile = _profile(activations=GIB // 4, weights=GIB // 2, scratch=GIB // 8)
         blocks = loop._kv_budget(free_before_load=15 * GIB // 2)(model, profile, 0)
         per_token = model.num_kv_layers * 2 * model.num_kv_heads * model.head_dim * 4

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from services.worker.attention import AttentionMetadata, paged_attention, paged_attention_triton
-from services.worker.runner import ModelRunner
+from services.worker.runner import ModelRunner, RunnerConfig
 from shared.frames import SamplingParams, Slice, StepPlan
 
 from .harness import FAMILIES, TINY_QWEN3_NEXTS, build_tiny, drive, prompt_of, rel_err
@@ -38,7 +38,7 @@ def test_bf16_logits_are_as_close_to_float32_transformers_as_transformers_bf16_t
     path, reference = checkpoint
     exact = copy.deepcopy(reference).to("cuda", torch.float32)
     theirs_bf16 = copy.deepcopy(reference).to("cuda", torch.bfloat16)
-    runner = ModelRunner(path, num_blocks=64, block_size=16, dtype="bfloat16", device="cuda")
+    runner = ModelRunner(RunnerConfig(path, num_blocks=64, block_size=16, dtype="bfloat16", device="cuda"))
     assert runner.describe()["attention_backend"] == "triton" and runner.sampler.name == "device"
     assert runner.describe()["fusion_kernels"] == {"add_rms_norm": "triton", "silu_and_mul": "triton", "rotary": "none (torch)"}  # the fused forward
     slot = 0 if runner.states is not None else -1  # a hybrid (qwen3_next) request names its GDN state slot
@@ -69,10 +69,10 @@ def test_graphed_decode_is_identical_to_eager_over_64_steps_as_requests_join_and
     sampling = {"r2": SamplingParams(temperature=0.8, top_p=0.9, seed=3), "r4": SamplingParams(temperature=1.0, top_k=20, seed=4)}
     # fp32 on the GPU: the same kernels in both runs, so "identical" is exact, not within rounding.
     # Hybrid (qwen3_next) runners stage each request's GDN state slot too; padding rows run in the dummy slot.
-    graphed = ModelRunner(path, 256, 16, dtype="float32", device="cuda", cuda_graph_max_batch=8)
+    graphed = ModelRunner(RunnerConfig(path, 256, 16, dtype="float32", device="cuda", cuda_graph_max_batch=8))
     graphed.capture_graphs()
     assert graphed.graphs.captured == [1, 2, 4, 8]
-    eager = ModelRunner(path, 256, 16, dtype="float32", device="cuda")
+    eager = ModelRunner(RunnerConfig(path, 256, 16, dtype="float32", device="cuda"))
     ours, stats = drive(graphed, prompts, 64, chunk=8, seed=4, arrivals=arrivals, sampling=sampling)
     theirs, _ = drive(eager, prompts, 64, chunk=8, seed=4, arrivals=arrivals, sampling=sampling)
     assert ours == theirs

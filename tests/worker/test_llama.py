@@ -3,7 +3,7 @@ through paged KV, chunked prefill and mixed batches."""
 
 from __future__ import annotations
 
-from services.worker.runner import ModelRunner
+from services.worker.runner import ModelRunner, RunnerConfig
 from shared.frames import Slice, StepPlan
 
 from .harness import (
@@ -33,7 +33,7 @@ def test_greedy_matches_transformers_generate_in_mixed_batches(tiny: Checkpoint)
 def test_a_first_slice_may_start_on_shared_prefix_blocks(tiny_llamas: dict[str, Checkpoint]) -> None:
     """A prefix-cache hit: the second request's first slice starts at 8 on the first request's blocks."""
     tiny = tiny_llamas["untied"]
-    runner = ModelRunner(tiny.path, num_blocks=32, block_size=4)
+    runner = ModelRunner(RunnerConfig(tiny.path, num_blocks=32, block_size=4))
     first, second = prompt_of(20, 12), prompt_of(20, 8) + prompt_of(21, 6)
     runner.execute(StepPlan(0, [Slice("a", 0, 12, first, [9, 2, 30], sampling=GREEDY)]))
     tokens = [runner.execute(StepPlan(1, [Slice("b", 8, 6, second[8:], [9, 2, 17, 5], sampling=GREEDY)])).sampled[0].token_id]

@@ -101,9 +101,9 @@ def _greedy_with_triton_attention(path: str, prompts: dict[str, list[int]], arri
     """In the interpreter: a runner whose every layer attends through the Triton backend, as on CUDA,
     decode-only steps through the graph staging path."""
     from services.worker.cuda_graphs import eager_capture
-    from services.worker.runner import ModelRunner
+    from services.worker.runner import ModelRunner, RunnerConfig
 
-    runner = ModelRunner(path, 48, 4, cuda_graph_max_batch=4, capture=eager_capture, max_model_len=64)
+    runner = ModelRunner(RunnerConfig(path, 48, 4, cuda_graph_max_batch=4, max_model_len=64), capture=eager_capture)
     for layer in runner.model.layers:
         layer.attn.attend = paged_attention_triton
     runner._attention_backend = "triton"  # the metadata the Triton backend gets on CUDA: no torch-path masks
@@ -116,10 +116,10 @@ def _greedy_with_triton_attention(path: str, prompts: dict[str, list[int]], arri
 def test_a_model_attending_through_the_triton_kernel_decodes_as_the_torch_path(interpreter: Pool, tiny_llamas) -> None:
     """Prefill chunks over cached prefixes and mixed steps (eager), decode-only steps padded to a bucket
     (the staging path a CUDA graph replays): the same greedy tokens as the torch path."""
-    from services.worker.runner import ModelRunner
+    from services.worker.runner import ModelRunner, RunnerConfig
 
     untied = tiny_llamas["untied"]
     prompts = {f"r{i}": random.Random(60 + i).choices(range(3, 256), k=n) for i, n in enumerate((4, 11, 7))}
     arrivals = {"r0": 0, "r1": 0, "r2": 3}
-    theirs = _greedy(ModelRunner(untied.path, 48, 4), prompts, arrivals, 8)
+    theirs = _greedy(ModelRunner(RunnerConfig(untied.path, 48, 4)), prompts, arrivals, 8)
     assert interpreter.apply(_greedy_with_triton_attention, (untied.path, prompts, arrivals)) == theirs

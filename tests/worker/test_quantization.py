@@ -9,7 +9,7 @@ import torch
 
 from services.worker.cpu_kernels import cpu_kernels
 from services.worker.linear import Linear, RowSplitLinear, int8_per_channel, resolve_weight_quant
-from services.worker.runner import ModelRunner
+from services.worker.runner import ModelRunner, RunnerConfig
 from shared.frames import Slice, StepPlan
 from shared.model_info import load_model_info, resolve_kv_cache_dtype
 
@@ -112,8 +112,8 @@ def test_model_logit_error_of_each_weight_format_is_bounded(
     tiny = tiny_llamas[checkpoint]
     prompt = prompt_of(5, 20)
     plan = StepPlan(0, [Slice("q", 0, len(prompt), prompt, list(range(8)), sampling=GREEDY)])
-    exact = ModelRunner(tiny.path, num_blocks=8, block_size=4).logits(plan)["q"]
-    runner = ModelRunner(tiny.path, num_blocks=8, block_size=4, weight_quant=weight_quant)
+    exact = ModelRunner(RunnerConfig(tiny.path, num_blocks=8, block_size=4)).logits(plan)["q"]
+    runner = ModelRunner(RunnerConfig(tiny.path, num_blocks=8, block_size=4, weight_quant=weight_quant))
     converted = runner.logits(plan)["q"]
     facts = runner.describe()
     assert facts["weight_quant"] == resolved and facts["quantized_linears"] == 4 * tiny.reference.config.num_hidden_layers + 1
@@ -132,7 +132,10 @@ def test_kv_cache_dtype_auto_is_fp16_for_fp32_on_the_cpu_only(tiny_llamas: dict[
     tiny = tiny_llamas["untied"]
     prompt = prompt_of(7, 20)
     plan = StepPlan(0, [Slice("q", 0, len(prompt), prompt, list(range(8)), sampling=GREEDY)])
-    exact, rounded = ModelRunner(tiny.path, num_blocks=8, block_size=4), ModelRunner(tiny.path, num_blocks=8, block_size=4, kv_cache_dtype="auto")
+    exact, rounded = (
+        ModelRunner(RunnerConfig(tiny.path, num_blocks=8, block_size=4)),
+        ModelRunner(RunnerConfig(tiny.path, num_blocks=8, block_size=4, kv_cache_dtype="auto")),
+    )
     assert rounded.describe()["kv_cache_dtype"] == "float16" and rounded.describe()["dtype"] == "float32"
     token = exact.execute(plan).sampled[0].token_id
     assert rounded.execute(plan).sampled[0].token_id == token
@@ -151,11 +154,14 @@ def test_an_int8_kv_cache_is_opt_in_bounded_and_sized_as_the_scheduler_sizes_it(
         with pytest.raises(ValueError, match="kv_cache_dtype 'int8' needs a float32 model on the CPU"):
             resolve_kv_cache_dtype("int8", device, dtype)
     with pytest.raises(ValueError, match="head_dim divisible by 32"):
-        ModelRunner(tiny_llamas["untied"].path, num_blocks=8, block_size=4, kv_cache_dtype="int8")  # head_dim 16
+        ModelRunner(RunnerConfig(tiny_llamas["untied"].path, num_blocks=8, block_size=4, kv_cache_dtype="int8"))  # head_dim 16
     tiny = tiny_llamas["tied-sharded"]  # head_dim 32
     prompt = prompt_of(11, 20)
     plan = StepPlan(0, [Slice("q", 0, len(prompt), prompt, list(range(8)), sampling=GREEDY)])
-    exact, q8 = ModelRunner(tiny.path, num_blocks=8, block_size=4), ModelRunner(tiny.path, num_blocks=8, block_size=4, kv_cache_dtype="int8")
+    exact, q8 = (
+        ModelRunner(RunnerConfig(tiny.path, num_blocks=8, block_size=4)),
+        ModelRunner(RunnerConfig(tiny.path, num_blocks=8, block_size=4, kv_cache_dtype="int8")),
+    )
     facts, config = q8.describe(), tiny.reference.config
     assert facts["kv_cache_dtype"] == "int8"
     assert facts["kv_bytes_per_token"] == config.num_hidden_layers * 2 * config.num_key_value_heads * (32 + 2)
@@ -170,4 +176,4 @@ def test_an_int8_kv_cache_is_opt_in_bounded_and_sized_as_the_scheduler_sizes_it(
 
 def test_unknown_weight_quant_is_refused(tiny_llamas: dict[str, Checkpoint]) -> None:
     with pytest.raises(ValueError, match="weight_quant 'int3'"):
-        ModelRunner(tiny_llamas["untied"].path, num_blocks=8, block_size=4, weight_quant="int3")
+        ModelRunner(RunnerConfig(tiny_llamas["untied"].path, num_blocks=8, block_size=4, weight_quant="int3"))

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from services.worker.runner import ModelRunner
+from services.worker.runner import ModelRunner, RunnerConfig
 
 from .harness import Checkpoint, check_greedy_alone, check_greedy_in_mixed_batches, check_logits_after_chunked_prefill_and_in_decode
 
@@ -28,7 +28,7 @@ def test_greedy_matches_transformers_generate_in_mixed_batches(tiny_qwen3: Check
 
 def test_describe_counts_every_parameter_once(tiny_qwen3s: dict[str, Checkpoint]) -> None:
     for tiny in tiny_qwen3s.values():
-        facts = ModelRunner(tiny.path, num_blocks=4, block_size=4).describe()
+        facts = ModelRunner(RunnerConfig(tiny.path, num_blocks=4, block_size=4)).describe()
         assert facts["family"] == "qwen3" and facts["head_dim"] == tiny.reference.config.head_dim
         assert facts["param_count"] == tiny.reference.num_parameters()
         assert "moe_backend" not in facts
@@ -41,4 +41,4 @@ def test_unsupported_configs_are_rejected(tmp_path_factory: pytest.TempPathFacto
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps(config | patch))
     with pytest.raises(ValueError, match="sliding-window attention|hidden_act 'gelu'"):
-        ModelRunner(str(path), 4, 4)
+        ModelRunner(RunnerConfig(str(path), 4, 4))

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from services.worker.moe import experts_torch, route
-from services.worker.runner import ModelRunner
+from services.worker.runner import ModelRunner, RunnerConfig
 from shared.frames import Slice, StepPlan
 
 from .harness import GREEDY, Checkpoint, check_greedy_alone, check_greedy_in_mixed_batches, check_logits_after_chunked_prefill_and_in_decode, prompt_of
@@ -50,14 +50,14 @@ def test_fused_and_per_expert_layouts_load_to_the_same_model(tmp_path: Path, tin
     _fuse_experts(tiny.path, tmp_path / "fused")
     prompt = prompt_of(4, 13)
     plan = StepPlan(0, [Slice("r", 0, 13, prompt, [2, 0, 3, 1], sampling=GREEDY)])
-    per_expert = ModelRunner(tiny.path, num_blocks=4, block_size=4).logits(plan)["r"]
-    fused = ModelRunner(str(tmp_path / "fused"), num_blocks=4, block_size=4).logits(plan)["r"]
+    per_expert = ModelRunner(RunnerConfig(tiny.path, num_blocks=4, block_size=4)).logits(plan)["r"]
+    fused = ModelRunner(RunnerConfig(str(tmp_path / "fused"), num_blocks=4, block_size=4)).logits(plan)["r"]
     assert torch.equal(fused, per_expert)
 
 
 def test_describe_reports_the_moe_backend_and_every_parameter_once(tiny_qwen3_moes: dict[str, Checkpoint]) -> None:
     for tiny, moe_layers in zip(tiny_qwen3_moes.values(), (2, 1)):
-        facts = ModelRunner(tiny.path, num_blocks=4, block_size=4).describe()
+        facts = ModelRunner(RunnerConfig(tiny.path, num_blocks=4, block_size=4)).describe()
         config = tiny.reference.config
         assert facts["family"] == "qwen3_moe" and facts["moe_backend"] == "torch"
         assert (facts["num_experts"], facts["num_experts_per_tok"], facts["moe_layers"]) == (config.num_experts, config.num_experts_per_tok, moe_layers)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.runner import ModelRunner
+from services.worker.runner import ModelRunner, RunnerConfig
 from shared.frames import Slice, StepPlan
 from shared.model_info import FULL_ATTENTION, LINEAR_ATTENTION, layer_types, load_model_info
 
@@ -54,7 +54,7 @@ def test_logits_match_transformers_after_chunked_prefill_and_in_decode(tiny_qwen
 def test_logits_of_a_prompt_longer_than_a_chunk_match_transformers_however_it_is_cut(tiny_qwen3_nexts: dict[str, Checkpoint], cuts: list[int]) -> None:
     tiny = tiny_qwen3_nexts["gqa-dense-layer"]
     prompt = prompt_of(5, 150)
-    runner = ModelRunner(tiny.path, num_blocks=40, block_size=4)
+    runner = ModelRunner(RunnerConfig(tiny.path, num_blocks=40, block_size=4))
     ours = runner.logits(_prefill(runner, "r", prompt, cuts, slot=7))["r"]
     with torch.no_grad():
         theirs = tiny.reference(torch.tensor([prompt])).logits[0, -1]
@@ -63,7 +63,7 @@ def test_logits_of_a_prompt_longer_than_a_chunk_match_transformers_however_it_is
 
 def test_greedy_matches_transformers_generate_alone_prefilled_in_off_grid_chunks(tiny_qwen3_next: Checkpoint) -> None:
     prompt = prompt_of(1, 150)
-    runner = ModelRunner(tiny_qwen3_next.path, num_blocks=64, block_size=4, max_num_seqs=4)
+    runner = ModelRunner(RunnerConfig(tiny_qwen3_next.path, num_blocks=64, block_size=4, max_num_seqs=4))
     out, stats = drive(runner, {"solo": prompt}, MAX_NEW, chunk=57)  # pieces of 57, 57, 36: none on the 64-token grid
     assert stats.steps == 3 + MAX_NEW - 1
     assert out["solo"] == reference_greedy(tiny_qwen3_next.reference, prompt, MAX_NEW)
@@ -72,7 +72,7 @@ def test_greedy_matches_transformers_generate_alone_prefilled_in_off_grid_chunks
 def test_greedy_matches_transformers_generate_in_a_mixed_batch_of_four(tiny_qwen3_next: Checkpoint) -> None:
     """Four prompts of 3 to 130 tokens arriving at different steps: chunked prefills beside decodes, each in its own slot."""
     prompts = {f"r{i}": prompt_of(20 + i, n) for i, n in enumerate((3, 41, 90, 130))}
-    runner = ModelRunner(tiny_qwen3_next.path, num_blocks=128, block_size=4, max_num_seqs=6)
+    runner = ModelRunner(RunnerConfig(tiny_qwen3_next.path, num_blocks=128, block_size=4, max_num_seqs=6))
     arrivals = {"r0": 0, "r1": 0, "r2": 1, "r3": 4}
     out, stats = drive(runner, prompts, MAX_NEW, chunk=50, seed=5, arrivals=arrivals)
     assert stats.mixed_steps >= 4 and stats.multi_prefill_steps >= 1
@@ -82,7 +82,7 @@ def test_greedy_matches_transformers_generate_in_a_mixed_batch_of_four(tiny_qwen
 
 def test_a_slot_reused_after_an_abort_starts_from_a_clean_state(tiny_qwen3_nexts: dict[str, Checkpoint]) -> None:
     tiny = tiny_qwen3_nexts["gqa-dense-layer"]
-    runner = ModelRunner(tiny.path, num_blocks=64, block_size=4, max_num_seqs=2)
+    runner = ModelRunner(RunnerConfig(tiny.path, num_blocks=64, block_size=4, max_num_seqs=2))
     runner.execute(_prefill(runner, "aborted", prompt_of(6, 70), [33], slot=1))
     runner.execute(StepPlan(10, [Slice("aborted", 70, 1, new_blocks=[], slot=1)]))
     runner.release(["aborted"])  # the scheduler aborts it and hands slot 1 to the next request
@@ -96,7 +96,7 @@ def test_a_slot_reused_after_an_abort_starts_from_a_clean_state(tiny_qwen3_nexts
 def test_a_preempted_request_recomputed_in_another_slot_continues_as_if_uninterrupted(tiny_qwen3_nexts: dict[str, Checkpoint]) -> None:
     tiny = tiny_qwen3_nexts["interval-tied-bias"]
     prompt = prompt_of(8, 60)
-    runner = ModelRunner(tiny.path, num_blocks=64, block_size=4, max_num_seqs=3)
+    runner = ModelRunner(RunnerConfig(tiny.path, num_blocks=64, block_size=4, max_num_seqs=3))
     out = [runner.execute(_prefill(runner, "r", prompt, [25], slot=2)).sampled[0].token_id]
     for i in range(9):
         pos = len(prompt) + i
@@ -112,7 +112,7 @@ def test_a_preempted_request_recomputed_in_another_slot_continues_as_if_uninterr
 
 
 def test_slices_naming_bad_or_shared_slots_are_refused_and_leave_state_untouched(tiny_qwen3_nexts: dict[str, Checkpoint]) -> None:
-    runner = ModelRunner(tiny_qwen3_nexts["gqa-dense-layer"].path, num_blocks=16, block_size=4, max_num_seqs=2)
+    runner = ModelRunner(RunnerConfig(tiny_qwen3_nexts["gqa-dense-layer"].path, num_blocks=16, block_size=4, max_num_seqs=2))
     runner.execute(StepPlan(0, [Slice("a", 0, 3, [5, 6, 7], [0], sampling=GREEDY, slot=0)]))
     bad = {
         "outside": [Slice("b", 0, 2, [5, 6], [1], slot=2)],
@@ -130,7 +130,7 @@ def test_slices_naming_bad_or_shared_slots_are_refused_and_leave_state_untouched
 
 def test_describe_reports_slots_kernels_layers_the_prefix_cache_and_every_parameter_once(tiny_qwen3_nexts: dict[str, Checkpoint]) -> None:
     for tiny, (full, gdn, moe) in zip(tiny_qwen3_nexts.values(), ((1, 3, 3), (2, 2, 2))):
-        runner = ModelRunner(tiny.path, num_blocks=4, block_size=4, max_num_seqs=5)
+        runner = ModelRunner(RunnerConfig(tiny.path, num_blocks=4, block_size=4, max_num_seqs=5))
         runner.execute(StepPlan(0, [Slice("a", 0, 3, [5, 6, 7], [0], sampling=GREEDY, slot=4)]))
         facts = runner.describe()
         assert facts["family"] == "qwen3_next" and facts["param_count"] == tiny.reference.num_parameters()
@@ -163,7 +163,7 @@ def test_greedy_matches_transformers_through_the_scheduler_with_runs_of_decode_s
     from shared.frames import Submit
 
     prompts = {f"r{i}": prompt_of(40 + i, n) for i, n in enumerate((5, 37, 70))}
-    runner = ModelRunner(tiny_qwen3_next.path, num_blocks=128, block_size=4, max_num_seqs=6)
+    runner = ModelRunner(RunnerConfig(tiny_qwen3_next.path, num_blocks=128, block_size=4, max_num_seqs=6))
     scheduler = Scheduler(BlockPool(128, 4, False), 6, 50, 100, SlotPool(6), decode_plan_s=1.0)
     submits = [Submit(rid=rid, prompt_ids=prompt, max_tokens=MAX_NEW, sampling=GREEDY, ignore_eos=True) for rid, prompt in prompts.items()]
     result = InProcessEngine(scheduler, runner).run(submits)

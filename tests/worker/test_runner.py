@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.runner import ModelRunner
+from services.worker.runner import ModelRunner, RunnerConfig
 from shared.frames import SamplingParams, Slice, StepPlan
 
 from .harness import GREEDY, Checkpoint, drive
@@ -29,19 +29,21 @@ def untied(tiny_llamas: dict[str, Checkpoint]) -> Checkpoint:
 def test_seeded_request_samples_the_same_tokens_whatever_shares_its_steps(untied: Checkpoint) -> None:
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7)
     prompt = _prompt(0, 9)
-    alone, _ = drive(ModelRunner(untied.path, 32, 4), {"s": prompt}, 16, chunk=4, sampling={"s": seeded})
+    alone, _ = drive(ModelRunner(RunnerConfig(untied.path, 32, 4)), {"s": prompt}, 16, chunk=4, sampling={"s": seeded})
     prompts = {"s": prompt, "a": _prompt(1, 12), "b": _prompt(2, 5)}
     sampling = {"s": seeded, "a": SamplingParams(temperature=0.7, seed=8), "b": SamplingParams(temperature=1.3)}
-    crowded, stats = drive(ModelRunner(untied.path, 64, 4), prompts, 16, chunk=4, seed=1, arrivals={"b": 2}, sampling=sampling)
+    crowded, stats = drive(ModelRunner(RunnerConfig(untied.path, 64, 4)), prompts, 16, chunk=4, seed=1, arrivals={"b": 2}, sampling=sampling)
     assert stats.mixed_steps > 0
     assert crowded["s"] == alone["s"]
     assert len(set(alone["s"])) > 2  # it really samples
-    other_seed, _ = drive(ModelRunner(untied.path, 32, 4), {"s": prompt}, 16, chunk=4, sampling={"s": SamplingParams(temperature=1.0, top_p=0.9, seed=9)})
+    other_seed, _ = drive(
+        ModelRunner(RunnerConfig(untied.path, 32, 4)), {"s": prompt}, 16, chunk=4, sampling={"s": SamplingParams(temperature=1.0, top_p=0.9, seed=9)}
+    )
     assert other_seed["s"] != alone["s"]
 
 
 def test_non_final_chunks_sample_nothing_and_results_follow_plan_order(untied: Checkpoint) -> None:
-    runner = ModelRunner(untied.path, 16, 4)
+    runner = ModelRunner(RunnerConfig(untied.path, 16, 4))
     result = runner.execute(
         StepPlan(
             0,
@@ -59,7 +61,7 @@ def test_non_final_chunks_sample_nothing_and_results_follow_plan_order(untied: C
 
 
 def test_release_drops_state_and_unknown_decodes_fail_clearly(untied: Checkpoint) -> None:
-    runner = ModelRunner(untied.path, 16, 4)
+    runner = ModelRunner(RunnerConfig(untied.path, 16, 4))
     runner.execute(StepPlan(0, [Slice("a", 0, 3, [5, 6, 7], [0], sampling=GREEDY), Slice("b", 0, 3, [5, 6, 7], [1], sampling=GREEDY)]))
     assert runner.describe()["requests"] == 2
     runner.release(["a", "never-seen"])
@@ -67,7 +69,7 @@ def test_release_drops_state_and_unknown_decodes_fail_clearly(untied: Checkpoint
     with pytest.raises(ValueError, match="decode slice for unknown request 'a'"):
         runner.execute(StepPlan(1, [Slice("b", 3, 1), Slice("a", 3, 1)]))
     # The failed step changed nothing: b decodes as it would have.
-    expected = ModelRunner(untied.path, 16, 4)
+    expected = ModelRunner(RunnerConfig(untied.path, 16, 4))
     expected.execute(StepPlan(0, [Slice("b", 0, 3, [5, 6, 7], [1], sampling=GREEDY)]))
     assert runner.execute(StepPlan(2, [Slice("b", 3, 1)])).sampled == expected.execute(StepPlan(1, [Slice("b", 3, 1)])).sampled
 
@@ -84,14 +86,14 @@ def test_release_drops_state_and_unknown_decodes_fail_clearly(untied: Checkpoint
     ],
 )
 def test_malformed_slices_raise_clear_errors(untied: Checkpoint, slices: list[Slice], message: str) -> None:
-    runner = ModelRunner(untied.path, 16, 4)
+    runner = ModelRunner(RunnerConfig(untied.path, 16, 4))
     with pytest.raises(ValueError, match=message):
         runner.execute(StepPlan(0, slices))
     assert runner.describe()["requests"] == 0
 
 
 def test_decode_before_any_sampled_token_a_wrong_position_and_too_many_slices_fail(untied: Checkpoint) -> None:
-    runner = ModelRunner(untied.path, 16, 4, max_num_seqs=2)
+    runner = ModelRunner(RunnerConfig(untied.path, 16, 4, max_num_seqs=2))
     runner.execute(StepPlan(0, [Slice("p", 0, 3, [1, 2, 3], [0], sample=False)]))
     with pytest.raises(ValueError, match="has not sampled a token yet"):
         runner.execute(StepPlan(1, [Slice("p", 3, 1)]))
@@ -106,7 +108,7 @@ def test_decode_before_any_sampled_token_a_wrong_position_and_too_many_slices_fa
 
 def test_warmup_leaves_no_state_and_describe_reads_the_live_objects(tiny_llamas: dict[str, Checkpoint]) -> None:
     tied = tiny_llamas["tied-sharded"]
-    runner = ModelRunner(tied.path, num_blocks=10, block_size=4)
+    runner = ModelRunner(RunnerConfig(tied.path, num_blocks=10, block_size=4))
     runner.warmup()
     facts = runner.describe()
     assert facts["requests"] == 0
@@ -128,11 +130,11 @@ def test_unsupported_rope_type_and_family_are_rejected(tmp_path: Path, untied: C
         config = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps(config | patch))
         with pytest.raises(ValueError, match=message):
-            ModelRunner(str(path), 4, 4)
+            ModelRunner(RunnerConfig(str(path), 4, 4))
 
 
 def test_bfloat16_runs_close_to_the_fp32_reference(untied: Checkpoint) -> None:
-    runner = ModelRunner(untied.path, 16, 4, dtype="bfloat16")
+    runner = ModelRunner(RunnerConfig(untied.path, 16, 4, dtype="bfloat16"))
     prompt = _prompt(5, 10)
     ours = runner.logits(StepPlan(0, [Slice("b", 0, 10, prompt, [4, 1, 7], sampling=GREEDY)]))["b"].float()
     with torch.no_grad():
@@ -158,7 +160,7 @@ def _reference_processed(raw: torch.Tensor, prompt: list[int], outputs: list[int
 
 def test_penalties_see_every_token_of_the_request_through_chunks_recomputation_and_cached_prefixes(untied: Checkpoint) -> None:
     prompt = [7, 9, 7, 11, 12, 9, 30, 31, 7]  # repeats, so the repetition penalty bites from the first token
-    runner = ModelRunner(untied.path, 32, 4)
+    runner = ModelRunner(RunnerConfig(untied.path, 32, 4))
     runner.execute(StepPlan(0, [Slice("p", 0, 5, prompt[:5], [0, 1], sample=False, sampling=PENALISED, prompt_len=len(prompt))]))
     results = [runner.execute(StepPlan(1, [Slice("p", 5, 4, prompt[5:], [2])])).sampled[0]]
     for step in range(7):
@@ -166,7 +168,7 @@ def test_penalties_see_every_token_of_the_request_through_chunks_recomputation_a
     outputs = [s.token_id for s in results]
 
     # The reference: the same positions' raw logits from a plain runner, penalised by the formula above.
-    plain = ModelRunner(untied.path, 32, 4)
+    plain = ModelRunner(RunnerConfig(untied.path, 32, 4))
     raw = [plain.logits(StepPlan(0, [Slice("r", 0, len(prompt), prompt, [0, 1, 2], sampling=GREEDY)]))["r"]]
     for i, token in enumerate(outputs[:-1]):
         raw.append(plain.logits(StepPlan(1 + i, [Slice("r", len(prompt) + i, 1, [token], [3 + (i + 1) // 4] if i % 4 == 3 else [])]))["r"])
@@ -179,19 +181,19 @@ def test_penalties_see_every_token_of_the_request_through_chunks_recomputation_a
     assert len(set(outputs)) > 3  # the penalties keep a tiny model from looping on one token
 
     # Recomputed after a preemption: the prefill holds prompt and 4 outputs; those 4 still count as outputs.
-    again = ModelRunner(untied.path, 32, 4)
+    again = ModelRunner(RunnerConfig(untied.path, 32, 4))
     tokens = prompt + outputs[:4]
     sampled = again.execute(StepPlan(0, [Slice("p", 0, len(tokens), tokens, [0, 1, 2, 3], sampling=PENALISED, prompt_len=len(prompt))])).sampled[0]
     assert sampled.token_id == outputs[4]
     # A prefix-cache hit: the first 8 prompt tokens' KV is in blocks 0-1 (written by another request); they arrive as prefix_ids.
-    cached = ModelRunner(untied.path, 32, 4)
+    cached = ModelRunner(RunnerConfig(untied.path, 32, 4))
     cached.execute(StepPlan(0, [Slice("other", 0, 8, prompt[:8], [0, 1], sampling=GREEDY)]))
     hit = Slice("p", 8, 1, prompt[8:], [0, 1, 2], sampling=PENALISED, prompt_len=len(prompt), prefix_ids=prompt[:8])
     assert cached.execute(StepPlan(1, [hit])).sampled[0].token_id == outputs[0]
 
 
 def test_logprobs_travel_only_when_asked(untied: Checkpoint) -> None:
-    runner = ModelRunner(untied.path, 16, 4)
+    runner = ModelRunner(RunnerConfig(untied.path, 16, 4))
     result = runner.execute(
         StepPlan(0, [Slice("a", 0, 3, [5, 6, 7], [0], sampling=GREEDY), Slice("b", 0, 3, [5, 6, 7], [1], sampling=SamplingParams(temperature=0.0, logprobs=0))])
     )

@@ -10,7 +10,7 @@ import torch
 from tokenizers import Tokenizer
 from transformers import LlamaForCausalLM
 
-from services.worker.runner import ModelRunner
+from services.worker.runner import ModelRunner, RunnerConfig
 from shared.config import DEFAULT_MODEL_DIR
 from shared.frames import Slice, StepPlan
 
@@ -49,7 +49,7 @@ def smollm2() -> SmolLM2:
 
 def test_logits_and_greedy_tokens_match_transformers_alone(smollm2: SmolLM2) -> None:
     prompt = smollm2.prompts["capital"]
-    runner = ModelRunner(DEFAULT_MODEL_DIR, num_blocks=32, block_size=4)
+    runner = ModelRunner(RunnerConfig(DEFAULT_MODEL_DIR, num_blocks=32, block_size=4))
     blocks = [17, 4, 29, 0, 11, 8]
     ours = runner.logits(StepPlan(0, [Slice("l", 0, len(prompt), prompt, blocks[: -(-len(prompt) // 4)], sampling=GREEDY)]))["l"]
     with torch.no_grad():
@@ -62,7 +62,7 @@ def test_logits_and_greedy_tokens_match_transformers_alone(smollm2: SmolLM2) -> 
 
 
 def test_greedy_tokens_match_transformers_in_a_mixed_batch(smollm2: SmolLM2) -> None:
-    runner = ModelRunner(DEFAULT_MODEL_DIR, num_blocks=96, block_size=4)
+    runner = ModelRunner(RunnerConfig(DEFAULT_MODEL_DIR, num_blocks=96, block_size=4))
     arrivals = {"capital": 0, "recipe": 0, "code": 2, "story": 4}
     out, stats = drive(runner, smollm2.prompts, MAX_NEW, chunk=4, seed=5, arrivals=arrivals)
     assert stats.mixed_steps >= 2

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import torch
 
-from services.worker.runner import ModelRunner
+from services.worker.runner import ModelRunner, RunnerConfig
 from services.worker.sampling import sample
 from services.worker.structured import StructuredOutputs, Vocabulary
 from shared.devtools.random_model import build_random_smollm
@@ -128,7 +128,7 @@ def run_to_end(runner: ModelRunner, rid: str, prompt: list[int], params: Samplin
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
 def test_the_runner_holds_a_random_model_to_the_schema_until_it_ends(tiny_smollm: str, temperature: float) -> None:
-    runner = ModelRunner(tiny_smollm, 64, 8)
+    runner = ModelRunner(RunnerConfig(tiny_smollm, 64, 8))
     tokenizer = load_tokenizer(tiny_smollm)
     params = SamplingParams(temperature=temperature, seed=5, json_schema=json.dumps(SCHEMA))
     tokens = run_to_end(runner, "r", tokenizer.encode("Answer in JSON:"), params)
@@ -138,7 +138,7 @@ def test_the_runner_holds_a_random_model_to_the_schema_until_it_ends(tiny_smollm
 
 
 def test_a_preempted_request_resumes_its_grammar_from_its_recomputed_outputs(tiny_smollm: str) -> None:
-    runner = ModelRunner(tiny_smollm, 64, 8)
+    runner = ModelRunner(RunnerConfig(tiny_smollm, 64, 8))
     tokenizer = load_tokenizer(tiny_smollm)
     prompt = tokenizer.encode("Answer in JSON:")
     params = SamplingParams(temperature=0, json_schema=json.dumps(SCHEMA))
@@ -158,7 +158,7 @@ def test_a_preempted_request_resumes_its_grammar_from_its_recomputed_outputs(tin
 
 
 def test_a_plan_whose_schema_the_grammar_cannot_take_is_refused_and_changes_nothing(tiny_smollm: str) -> None:
-    runner = ModelRunner(tiny_smollm, 64, 8)
+    runner = ModelRunner(RunnerConfig(tiny_smollm, 64, 8))
     for bad in ("{not json", json.dumps({"type": "string", "pattern": "a"})):
         params = SamplingParams(temperature=0, json_schema=bad)
         with pytest.raises(ValueError):

@@ -13,7 +13,7 @@ import socket
 import pytest
 import torch.multiprocessing as mp
 
-from services.worker.runner import ModelRunner
+from services.worker.runner import ModelRunner, RunnerConfig
 from services.worker.tensor_parallel import shard_config
 from shared.codec import encode
 from shared.frames import Release, StepPlan
@@ -54,7 +54,7 @@ def test_two_ranks_give_the_greedy_tokens_of_one(tiny_llamas: dict[str, Checkpoi
     checkpoints = {"llama": tiny_llamas["untied"], "qwen3_moe": tiny_qwen3_moes["renorm-dense-middle"]}
     one_rank = {}
     for family, tiny in checkpoints.items():
-        runner = one_rank[family] = RecordingRunner(tiny.path, num_blocks=64, block_size=4)
+        runner = one_rank[family] = RecordingRunner(RunnerConfig(tiny.path, num_blocks=64, block_size=4))
         _, stats = drive(runner, PROMPTS, MAX_NEW, chunk=5, seed=3, arrivals=ARRIVALS)
         assert stats.mixed_steps >= 4
     jobs = [{"path": tiny.path, "num_blocks": 64, "block_size": 4, "frames": one_rank[family].frames} for family, tiny in checkpoints.items()]

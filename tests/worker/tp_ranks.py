@@ -8,7 +8,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from services.worker.runner import ModelRunner
+from services.worker.runner import ModelRunner, RunnerConfig
 from services.worker.tensor_parallel import init_group
 from shared.codec import decode
 from shared.frames import Release
@@ -23,7 +23,7 @@ def replay_rank(rank: int, size: int, init_method: str, jobs_path: str, result_p
     results = []
     try:
         for job in jobs:
-            runner = ModelRunner(job["path"], num_blocks=job["num_blocks"], block_size=job["block_size"], tp=group)
+            runner = ModelRunner(RunnerConfig(job["path"], num_blocks=job["num_blocks"], block_size=job["block_size"]), tp=group)
             if not group.leader:
                 runner.follow()
                 continue
