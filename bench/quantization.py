@@ -84,6 +84,7 @@ def accuracy_against(runners: dict[str, ModelRunner], reference: str, ids: list[
 
 
 def decode_step_s(runner: ModelRunner, batch: int, context: int, steps: int) -> float:
+    runner.apply_kernel_settings()  # the C++ kernels' settings are the process's: this runner's, not the last loaded one's
     greedy = SamplingParams(temperature=0.0)
     per_request = -(-(context + steps + 8) // runner.block_size)
     for i in range(batch):

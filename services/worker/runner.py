@@ -22,12 +22,12 @@ from typing import Any
 import torch
 
 from services.worker.attention import AttentionMetadata, KVCache
-from services.worker.cpu_cache import keep_weights_cached, l3_cache_bytes
 from services.worker.cpu_kernels import cpu_kernels
 from services.worker.cuda_graphs import Capture, CudaGraphCapture, DecodeGraphs
 from services.worker.device import resolve_dtype
 from services.worker.device_memory import ActivationProfile, CudaMemoryProbe, KVBudget, MemoryProbe, profile_step
 from services.worker.gdn_state import GDNStateCache, SlotMetadata
+from services.worker.kernel_settings import CpuKernelSettings
 from services.worker.linear import held_bytes, linears_of, resolve_weight_quant
 from services.worker.request_table import PlanLimits, RequestState, RequestTable
 from services.worker.sampler import Sampler
@@ -38,8 +38,6 @@ from shared.choices import DTYPE_NAMES, keyed_by
 from shared.config import StackConfig
 from shared.frames import Release, Sampled, SamplingParams, Slice, StepPlan, StepResult
 from shared.model_info import HYBRID_PREFIX_CACHE_OFF, KV_Q8_BLOCK, resolve_kv_cache_dtype
-
-POOL_FEW_ROWS = 8  # the takeover pool's limit where only few-row steps run all layers in one call (int4-a8)
 
 DTYPES = keyed_by(DTYPE_NAMES, {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16})
 KV_DTYPES = {**DTYPES, "int8": torch.int8}  # int8: codes and fp16 scales per head vector (csrc/kv_q8.h)
@@ -141,22 +139,19 @@ class ModelRunner:
             )  # fmt: skip
 
     def _set_cpu_kernels(self, weight_prefetch: str) -> None:
-        """The C++ kernels' process-wide settings for this model."""
         if hasattr(self.model, "bind_dense_decoder"):  # weights final: steps may run all layers in one call
             self.model.bind_dense_decoder()
-        self._takeover_pool: tuple[bool, int] | None = None  # (on, max rows): set again at each step
-        self._weight_prefetch: tuple[bool, str] | None = None  # (keep in the caches, why): set again at each step
-        if (kernels := cpu_kernels()[0]) is not None and self.device.type == "cpu":
-            # Decode-sized steps on the takeover pool (csrc/takeover_pool.h) where all their parallel kernels run on
-            # it: steps up to the pool's limit where every step runs all layers in one call; only few-row steps
-            # where the rest take the per-layer path (int4-a8), whose torch glue may wake OpenMP's threads.
+        self.kernel_settings = None
+        if self.device.type == "cpu":
             one_call_rows = getattr(self.model, "dense_decoder_max_rows", 0)
-            pool_rows = kernels.TAKEOVER_POOL_MAX_ROWS if one_call_rows >= kernels.TAKEOVER_POOL_MAX_ROWS else POOL_FEW_ROWS
-            self._takeover_pool = (one_call_rows > 0, pool_rows)
-            kernels.set_takeover_pool(*self._takeover_pool)
-            panels = sum(held_bytes(linear)["panels"] for linear in linears_of(self.model))
-            self._weight_prefetch = keep_weights_cached(weight_prefetch, panels, l3_cache_bytes())
-            kernels.set_weight_prefetch_keep(self._weight_prefetch[0])
+            self.kernel_settings = CpuKernelSettings.for_model(self.model, one_call_rows, weight_prefetch)
+        self.apply_kernel_settings()
+
+    def apply_kernel_settings(self) -> None:
+        """Make the C++ kernels' process-wide settings this runner's (``kernel_settings.py``): done at load;
+        again only where a process holds runners of several formats."""
+        if self.kernel_settings is not None:
+            self.kernel_settings.apply()
 
     def _plan_memory(self, budget: KVBudget, state_slots: int, dtype: torch.dtype) -> int:
         """The KV blocks the device memory budget leaves, after a profile step where one is asked for."""
@@ -227,9 +222,6 @@ class ModelRunner:
             self.tp.send_frame(plan)
         began = time.perf_counter()
         sampled = []
-        if self._takeover_pool is not None:  # these settings are per process: a process may hold runners of several formats
-            cpu_kernels()[0].set_takeover_pool(*self._takeover_pool)
-            cpu_kernels()[0].set_weight_prefetch_keep(self._weight_prefetch[0])
         with torch.inference_mode():
             rids, requests, logits = self._forward(plan.slices)
             if rids:
@@ -349,7 +341,7 @@ class ModelRunner:
                 {
                     "takeover_pool": kernels.takeover_pool_stats(),
                     "block_quant_isa": kernels.block_quant_gemm_isa(),
-                    "weight_prefetch": self._weight_prefetch[1] if self._weight_prefetch else None,
+                    "weight_prefetch": self.kernel_settings.weight_prefetch if self.kernel_settings else None,
                 }
                 if self.device.type == "cpu" and (kernels := cpu_kernels()[0]) is not None
                 else {}

@@ -322,14 +322,15 @@ def test_decode_steps_run_on_the_takeover_pool_up_to_its_limit_for_the_format(
 ) -> None:
     """int4 runs every step's layers in one call, so decode steps of up to the pool's 32 rows run on it;
     int4-a8 runs steps of more than a few rows layer by layer (torch glue, which may wake OpenMP's
-    threads), so only steps of up to 8 rows do. Each runner's steps keep its own setting, though the
-    process's last runner was built for the other format."""
+    threads), so only steps of up to 8 rows do. The setting is the process's: a runner applies its own at load,
+    and again when asked, after a runner of the other format loaded."""
     _snap_to_blocks(tiny_llamas["untied"].path, tmp_path / "snapped")
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         runner = ModelRunner(RunnerConfig(str(tmp_path / "snapped"), num_blocks=40, block_size=4, weight_quant=quant))
         ModelRunner(RunnerConfig(str(tmp_path / "snapped"), num_blocks=40, block_size=4, weight_quant="int4-a8" if quant == "int4" else "int4"))
+        runner.apply_kernel_settings()
         prompts = [prompt_of(i, 3) for i in range(16)]
         runner.execute(StepPlan(0, [Slice(f"r{i}", 0, 3, p, [2 * i, 2 * i + 1], sampling=GREEDY) for i, p in enumerate(prompts)]))
 

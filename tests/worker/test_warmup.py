@@ -3,9 +3,9 @@ each row limit where the kernels change path; bounded by the budget and the cach
 
 from __future__ import annotations
 
+from services.worker.kernel_settings import POOL_FEW_ROWS
 from services.worker.linear import BLOCK_QUANT_MAX_ROWS, SPLIT_MAX_ROWS
 from services.worker.loop import WARMUP_MAX_TOKENS, warmup_lengths
-from services.worker.runner import POOL_FEW_ROWS
 
 
 def test_gpu_ladder_covers_short_lengths_and_powers_of_two_up_to_the_budget() -> None:
