@@ -39,7 +39,7 @@ def teacher_forced_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     blocks = list(range(-(-len(ids) // runner.block_size)))
     meta = AttentionMetadata.build([0], [len(ids)], [blocks], 0, runner.block_size, runner.model.dtype, backend=runner.model.attention_backend)
     with torch.inference_mode():
-        hidden = runner.model.forward(torch.tensor(ids), meta.positions, meta, runner.kv_cache)
+        hidden = runner.decoder(torch.tensor(ids), meta.positions, meta, runner.kv_cache)
         return runner.model.compute_logits(hidden).float()
 
 
@@ -50,7 +50,7 @@ def token_by_token_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         for position, token in enumerate(ids):
             meta = AttentionMetadata.build([position], [1], [blocks], 0, runner.block_size, runner.model.dtype, backend=runner.model.attention_backend)
-            hidden = runner.model.forward(torch.tensor([token]), meta.positions, meta, runner.kv_cache)
+            hidden = runner.decoder(torch.tensor([token]), meta.positions, meta, runner.kv_cache)
             rows.append(runner.model.compute_logits(hidden).float())
     return torch.cat(rows)
 

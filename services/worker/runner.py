@@ -24,6 +24,7 @@ import torch
 from services.worker.attention import AttentionMetadata, KVCache
 from services.worker.cpu_kernels import cpu_kernels
 from services.worker.cuda_graphs import Capture, CudaGraphCapture, DecodeGraphs
+from services.worker.decoder_backends import select_decoder_backend
 from services.worker.device import resolve_dtype
 from services.worker.device_memory import ActivationProfile, CudaMemoryProbe, KVBudget, MemoryProbe, profile_step
 from services.worker.gdn_state import GDNStateCache, SlotMetadata
@@ -100,8 +101,12 @@ class ModelRunner:
         self.family = model_config.get("model_type", "llama")
         self.sampler = Sampler(self.device, config.model, self.model.vocab_size)
         self._grammars = self.sampler if tp is None or tp.leader else None  # only the leader samples
-        self._set_cpu_kernels(config.weight_prefetch)
-        self._attention_backend = getattr(self.model, "attention_backend", "torch")
+        self.decoder = select_decoder_backend(self.model, sharded=tp is not None)  # the weights are in their final form
+        self.kernel_settings = None
+        if self.device.type == "cpu":
+            self.kernel_settings = CpuKernelSettings.for_model(self.model, self.decoder.one_call_rows, config.weight_prefetch)
+        self.apply_kernel_settings()
+        self._attention_backend = self.model.attention_backend
         if kv_dtype == torch.int8 and self._attention_backend != "cpp":
             why = cpu_kernels()[1] or f"the {self._attention_backend} attention backend was chosen"
             raise ValueError(f"kv_cache_dtype 'int8' needs the C++ CPU attention kernel ({why})")
@@ -137,15 +142,6 @@ class ModelRunner:
                 self._decode_step, min(config.cuda_graph_max_batch, max_num_seqs), width, self.model.vocab_size, num_blocks, self.device, self.model.dtype, capture,
                 self._dummy_slot,
             )  # fmt: skip
-
-    def _set_cpu_kernels(self, weight_prefetch: str) -> None:
-        if hasattr(self.model, "bind_dense_decoder"):  # weights final: steps may run all layers in one call
-            self.model.bind_dense_decoder()
-        self.kernel_settings = None
-        if self.device.type == "cpu":
-            one_call_rows = getattr(self.model, "dense_decoder_max_rows", 0)
-            self.kernel_settings = CpuKernelSettings.for_model(self.model, one_call_rows, weight_prefetch)
-        self.apply_kernel_settings()
 
     def apply_kernel_settings(self) -> None:
         """Make the C++ kernels' process-wide settings this runner's (``kernel_settings.py``): done at load;
@@ -198,7 +194,7 @@ class ModelRunner:
             # Padding rows read the dummy slot's state before they write it: reinitialised on every replay.
             self.states.zero_slot_(self._dummy_slot)
             slots = SlotMetadata.for_decode(self.states, gdn_slots)
-        return self.model.compute_logits(self.model.forward(input_ids, positions, meta, self.kv_cache, slots))
+        return self.model.compute_logits(self.decoder(input_ids, positions, meta, self.kv_cache, slots))
 
     def capture_graphs(self, stop: Callable[[], bool] = lambda: False) -> None:
         """Capture the decode graphs (part of warm-up, before the worker reports ready)."""
@@ -298,7 +294,7 @@ class ModelRunner:
             starts, lens, [r.table for r in requests], num_decodes, self.block_size, self.model.dtype, self.device, self._attention_backend
         )
         slots = None if self.states is None else SlotMetadata.build(self.states, [s.slot for s in ordered], starts, lens, num_decodes)
-        hidden = self.model.forward(torch.tensor(input_ids, device=self.device), meta.positions, meta, self.kv_cache, slots)
+        hidden = self.decoder(torch.tensor(input_ids, device=self.device), meta.positions, meta, self.kv_cache, slots)
 
         to_sample = [j for j, s in enumerate(ordered) if s.sample]
         if not to_sample:
@@ -332,7 +328,8 @@ class ModelRunner:
             "family": self.family,
             "device": str(self.device),
             "dtype": str(self.model.dtype).removeprefix("torch."),
-            "attention_backend": getattr(self.model, "attention_backend", "torch"),
+            "attention_backend": self.model.attention_backend,
+            "decoder_backend": self.decoder.name,
             **({"cpu_kernels": cpu_kernels()[1] or "built"} if self.device.type == "cpu" else {}),
             # takeover_pool: few-row calls' pool (csrc/takeover_pool.h), items taken over from a helper that was not running;
             # block_quant_isa: the integer block products' instructions (csrc/block_quant_gemm.cpp), avx512-vnni, avx2 or portable;

@@ -17,6 +17,7 @@ import torch
 
 from services.worker import block_quant
 from services.worker.cpu_kernels import cpu_kernels
+from services.worker.decoder_backends import FusedLayers
 from services.worker.linear import BLOCK_QUANT_MAX_ROWS, Linear, RowSplitLinear
 from services.worker.runner import ModelRunner, RunnerConfig
 from shared.frames import Slice, StepPlan
@@ -259,8 +260,8 @@ def test_a_step_runs_all_layers_in_one_call_with_the_per_layer_paths_own_results
     _snap_to_blocks(tiny_llamas["untied"].path, tmp_path / "snapped")
     runners = [ModelRunner(RunnerConfig(str(tmp_path / "snapped"), num_blocks=24, block_size=4, weight_quant=quant)) for quant in ("int4", "int4", "int4-a8")]
     one_call, per_layer, a8 = runners
-    assert one_call.model._dense_decoder is not None and a8.model._dense_decoder is not None  # bound at load: int4 weights, a dense family
-    per_layer.model._dense_decoder = None  # the per-layer path, as for a family the kernel does not cover
+    assert one_call.decoder.name == a8.decoder.name == "one-call-cpp"  # chosen at load: int4 weights, a dense family
+    per_layer.decoder = FusedLayers(per_layer.model)  # the per-layer path, as for a family the kernel does not cover
     calls = []
     kernels = cpu_kernels()[0]
 
@@ -272,10 +273,10 @@ def test_a_step_runs_all_layers_in_one_call_with_the_per_layer_paths_own_results
             calls.append(args[0].shape[0])  # the step's rows
             return kernels.dense_decoder_layers(*args, **kwargs)
 
-    import services.worker.models.decoder as decoder
+    import services.worker.decoder_backends as backends
 
-    original = decoder.cpu_kernels
-    decoder.cpu_kernels = lambda: (Spy(), "")
+    original = backends.cpu_kernels
+    backends.cpu_kernels = lambda: (Spy(), "")
     try:
         prompts = [prompt_of(3, 3), prompt_of(4, 9)]
         for i, prompt in enumerate(prompts):  # 3 rows and 9 rows (more than BLOCK_QUANT_MAX_ROWS)
@@ -292,7 +293,19 @@ def test_a_step_runs_all_layers_in_one_call_with_the_per_layer_paths_own_results
             a8.execute(StepPlan(0, [Slice(f"r{i}", 0, len(prompt), prompt, list(range(8 * i, 8 * i + 8)), sampling=GREEDY)]))
         assert calls == [3]  # the 9-row prefill took the per-layer path and its int8 activations
     finally:
-        decoder.cpu_kernels = original
+        backends.cpu_kernels = original
+
+
+@kernels
+def test_the_runner_chooses_its_decoder_backend_at_load_and_names_it(tiny_llamas: dict[str, Checkpoint], tiny_qwen3s: dict[str, Checkpoint]) -> None:
+    """All layers in one C++ call for a dense family on int4 weights; layer by layer, fused, for float weights
+    or a family with q/k norms, and unfused where the fusions are off (a bfloat16 model on the CPU)."""
+    llama, qwen3 = tiny_llamas["untied"].path, next(iter(tiny_qwen3s.values())).path
+    chosen = {
+        (path, quant, dtype): ModelRunner(RunnerConfig(path, num_blocks=8, block_size=4, dtype=dtype, weight_quant=quant)).describe()["decoder_backend"]
+        for path, quant, dtype in ((llama, "int4", "float32"), (llama, "none", "float32"), (qwen3, "int4", "float32"), (llama, "none", "bfloat16"))
+    }
+    assert list(chosen.values()) == ["one-call-cpp", "fused", "fused", "layers"]
 
 
 @kernels
@@ -305,7 +318,7 @@ def test_few_row_steps_run_on_the_takeover_pool_where_the_model_runs_its_layers_
     try:
         for quant, pooled in (("int4", True), ("none", False)):
             runner = ModelRunner(RunnerConfig(str(tmp_path / "snapped"), num_blocks=24, block_size=4, weight_quant=quant))
-            assert (runner.model.dense_decoder_max_rows > 0) is pooled
+            assert (runner.decoder.one_call_rows > 0) is pooled
             prompt = prompt_of(3, 3)
             runner.execute(StepPlan(0, [Slice("r", 0, len(prompt), prompt, list(range(8)), sampling=GREEDY)]))
             before = cpu_kernels()[0].takeover_pool_stats()["jobs"]

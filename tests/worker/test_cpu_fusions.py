@@ -138,7 +138,7 @@ def test_the_decoder_with_the_cpp_kernels_equals_its_unfused_forward(every_famil
     for checkpoint in every_family:
         unfused, _ = mixed_step_logits(checkpoint.path, UNFUSED)
         fused, runner = mixed_step_logits(checkpoint.path, select_fusion_kernels(torch.device("cpu"), torch.float32))
-        assert "forward" in vars(runner.model) and any(isinstance(layer.mlp, FusedDenseMLP) for layer in runner.model.layers)
+        assert runner.decoder.name == "fused" and any(isinstance(layer.mlp, FusedDenseMLP) for layer in runner.model.layers)
         assert runner.describe()["fusion_kernels"] == {"add_rms_norm": "cpp", "silu_and_mul": "cpp", "rotary": "cpp"}
         assert set(unfused) == set(fused) == {"a", "b"}  # a decode and a prefill chunk, in one step
         for rid in unfused:

@@ -127,7 +127,7 @@ def test_the_runner_profiles_the_largest_step_before_it_sizes_the_cache(tiny_qwe
 
         return step
 
-    for name in ("forward", "_forward_fused"):  # whichever the model binds (fused where select_fusion_kernels found kernels)
+    for name in ("forward", "forward_fused"):  # whichever the decoder backend binds (fused where select_fusion_kernels found kernels)
         monkeypatch.setattr(Qwen3NextForCausalLM, name, spy(getattr(Qwen3NextForCausalLM, name)))
     asked = []
 

@@ -8,7 +8,6 @@ layer's MLP is built, and (Qwen3-Next) zero-centred norms, partial rotary and it
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -17,10 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.attention import ATTENTION_BACKENDS, AttentionFn, AttentionMetadata, KVCache, paged_attention, select_attention_backend
-from services.worker.cpu_kernels import cpu_kernels
 from services.worker.fusions import select_fusion_kernels
 from services.worker.gdn_state import GDNShape, SlotMetadata
-from services.worker.linear import BLOCK_QUANT_MAX_ROWS, Linear, RowSplitLinear
+from services.worker.linear import Linear, RowSplitLinear
 from services.worker.rmsnorm import RMSNorm
 from services.worker.rotary import RotaryEmbedding, apply_rotary_, rope_config
 
@@ -154,6 +152,7 @@ class DecoderForCausalLM:
     """Implements ``CausalLM`` for the Llama-shaped decoders; subclasses override ``QK_NORM`` and ``mlp``."""
 
     QK_NORM = False  # Qwen3: RMSNorm over each q and k head before rotary
+    DENSE_LAYERS = True  # every layer is ``Attention`` and a SwiGLU MLP (MoE families: False)
     ZERO_CENTRED_NORMS = False  # Qwen3-Next: every RMSNorm weight is stored as w - 1 (scales by 1 + w)
     gdn_shape: GDNShape | None = None  # hybrid families: the GDN state each request's slot holds
 
@@ -171,10 +170,6 @@ class DecoderForCausalLM:
         self.rotate: RotateFn = self.fusions.rotary or apply_rotary_
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
         self.norm = self.rms_norm(weights["model.norm.weight"])
-        self._dense_decoder: tuple[list, ...] | None = None  # bind_dense_decoder's choice
-        self._dense_decoder_max_rows = 0  # the largest step it runs (0 while it is not bound)
-        if self.fusions.add_rms_norm is not None:  # chosen once: unfused, ``forward`` stays as it is
-            self.forward = self._forward_fused
         if cfg.tie_word_embeddings:
             self.lm_head = RowSplitLinear(self.embed, cfg.threads)
         elif "lm_head.weight" in weights:
@@ -233,61 +228,15 @@ class DecoderForCausalLM:
     def _mix(
         self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache, slots: SlotMetadata | None
     ) -> torch.Tensor:
-        """Layer ``index``'s token mixer on normed ``x``, without the residual (``_forward_fused``'s step)."""
+        """Layer ``index``'s token mixer on normed ``x``, without the residual (``forward_fused``'s step)."""
         return self.layers[index].attn(x, None, cos, sin, attn, kv_cache.layers[index])
 
-    def bind_dense_decoder(self) -> None:
-        """Once the weights are in their final format (the runner calls it after conversion and
-        sharding): where this model's fused forward is exactly ``dense_decoder_layers``'s kernel
-        sequence (``csrc/dense_decoder.cpp``), keep the per-layer tensors it reads, so steps run all
-        layers in one call, without Python's per-layer glue (measured: 1.03-1.07x for decode steps of
-        8 to 32 rows, the same logits to the bit). The kernel rounds activations to int16 at every row
-        count; under int4-a8, whose steps of more than ``BLOCK_QUANT_MAX_ROWS`` rows round them to int8,
-        only the few-row steps take it."""
-        self._dense_decoder = self._dense_decoder_weights()
-        self._dense_decoder_max_rows = 0
-        if self._dense_decoder is not None:
-            projections = [p for layer in self.layers for p in (layer.attn.qkv, layer.attn.o_proj, layer.mlp.gate_up, layer.mlp.down)]
-            self._dense_decoder_max_rows = sys.maxsize if all(p.activation_bits == 16 for p in projections) else BLOCK_QUANT_MAX_ROWS
-
-    @property
-    def dense_decoder_max_rows(self) -> int:
-        """The most rows of a step that runs all layers in one ``dense_decoder_layers`` call (0: none does;
-        bind_dense_decoder's choice)."""
-        return self._dense_decoder_max_rows
-
-    def _dense_decoder_weights(self) -> tuple[list, ...] | None:
-        """The per-layer tensors ``dense_decoder_layers`` reads, for a dense family without q/k norms
-        on the CPU kernels (attention, fusions) with int4 weights, not sharded. None elsewhere."""
-        # On the CPU the only fusions are the C++ ones, and the cpp attention backend means the CPU.
-        if self.attention_backend != "cpp" or self.fusions.add_rms_norm is None or self.fusions.rotary is None or self.QK_NORM:
-            return None
-        if type(self)._mix is not DecoderForCausalLM._mix or self.rotary.head_dim != self.cfg.head_dim:
-            return None
-        for layer in self.layers:
-            if type(layer.attn) is not Attention or type(layer.mlp) is not FusedDenseMLP:  # e.g. a tensor-parallel wrapper
-                return None
-            if any(linear.panels is None for linear in (layer.attn.qkv, layer.attn.o_proj, layer.mlp.gate_up, layer.mlp.down)):
-                return None
-        norms = [weight for layer in self.layers for weight in (layer.input_norm.weight, layer.post_norm.weight)] + [self.norm.weight]
-        attn, mlp = [layer.attn for layer in self.layers], [layer.mlp for layer in self.layers]
-        return (  # in the kernel's argument order: norms, qkv, qkv bias, o_proj, o bias, gate_up, down
-            norms, [a.qkv.panels for a in attn], [a.qkv.bias for a in attn], [a.o_proj.panels for a in attn], [a.o_proj.bias for a in attn],
-            [m.gate_up.panels for m in mlp], [m.down.panels for m in mlp],
-        )  # fmt: skip
-
-    def _forward_fused(
+    def forward_fused(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache, slots: SlotMetadata | None = None
     ) -> torch.Tensor:
-        """``forward`` with each residual add folded into the RMSNorm after it (``add_rms_norm``), wherever the fusions are on.
-        Steps on int4 weights run all layers in one C++ call (the same kernels, in the same order; under int4-a8 steps of few rows only)."""
+        """``forward`` with each residual add folded into the RMSNorm after it (``add_rms_norm``): only where the fusions are on."""
         add_norm, eps = self.fusions.add_rms_norm, self.cfg.eps
         cos, sin = self.rotary.lookup(positions, attn.max_position)
-        if self._dense_decoder is not None and input_ids.shape[0] <= self._dense_decoder_max_rows and slots is None:
-            return cpu_kernels()[0].dense_decoder_layers(
-                F.embedding(input_ids, self.embed), *self._dense_decoder, kv_cache.layers, cos, sin, attn.write_slots,
-                attn.row_block_tables, attn.row_context_lens, self.num_heads, self.num_kv_heads, self.head_dim, attn.block_size, eps,
-            )  # fmt: skip
         x, residual = add_norm(F.embedding(input_ids, self.embed), None, self.layers[0].input_norm.weight, eps)
         next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
         for i, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):

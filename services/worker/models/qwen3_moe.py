@@ -16,6 +16,7 @@ from services.worker.moe import SparseMoE, select_moe_backend
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
     QK_NORM = True
+    DENSE_LAYERS = False
     NORM_TOPK_PROB = False  # transformers' default when config.json omits norm_topk_prob
 
     def __init__(self, config: dict, weights: dict[str, torch.Tensor]) -> None:
