@@ -182,6 +182,7 @@ def test_the_cpu_worker_reports_its_device_backends_and_eager_decodes(tmp_path, 
         assert info["state"] == "ready" and info["device"]["type"] == "cpu" and info["device"]["cores"] >= 1
         runner = info["runner"]
         assert (runner["device"], runner["dtype"], runner["attention_backend"], runner["sampler"]) == ("cpu", "float32", "cpp", "torch")
+        assert runner["decoder_backend"] == "fused"  # fp16 weights (auto here): layer by layer, with the C++ fusions
         assert runner["cuda_graphs"] is None and info["memory_plan"] is None  # no graphs and no device budget on the CPU
 
         def eager_decodes() -> float:
