@@ -1,12 +1,12 @@
 """The worker process: loads the model, warms it up, then runs step plans in the order they arrive.
 
-After each step it sends the sampled tokens to the detokenizer (or gathers them over a few steps:
+After each step it sends the sampled tokens to the process that makes their text (or gathers them over a few steps:
 token_stream.py); after each plan (one step, or a run of decode steps: plan_runs.py) the result to the
 scheduler.
 
 A heartbeat thread reports loading progress and liveness to the scheduler on its own
 socket (ZMQ sockets are not shared across threads), so the scheduler hears from the
-worker while the main thread is inside a long forward pass.
+worker while the main thread is inside a long forward pass (every kernel releases the GIL while it computes).
 
 With tensor parallelism, rank 0 (this loop) fails fast when another rank dies: it reports
 ``failed`` with the reason at once (the scheduler fails every request it holds), answers any
@@ -33,7 +33,7 @@ from services.worker.plan_runs import PlanRuns
 from services.worker.token_stream import OwnerRoutes, TokenStream
 from shared.config import StackConfig
 from shared.cpu_placement import take_worker_core
-from shared.frames import Heartbeat, Release, SamplingParams, Slice, StepPlan, StepResult
+from shared.frames import Heartbeat, Process, ProcessState, Release, SamplingParams, Slice, StepPlan, StepResult
 from shared.metrics import FRAMES_UNEXPECTED, PREFIX, PROCESS_UP, start_metrics_server
 from shared.model_info import kv_cache_blocks, load_model_info, resolve_kv_cache_dtype
 from shared.transport import Curve, Inbox, Outbox, ReplyOutboxes
@@ -84,7 +84,7 @@ class WorkerLoop:
         else:
             self.tokens_to = Outbox(self.ctx, config.detokenizer_address, "worker_to_detokenizer", self.curve)
         self.runner = None
-        self.state = "loading"
+        self.state = ProcessState.LOADING
         self.detail = ""
         self.progress = 0.0
         self.stopping = False
@@ -100,7 +100,7 @@ class WorkerLoop:
         self.tokens = TokenStream(send_tokens, config.stream_interval, self.plan_runs.stop_token_ids)
 
     def _heartbeat(self) -> Heartbeat:
-        return Heartbeat(process="worker", pid=os.getpid(), state=self.state, detail=self.detail, progress=self.progress, kv_blocks=self.num_blocks)
+        return Heartbeat(process=Process.WORKER, pid=os.getpid(), state=self.state, detail=self.detail, progress=self.progress, kv_blocks=self.num_blocks)
 
     def _heartbeats(self) -> None:
         outbox = Outbox(self.ctx, self.config.scheduler_address, "worker_heartbeat", self.curve)
@@ -128,7 +128,7 @@ class WorkerLoop:
 
     def _mark_rank_lost(self, why: str) -> None:
         self.rank_lost = why
-        self.state, self.detail = "failed", f"{why}; the worker exits to be restarted with its ranks"
+        self.state, self.detail = ProcessState.FAILED, f"{why}; the worker exits to be restarted with its ranks"
         PROCESS_UP.labels("worker").set(0)
 
     def load(self) -> None:
@@ -160,7 +160,7 @@ class WorkerLoop:
             DEVICE_MEMORY_USED.set_function(lambda: torch.cuda.memory_allocated(device))
             DEVICE_MEMORY_RESERVED.set_function(lambda: torch.cuda.memory_reserved(device))
         loaded = time.perf_counter()
-        self.state = "warming"
+        self.state = ProcessState.WARMING
         self.warm_up()
         if self.stopping:
             return
@@ -178,7 +178,7 @@ class WorkerLoop:
             if self.worker_core is not None:
                 self.log.info("cpu_placement", worker_core=self.worker_core)
         self.log.info("worker_ready", load_s=round(loaded - started, 2), warmup_s=round(time.perf_counter() - loaded, 2), kv_blocks=self.num_blocks)
-        self.state, self.detail, self.progress = "ready", "", 1.0
+        self.state, self.detail, self.progress = ProcessState.READY, "", 1.0
         PROCESS_UP.labels("worker").set(1)
 
     def _kv_budget(self, free_before_load: int):
@@ -237,7 +237,7 @@ class WorkerLoop:
         try:
             self.load()
         except Exception as exc:
-            self.state, self.detail = "failed", f"{type(exc).__name__}: {exc}"
+            self.state, self.detail = ProcessState.FAILED, f"{type(exc).__name__}: {exc}"
             self.log.exception("worker_load_failed")
             while not self.stopping:  # stay up so the failure is visible in /health and heartbeats
                 time.sleep(0.2)
@@ -342,7 +342,7 @@ class WorkerLoop:
         return info
 
     def health(self) -> tuple[int, dict]:
-        return (200 if self.state == "ready" else 503), {"state": self.state, "detail": self.detail, "progress": round(self.progress, 3)}
+        return (200 if self.state == ProcessState.READY else 503), {"state": self.state, "detail": self.detail, "progress": round(self.progress, 3)}
 
 
 WARMUP_MAX_TOKENS = 2048  # past this a prefill's one-off costs are lost in its own run time
