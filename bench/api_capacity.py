@@ -40,7 +40,7 @@ from bench.stack_throughput import process_cpu_seconds, user_system_seconds
 from shared.config import DEFAULT_MODEL_DIR, StackConfig
 from shared.devtools.sse import stream_chat
 from shared.devtools.stack import free_port_block, served_model, stop_process, wait_healthy
-from shared.frames import Abort, EngineStatus, Submit, TextBatch, TextDelta
+from shared.frames import Abort, EngineStatus, FinishReason, Submit, TextBatch, TextDelta
 from shared.transport import Inbox, Outbox
 
 PROMPT = [{"role": "user", "content": "Tell me a story."}]
@@ -107,8 +107,8 @@ class ScriptedEngine(threading.Thread):
         request = self.open[rid]
         request[0] += 1
         sent, max_tokens, prompt_tokens = request
-        finish = "length" if sent >= max_tokens else ""
-        if finish:
+        finish = FinishReason.LENGTH if sent >= max_tokens else None
+        if finish is not None:
             del self.open[rid]
         return TextDelta(rid=rid, text=" word", completion_tokens=sent, finish=finish, prompt_tokens=prompt_tokens)
 
