@@ -58,6 +58,8 @@ class ApiConfig:
     port: int = _opt(8000, "api port (HTTP, metrics and instrumentation)", minimum=1)
     api_replica: str = _opt("api-0", "identity of this api replica (names its inbox)")
     engines: str = _opt("", "engine replicas the api routes to: name=scheduler_addr,... (default: engine-0 at --scheduler-addr)")
+    engines_from_dns: str = _opt("", "engine replicas from DNS instead: host:port of a headless Service, one address per scheduler")
+    engines_dns_interval_s: float = _opt(5.0, "how often the api resolves --engines-from-dns again", minimum=0.1)
     router_policy: str = _opt("load", "how the api picks an engine replica", choices=ROUTER_POLICY_NAMES)
     tool_call_parser: str = _opt("", "tool-call format (default: chosen by the model)", choices=("", *TOOL_PARSER_NAMES, "none"))
     reasoning_parser: str = _opt("", "reasoning format (default: chosen by the model)", choices=("", *REASONING_PARSER_NAMES, "none"))
@@ -188,7 +190,11 @@ class StackConfig(LoggingConfig, ProcessConfig, WorkerConfig, SchedulerConfig, T
 
     @property
     def engine_addresses(self) -> dict[str, str]:
-        """Engine replica name -> scheduler address, in the order given."""
+        """Engine replica name -> scheduler address, in the order given (none yet with --engines-from-dns)."""
+        if self.engines_from_dns:
+            if self.engines:
+                raise ValueError("--engines and --engines-from-dns exclude each other: give one")
+            return {}
         if not self.engines:
             return {"engine-0": self.scheduler_address}
         engines: dict[str, str] = {}
@@ -200,6 +206,14 @@ class StackConfig(LoggingConfig, ProcessConfig, WorkerConfig, SchedulerConfig, T
                 raise ValueError(f"--engines: replica name {name!r} is given twice")
             engines[name] = address
         return engines
+
+    @property
+    def engines_dns_target(self) -> tuple[str, int]:
+        """(host, port) of --engines-from-dns."""
+        host, sep, port = self.engines_from_dns.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"--engines-from-dns: expected host:port, got {self.engines_from_dns!r}")
+        return host.strip("[]"), int(port)
 
     @property
     def tensor_parallel_init(self) -> str:

@@ -37,6 +37,8 @@ READERS: dict[str, tuple[str, ...]] = {
     "port": (*EVERY, "launcher"),
     "api_replica": ("api",),
     "engines": ("api",),
+    "engines_from_dns": ("api",),
+    "engines_dns_interval_s": ("api",),
     "router_policy": ("api",),
     "tool_call_parser": ("api",),
     "reasoning_parser": ("api",),

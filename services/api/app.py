@@ -191,6 +191,8 @@ def main(argv: list[str] | None = None) -> None:
     try:  # a bad routing setting stops the api here, with the flag named, not at its first request
         make_policy(config.router_policy, config.block_size)
         _ = config.engine_addresses
+        if config.engines_from_dns:
+            _ = config.engines_dns_target
     except ValueError as exc:
         raise SystemExit(f"tokenyard api: {exc}") from None
     setup_logging("api", config.log_level, config.log_format)

@@ -3,7 +3,8 @@
 Each in-flight request has one queue and one owning replica. A request ends exactly once:
 with a finishing delta, an engine error, or an abort sent when its consumer goes away
 early. A replica that goes silent, reports a new boot or stops being ready leaves
-rotation and fails the requests it held; it rejoins once it reports ready again.
+rotation and fails the requests it held; it rejoins once it reports ready again. With
+``--engines-from-dns`` the replicas come and go with the Service's addresses.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Protocol
 import structlog
 import zmq
 
+from services.api.engine_discovery import DnsEngines
 from services.api.errors import ApiError
 from services.api.metrics import REPLICA_FAILED, REPLICA_IN_FLIGHT, REPLICA_LATENCY, REPLICA_READY, ROUTED
 from services.api.router import make_policy
@@ -75,6 +77,11 @@ class EngineReplica:
         self.rids: set[str] = set()  # this api's requests in flight on the replica
         self.own_at_status = 0  # len(rids) when the last status arrived
         self.in_rotation = False
+        self.retiring = False  # gone from DNS: takes no new request, and goes once its own have ended
+
+    @property
+    def address(self) -> str:
+        return self.outbox.address
 
     @property
     def connected(self) -> bool:
@@ -82,7 +89,7 @@ class EngineReplica:
 
     @property
     def ready(self) -> bool:
-        return self.connected and self.status.state == "ready"
+        return self.connected and self.status.state == "ready" and not self.retiring
 
     @property
     def load(self) -> int:
@@ -105,27 +112,57 @@ class EngineClient:
         self.policy = make_policy(config.router_policy, config.block_size)
         self.ctx = zmq.Context()  # sends never block (NOBLOCK, high-water marks); the inbox is read from the loop
         curve = Curve.from_file(config.curve_key_file)
+        self.curve = curve
         self.inbox = AsyncInbox(self.ctx, config.api_address, "api_inbox", curve)
-        self.replicas = {
-            name: EngineReplica(name, Outbox(self.ctx, address, "api_to_scheduler", curve), config.engine_timeout_s)
-            for name, address in config.engine_addresses.items()
-        }
+        self.discovery = DnsEngines(*config.engines_dns_target) if config.engines_from_dns else None
+        self.replicas: dict[str, EngineReplica] = {}
         self.streams: dict[str, asyncio.Queue[TextDelta | ApiError]] = {}
         self.owner: dict[str, EngineReplica] = {}  # rid -> the replica serving it
         # --detokenize-in api: the workers send this api its requests' tokens, and the text is made here.
         self.detokenization = Detokenization(load_tokenizer(config.model)) if config.detokenize_in == "api" else None
         self._tasks: list[asyncio.Task] = []
-        for name in self.replicas:  # every replica's series exists from the start
-            ROUTED.labels(name)
-            REPLICA_FAILED.labels(name)
-            REPLICA_READY.labels(name).set(0)
-            REPLICA_IN_FLIGHT.labels(name).set(0)
+        for name, address in config.engine_addresses.items():
+            self._add_replica(name, address)
+
+    def _add_replica(self, name: str, address: str) -> None:
+        self.replicas[name] = EngineReplica(name, Outbox(self.ctx, address, "api_to_scheduler", self.curve), self.config.engine_timeout_s)
+        ROUTED.labels(name)  # every replica's series exists from the start
+        REPLICA_FAILED.labels(name)
+        REPLICA_READY.labels(name).set(0)
+        REPLICA_IN_FLIGHT.labels(name).set(0)
+
+    def _drop_replica(self, replica: EngineReplica) -> None:
+        log.info("replica_removed", replica=replica.name, address=replica.address)
+        self.replicas.pop(replica.name, None)
+        replica.outbox.close()
+        REPLICA_READY.labels(replica.name).set(0)
+
+    def apply_discovered(self, found: dict[str, str]) -> None:
+        """Adopts the replicas DNS names now (name -> scheduler address): new ones join once they report ready,
+        gone ones retire (their requests run out), and a name at a new address (its pod was replaced) starts over."""
+        for replica in list(self.replicas.values()):
+            address = found.get(replica.name)
+            if address is None and not replica.retiring:
+                log.info("replica_retiring", replica=replica.name, in_flight=len(replica.rids))
+                replica.retiring = True
+                self._update_rotation(replica)
+            elif address is not None and address != replica.address:
+                self._fail_replica(replica, f"engine replica {replica.name} was replaced; retry the request")
+                self._drop_replica(replica)
+            elif address is not None and replica.retiring:  # back in DNS before its requests ran out
+                replica.retiring = False
+        for name, address in found.items():
+            if name not in self.replicas:
+                log.info("replica_found", replica=name, address=address)
+                self._add_replica(name, address)
 
     # Lifecycle. ------------------------------------------------------------------------
 
     def start(self) -> None:
         self.inbox.start(self._on_frame)
         self._tasks = [asyncio.create_task(self._watch())]
+        if self.discovery is not None:
+            self._tasks.append(asyncio.create_task(self._discover()))
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -164,6 +201,8 @@ class EngineClient:
 
     def describe_state(self) -> tuple[str, str]:
         states = [(r.name, *r.describe_state()) for r in self.replicas.values()]
+        if not states:
+            return "loading", f"no engine replica at {self.config.engines_from_dns} yet"
         if len(states) == 1:
             return states[0][1:]
         ready = [name for name, state, _ in states if state == "ready"]
@@ -294,7 +333,7 @@ class EngineClient:
 
     def _on_status(self, status: EngineStatus) -> None:
         # Until this api's announcement reaches it, a scheduler addresses the configured api with engine "".
-        if not status.engine and len(self.replicas) > 1:
+        if not status.engine and (len(self.replicas) > 1 or self.discovery is not None):
             return  # which engine sent it is unknown until our announcement reaches it (within a heartbeat)
         replica = self.replicas.get(status.engine) if status.engine else next(iter(self.replicas.values()))
         if replica is None:
@@ -346,7 +385,19 @@ class EngineClient:
     async def _watch(self) -> None:
         """Announces this api to every scheduler and notices silent ones: a hang must never look alive."""
         while True:
-            for replica in self.replicas.values():
+            for replica in list(self.replicas.values()):
+                if replica.retiring and (not replica.rids or not replica.connected):
+                    self._fail_replica(replica, f"engine replica {replica.name} went away; retry the request")
+                    self._drop_replica(replica)
+                    continue
                 replica.outbox.send(ApiAnnounce(replica=self.config.api_replica, address=self.inbox.address, engine=replica.name))
                 self._update_rotation(replica)
             await asyncio.sleep(self.config.heartbeat_s)
+
+    async def _discover(self) -> None:
+        """Resolves --engines-from-dns now and every --engines-dns-interval-s (in a thread: a lookup blocks)."""
+        while True:
+            found = await asyncio.to_thread(self.discovery.lookup)
+            if found is not None:
+                self.apply_discovered(found)
+            await asyncio.sleep(self.config.engines_dns_interval_s)
