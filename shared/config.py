@@ -143,10 +143,11 @@ class ProcessConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    """Logging: level and format of every process's log."""
+    """Logging: every process's log, and where the api and scheduler send request traces."""
 
     log_level: str = _opt("info", "log level", choices=LOG_LEVELS)
     log_format: str = _opt("auto", "log format (auto: console on a terminal, JSON lines otherwise)", choices=LOG_FORMATS)
+    otlp_traces_endpoint: str = _opt("", "OpenTelemetry collector of request traces: http(s)://host:4318 or grpc://host:4317 (default: none)")
 
 
 # A dataclass takes its bases' fields from the last base to the first: these are GROUPS reversed.

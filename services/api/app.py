@@ -26,10 +26,12 @@ from services.api.router import make_policy
 from services.api.state import API_STATE, ApiState
 from services.api.templating import PromptBuilder
 from services.api.tokenize_routes import routes as tokenize_routes
+from services.api.tracing import ApiTracing
 from shared.config import StackConfig
 from shared.cpu_placement import keep_off_worker_core
 from shared.metrics import PROCESS_UP, exposition
 from shared.model_info import load_model_info
+from shared.tracing import tracer_for
 
 log = structlog.get_logger()
 
@@ -130,6 +132,10 @@ def create_app(config: StackConfig, engine_factory: Callable[[StackConfig], Engi
     """The api; tests pass an ``engine_factory`` that builds a scripted engine instead of the ZeroMQ client."""
     open_paths = frozenset({"/openapi.json"} | (set() if config.auth_health_metrics else {"/health", "/metrics"}))
     middlewares = [error_middleware, auth_middleware(config.api_keys, open_paths)]  # auth inside: its 401 gets the protocol's shape
+    tracer = tracer_for(config.otlp_traces_endpoint, "tokenyard-api")
+    tracing = ApiTracing(tracer, config.model_id) if tracer is not None else None
+    if tracing is not None:  # outermost: its span sees the answer's final status
+        middlewares.insert(0, tracing.middleware())
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     model = load_model_info(config.model)
 
@@ -140,7 +146,13 @@ def create_app(config: StackConfig, engine_factory: Callable[[StackConfig], Engi
         engine = engine_factory(config)
         engine.start()
         app[API_STATE] = ApiState(
-            config=config, model=model, prompts=prompts, engine=engine, chat_format=chat_format, admission=Admission(config.in_flight_limit)
+            config=config,
+            model=model,
+            prompts=prompts,
+            engine=engine,
+            chat_format=chat_format,
+            admission=Admission(config.in_flight_limit),
+            tracing=tracing,
         )
         PROCESS_UP.labels("api").set(1)
 

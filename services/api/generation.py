@@ -156,11 +156,13 @@ async def engine_run(state: ApiState, submits: list[Submit]) -> AsyncIterator[As
     model_name = state.model_id
     with state.admission.admit(len(submits)) as ticket:
         stream = merged_stream(state.engine, submits, model_name, ticket)
+        answer = stream if state.tracing is None else state.tracing.follow(stream, submits)
         IN_FLIGHT.labels(model_name).inc()
         try:
-            yield stream
+            yield answer
         finally:
             IN_FLIGHT.labels(model_name).dec()
+            await answer.aclose()
             await stream.aclose()
 
 
@@ -206,6 +208,8 @@ async def collect_parsed(stream: AsyncIterator[tuple[int, TextDelta]], parsers: 
 async def chat_submits(state: ApiState, turn: ChatTurn, generation: Generation, prompt_param: str) -> tuple[RenderedPrompt, list[Submit]]:
     """A conversation's rendered prompt and its engine requests, checked against the context limit."""
     prompt = await state.chat_format.render(state.prompts, turn)
+    if state.tracing is not None:
+        state.tracing.prompt_rendered(len(prompt.ids))
     max_tokens = context_limit(len(prompt.ids), generation, state.max_model_len, prompt_param)
     thinking = thinks(turn.effort, state.chat_format.efforts)
     if generation.sampling.json_schema is None and (call := tool_call_grammar(turn.shown_tools, turn.tool_choice, state.chat_format.tool_parser, thinking)):

@@ -12,6 +12,7 @@ from services.api.admission import Admission
 from services.api.chat import ChatFormat
 from services.api.engine_client import Engine
 from services.api.templating import PromptBuilder
+from services.api.tracing import ApiTracing
 from shared.config import StackConfig
 from shared.model_info import ModelInfo
 
@@ -25,6 +26,7 @@ class ApiState:
     chat_format: ChatFormat
     admission: Admission
     keepalive_s: float = 10.0  # Anthropic streams send a ping after this long without an event
+    tracing: ApiTracing | None = None  # with --otlp-traces-endpoint
     started: int = field(default_factory=lambda: int(time.time()))
 
     @property

@@ -17,6 +17,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from services.scheduler.core import AdmissionError, Outcome, Scheduler
 from services.scheduler.kv_blocks import BlockPool
 from services.scheduler.state_slots import SlotPool
+from services.scheduler.traces import RequestTraces
 from shared.config import StackConfig
 from shared.cpu_placement import keep_off_worker_core
 from shared.frames import (
@@ -38,6 +39,7 @@ from shared.frames import (
 )
 from shared.metrics import FRAMES_UNEXPECTED, PREFIX, PROCESS_UP, start_metrics_server
 from shared.model_info import kv_cache_blocks, load_model_info
+from shared.tracing import tracer_for
 from shared.transport import Curve, Inbox, Outbox, ReplyOutboxes
 
 RUNNING = Gauge(f"{PREFIX}num_requests_running", "Requests in the running batch")
@@ -117,6 +119,9 @@ class SchedulerLoop:
         self.next_step = 0
         self.stopping = False
         self.boot = f"{os.getpid()}-{time.time_ns()}"
+        # Spans of the requests that arrive traced; None without --otlp-traces-endpoint: the loop then makes no tracer call.
+        tracer = tracer_for(config.otlp_traces_endpoint, "tokenyard-scheduler")
+        self.traces = RequestTraces(tracer) if tracer is not None else None
         self._gauge_state()
 
     def _gauge_state(self) -> None:
@@ -205,6 +210,8 @@ class SchedulerLoop:
         if released:
             PREEMPTIONS.inc(len(released))
             self.to_worker.send(Release(rids=released))
+        if self.traces:
+            self.traces.planned(plan, released)
         if not plan.slices:
             return False
         PLAN_TIME.observe(time.perf_counter() - started)
@@ -247,6 +254,8 @@ class SchedulerLoop:
         try:
             self.core.submit(submit)
             self.log.info("request_queued", rid=submit.rid, prompt_tokens=len(submit.prompt_ids), max_tokens=submit.max_tokens)
+            if submit.trace and self.traces is not None:
+                self.traces.submitted(submit)
         except AdmissionError as exc:
             self.log.info("request_rejected", rid=submit.rid, status=exc.status, reason=exc.message)
             self._reject(submit, exc.status, exc.message)
@@ -281,7 +290,10 @@ class SchedulerLoop:
             return  # a step of a worker incarnation that was declared lost
         _, rids = self.in_flight.pop(result.step)
         if not result.error:
-            self._send(self.core.on_result(result))
+            outcome = self.core.on_result(result)
+            if self.traces:
+                self.traces.stepped(result, outcome.deltas)
+            self._send(outcome)
             return
         self.log.error("step_failed", step=result.step, error=result.error, requests=len(rids))
         self._fail(rids, 500, f"the worker failed the step: {result.error}")
@@ -340,6 +352,8 @@ class SchedulerLoop:
         if not rids:
             return
         FINISHED.labels(FinishReason.ERROR.value).inc(len(rids))
+        if self.traces:
+            self.traces.failed(rids, message)
         for rid in rids:
             self.to_api.send(owners[rid], Error(rid=rid, status=status, message=message))
         self.to_worker.send(Release(rids=rids))
@@ -354,6 +368,8 @@ class SchedulerLoop:
             self.to_worker.send(Release(rids=outcome.released))
         if tell_detokenizer and outcome.deltas and self.to_detokenizer is not None:
             self.to_detokenizer.send(TokenBatch(deltas=outcome.deltas))
+        if self.traces:
+            self.traces.ended(outcome.deltas)
         for delta in outcome.deltas:
             if delta.finish:
                 FINISHED.labels(delta.finish).inc()
