@@ -109,7 +109,7 @@ class Submit(_Frame):
     skip_special_tokens: bool = True
     arrival_time: float = 0.0
     reply_to: str = ""  # inbox address of the api replica that owns the reply ("": the configured api)
-    trace: str = ""  # W3C traceparent of the api's span of this request, when it is traced (omitted on the wire otherwise)
+    trace: str = ""  # W3C traceparent of the api's span of this request when it is traced (untraced: one byte, once per request)
 
 
 class Abort(_Frame):

@@ -220,3 +220,14 @@ def test_the_keys_service_writes_a_certificate_once(tmp_path) -> None:
     with open(first) as f:
         assert f.read() == written  # kept: a restart of the stack does not lock out running peers
     assert Curve.load(first).secret
+
+
+def test_the_tracing_profile_runs_a_collector_that_every_process_and_grafana_can_reach(compose, services) -> None:
+    # Off unless OTLP_TRACES_ENDPOINT is set: every process takes it from the one variable.
+    raw = tokenyard_services(load_yaml(os.path.join(ROOT, "docker-compose.yml")))
+    assert all("--otlp-traces-endpoint=${OTLP_TRACES_ENDPOINT:-}" in flags_of(service) for service in raw.values())
+    assert all(stack_config(service).otlp_traces_endpoint == "" for service in services.values())
+    jaeger = compose["services"]["jaeger"]
+    assert jaeger["profiles"] == ["tracing"] and {"4317", "4318"} <= set(jaeger["expose"])
+    (datasource,) = load_yaml(os.path.join(ROOT, "deploy", "grafana", "provisioning", "datasources", "jaeger.yml"))["datasources"]
+    assert datasource["type"] == "jaeger" and urlparse(datasource["url"]).hostname == "jaeger"

@@ -1,0 +1,63 @@
+"""shared/tracing.py: the collector's URL picks the exporter, a traceparent survives the trip through Submit, and
+an untraced Submit costs one byte more on the wire than before the field existed (array_like structs encode
+every field; it travels once per request, never per token)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import msgspec
+import pytest
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.trace import TracerProvider
+
+from shared import tracing
+from shared.codec import decode, encode
+from shared.frames import SamplingParams, Submit
+
+
+def test_an_http_endpoint_without_a_path_exports_to_v1_traces() -> None:
+    assert tracing.span_exporter("http://collector:4318")._endpoint == "http://collector:4318/v1/traces"
+    assert tracing.span_exporter("https://collector:4318/")._endpoint == "https://collector:4318/v1/traces"
+    assert tracing.span_exporter("http://collector:4318/custom/traces")._endpoint == "http://collector:4318/custom/traces"
+    assert isinstance(tracing.span_exporter("http://collector:4318"), OTLPSpanExporter)
+
+
+def test_an_endpoint_it_cannot_use_stops_the_process_with_the_flag_named() -> None:
+    for endpoint in ("collector:4318", "ftp://collector:21"):
+        with pytest.raises(SystemExit, match="--otlp-traces-endpoint"):
+            tracing.span_exporter(endpoint)
+    if importlib.util.find_spec("opentelemetry.exporter.otlp.proto.grpc") is None:
+        with pytest.raises(SystemExit, match="opentelemetry-exporter-otlp-proto-grpc"):
+            tracing.span_exporter("grpc://collector:4317")
+
+
+def test_no_endpoint_no_tracer() -> None:
+    assert tracing.tracer_for("", "tokenyard-api") is None
+
+
+def test_a_spans_traceparent_travels_in_submit_and_parents_the_next_process() -> None:
+    tracer = TracerProvider().get_tracer("test")
+    span = tracer.start_span("llm_request")
+    submit = decode(encode(Submit(rid="r", prompt_ids=[1], max_tokens=1, trace=tracing.traceparent(span))))
+    child = tracer.start_span("engine_request", context=tracing.parent_context(submit.trace))
+    assert child.context.trace_id == span.context.trace_id and child.parent.span_id == span.context.span_id
+
+
+def test_an_untraced_submit_costs_one_byte_on_the_wire() -> None:
+    class Before(msgspec.Struct, array_like=True, omit_defaults=True, tag="Submit", tag_field="frame"):
+        rid: str
+        prompt_ids: list[int]
+        max_tokens: int
+        sampling: SamplingParams = SamplingParams()
+        stop_token_ids: list[int] = []
+        stop: list[str] = []
+        ignore_eos: bool = False
+        min_tokens: int = 0
+        skip_special_tokens: bool = True
+        arrival_time: float = 0.0
+        reply_to: str = ""
+
+    now = encode(Submit(rid="r", prompt_ids=[1, 2], max_tokens=4, arrival_time=1.5, reply_to="ipc://api"))
+    before = msgspec.msgpack.encode(Before(rid="r", prompt_ids=[1, 2], max_tokens=4, arrival_time=1.5, reply_to="ipc://api"))
+    assert now[0] == before[0] + 1 and now[1:] == before[1:] + msgspec.msgpack.encode("")  # one more element: an empty string
