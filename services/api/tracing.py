@@ -41,7 +41,7 @@ class ApiTracing:
         async def tracing_middleware(request: web.Request, handler) -> web.StreamResponse:
             if request.method != "POST":  # health, metrics and the like stay untraced
                 return await handler(request)
-            route = request.match_info.route.resource.canonical if request.match_info.route.resource else request.path
+            route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
             attributes = {"http.request.method": request.method, "http.route": route, tracing.MODEL: self.model_id}
             with tracer.start_as_current_span(
                 f"POST {route}", context=tracing.context_of(request.headers), kind=SpanKind.SERVER, attributes=attributes
