@@ -69,8 +69,6 @@ def one_round(args: argparse.Namespace, log_path: str) -> dict:
             wait_for(lambda: http(f"{base}/health", timeout=2)[0] == 200, args.timeout)
             ready = time.monotonic() - started
             model_id = http(f"{base}/v1/models")[1]["data"][0]["id"]
-            wait_for(lambda: not http(f"{base}/health", timeout=2)[1].get("detail"), args.timeout)  # what the worker warms while idle
-            warm = time.monotonic() - started
             worker_pid = http(f"http://127.0.0.1:{args.port + 2}/instrumentation")[1]["pid"]
             killed = time.monotonic()
             os.kill(worker_pid, signal.SIGKILL)
@@ -84,7 +82,7 @@ def one_round(args: argparse.Namespace, log_path: str) -> dict:
             except subprocess.TimeoutExpired:
                 os.killpg(launcher.pid, signal.SIGKILL)
                 launcher.wait()
-    return {"ready_s": round(ready, 2), "idle_warm_s": round(warm, 2), "recover_s": round(recovered, 2)}
+    return {"ready_s": round(ready, 2), "recover_s": round(recovered, 2)}
 
 
 def main() -> None:
@@ -102,7 +100,7 @@ def main() -> None:
     rounds = []
     for i in range(args.rounds):
         result = one_round(args, log_path)
-        print(f"round {i + 1}: ready {result['ready_s']} s (idle warm-up done at {result['idle_warm_s']} s), recovered {result['recover_s']} s", flush=True)
+        print(f"round {i + 1}: ready {result['ready_s']} s, recovered {result['recover_s']} s", flush=True)
         rounds.append(result)
     summary = {
         "model": args.model,

@@ -156,7 +156,7 @@ class SchedulerLoop:
         if stalled > self.config.stall_timeout_s:
             state, detail = EngineState.UNHEALTHY, f"the worker has not answered step {min(self.in_flight)} for {stalled:.0f}s"
         elif self.ready:
-            state, detail = EngineState.READY, worker.detail  # e.g. what the worker still warms while it serves
+            state, detail = EngineState.READY, ""
         elif any(p.state == ProcessState.FAILED for p in self.peers.values()):
             state, detail = EngineState.FAILED, "; ".join(f"{n}: {p.detail}" for n, p in self.peers.items() if p.state == ProcessState.FAILED)
         else:
