@@ -1,6 +1,8 @@
 # tokenyard: `make run` sets everything up and serves the default model; `make test` runs the suite.
 PYTHON ?= python3
 VENV ?= .venv
+# Test tools whose pinned dependencies clash with ours (checkov, the Kubernetes manifests' policy scan).
+TOOLS ?= .venv-tools
 PY := $(VENV)/bin/python
 MODEL ?= models/SmolLM2-135M-Instruct
 PORT ?= 8000
@@ -8,7 +10,7 @@ DEFAULT_MODEL := models/SmolLM2-135M-Instruct
 
 .PHONY: setup run test lint bench bench-serve peer clean-model
 
-setup: $(VENV)/.installed $(DEFAULT_MODEL)/.complete $(VENV)/.cpu-kernels
+setup: $(VENV)/.installed $(DEFAULT_MODEL)/.complete $(VENV)/.cpu-kernels $(TOOLS)/.installed
 
 # torch first and pinned: a looser requirement would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -22,6 +24,11 @@ $(VENV)/.installed: pyproject.toml
 # The worker's C++ kernels, compiled once here (about a minute) instead of at the first worker start.
 $(VENV)/.cpu-kernels: $(VENV)/.installed $(wildcard services/worker/csrc/*.cpp services/worker/csrc/*.h)
 	$(PY) -m services.worker.cpu_kernels
+	touch $@
+
+$(TOOLS)/.installed:
+	test -x $(TOOLS)/bin/python || $(PYTHON) -m venv $(TOOLS)
+	$(TOOLS)/bin/python -m pip install --quiet checkov==3.3.30
 	touch $@
 
 $(DEFAULT_MODEL)/.complete: $(VENV)/.installed
