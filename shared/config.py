@@ -143,7 +143,7 @@ class ProcessConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    """Logging: every process's log, and where the api and scheduler send request traces."""
+    """Logging: every process's log, and where the api, scheduler and worker send request traces."""
 
     log_level: str = _opt("info", "log level", choices=LOG_LEVELS)
     log_format: str = _opt("auto", "log format (auto: console on a terminal, JSON lines otherwise)", choices=LOG_FORMATS)

@@ -93,7 +93,7 @@ READERS: dict[str, tuple[str, ...]] = {
     # Logging
     "log_level": EVERY,
     "log_format": EVERY,
-    "otlp_traces_endpoint": ("api", "scheduler"),
+    "otlp_traces_endpoint": ("api", "scheduler", "worker"),
 }
 
 

@@ -139,6 +139,7 @@ class Slice(_Part):
     feeds back the token it sampled last for this request. For a hybrid (GDN) model every slice
     names the request's state ``slot``, held from admission to finish or preemption; a slice at
     ``start == 0`` starts from a zero state. Models without GDN layers leave it at -1 (not sent).
+    A traced request's prefill chunks carry the parent of the worker's span of their forward pass in ``trace``.
     """
 
     rid: str
@@ -155,6 +156,7 @@ class Slice(_Part):
     slot: int = -1  # GDN state slot, on every slice of a hybrid model's request
     opened: StreamOpen | None = None  # on the first slice of the first admission: the worker forwards it to the text maker
     stop_token_ids: list[int] = []  # with ``sampling``: the tokens that end the request within a run of decode steps (none with ignore_eos)
+    trace: str = ""  # a traced request's prefill chunk: the W3C traceparent of the scheduler's span of it (last: untraced, not sent)
 
 
 class StepPlan(_Frame):

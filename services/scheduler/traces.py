@@ -3,13 +3,15 @@
 Each such request gets an ``engine_request`` span, a child of the api's span, from its arrival here to its end,
 with the GenAI attributes and vLLM's timings; under it a ``queued`` span (arrival to admission), one ``prefill``
 span per prefill chunk (the plan that carries it sent, to its result) and one ``decode`` span (first token to
-the end): no span per token. The loop calls in only while one of these requests is open.
+the end): no span per token. A chunk's slice carries its span's traceparent (``Slice.trace``), the parent of the
+worker's span of the forward pass. The loop calls in only while one of these requests is open.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, Status, StatusCode
@@ -34,7 +36,7 @@ class RequestTraces:
     def __init__(self, tracer: trace.Tracer) -> None:
         self.tracer = tracer
         self.open: dict[str, _Trace] = {}
-        self.prefills: dict[int, list[tuple[str, int, int, int]]] = {}  # step -> (rid, start, tokens, sent at) of traced chunks
+        self.prefills: dict[int, list[tuple[str, Span]]] = {}  # step -> (rid, prefill span) of its traced chunks, open until its result
 
     def __bool__(self) -> bool:
         return bool(self.open)
@@ -63,7 +65,7 @@ class RequestTraces:
         for rid in preempted:
             if (t := self.open.get(rid)) is not None:
                 t.span.add_event("preempted", timestamp=now)
-        for s in plan.slices:
+        for i, s in enumerate(plan.slices):
             t = self.open.get(s.rid)
             if t is None:
                 continue
@@ -76,26 +78,22 @@ class RequestTraces:
                 else:
                     t.span.add_event("readmitted", {"tokenyard.cached_tokens": s.start}, timestamp=now)
             if s.token_ids:  # a prefill chunk (a decode slice carries no token)
-                self.prefills.setdefault(plan.step, []).append((s.rid, s.start, s.num_tokens, now))
+                span = self.tracer.start_span(
+                    "prefill",
+                    context=t.context,
+                    start_time=now,
+                    attributes={"tokenyard.step": plan.step, "tokenyard.prefill.start": s.start, "tokenyard.prefill.tokens": s.num_tokens},
+                )
+                self.prefills.setdefault(plan.step, []).append((s.rid, span))
+                if span.is_recording():  # the worker's span of the chunk goes under this one
+                    plan.slices[i] = msgspec.structs.replace(s, trace=tracing.traceparent(span))
 
     def stepped(self, result: StepResult, deltas: list[TokenDelta]) -> None:
         """A step's result: its traced prefill chunks end, and a request's first token starts its decode."""
         now = tracing.now_ns()
-        forward_ns = int(result.forward_s * 1e9)
-        for rid, start, tokens, sent in self.prefills.pop(result.step, ()):
-            if (t := self.open.get(rid)) is not None:
-                span = self.tracer.start_span(
-                    "prefill",
-                    context=t.context,
-                    start_time=max(sent, now - forward_ns),
-                    attributes={
-                        "tokenyard.step": result.step,
-                        "tokenyard.prefill.start": start,
-                        "tokenyard.prefill.tokens": tokens,
-                        "tokenyard.step.forward_s": result.forward_s,
-                    },
-                )
-                span.end(now)
+        for _, span in self.prefills.pop(result.step, ()):
+            span.set_attribute("tokenyard.step.forward_s", result.forward_s)
+            span.end(now)
         for delta in deltas:
             t = self.open.get(delta.rid)
             if t is None or not delta.token_ids:
@@ -110,18 +108,34 @@ class RequestTraces:
         for delta in deltas:
             if delta.finish is not None and (t := self.open.pop(delta.rid, None)) is not None:
                 self._end(t, delta.finish, now)
-        self._forget_steps()
+        self._forget_steps(now)
 
     def failed(self, rids: list[str], message: str) -> None:
         now = tracing.now_ns()
+        failed = set(rids)
+        for step in list(self.prefills):  # their chunks in steps that will not answer
+            kept = []
+            for rid, span in self.prefills[step]:
+                if rid in failed:
+                    span.set_status(Status(StatusCode.ERROR, message))
+                    span.end(now)
+                else:
+                    kept.append((rid, span))
+            if kept:
+                self.prefills[step] = kept
+            else:
+                del self.prefills[step]
         for rid in rids:
             if (t := self.open.pop(rid, None)) is not None:
                 t.span.set_status(Status(StatusCode.ERROR, message))
                 self._end(t, FinishReason.ERROR, now)
-        self._forget_steps()
+        self._forget_steps(now)
 
-    def _forget_steps(self) -> None:
-        if not self.open:  # chunks of steps that never answered (a lost worker) or of ended requests
+    def _forget_steps(self, now: int) -> None:
+        if not self.open:  # chunks in flight of ended requests: the loop calls in no more, so they end now
+            for chunks in self.prefills.values():
+                for _, span in chunks:
+                    span.end(now)
             self.prefills.clear()
 
     def _end(self, t: _Trace, reason: FinishReason, now: int) -> None:

@@ -31,11 +31,13 @@ from services.worker.device import cpu_name, describe_device, device_memory, res
 from services.worker.device_memory import GRAPH_POOL_RESERVE, ActivationProfile, KVBudget, MemoryPlan, gdn_bytes_per_slot, plan_memory
 from services.worker.plan_runs import PlanRuns
 from services.worker.token_stream import OwnerRoutes, TokenStream
+from services.worker.traces import ForwardSpans
 from shared.config import StackConfig
 from shared.cpu_placement import take_worker_core
 from shared.frames import Heartbeat, Process, ProcessState, Release, SamplingParams, Slice, StepPlan, StepResult
 from shared.metrics import FRAMES_UNEXPECTED, PREFIX, PROCESS_UP, start_metrics_server
 from shared.model_info import kv_cache_blocks, load_model_info, resolve_kv_cache_dtype
+from shared.tracing import tracer_for
 from shared.transport import Curve, Inbox, Outbox, ReplyOutboxes
 
 FORWARD_TIME = Histogram(
@@ -96,6 +98,9 @@ class WorkerLoop:
         self.rank_lost = ""  # why the group broke, once a rank is gone
         self.worker_core: int | None = None  # the CPU the main thread keeps to itself (shared/cpu_placement.py)
         self.plan_runs = PlanRuns(self._execute)
+        # Spans of traced prefill chunks; None without --otlp-traces-endpoint: no tracer call then.
+        tracer = tracer_for(config.otlp_traces_endpoint, "tokenyard-worker")
+        self.forward_spans = ForwardSpans(tracer) if tracer is not None else None
         send_tokens = self.owner_routes.send if self.owner_routes is not None else self.tokens_to.send
         self.tokens = TokenStream(send_tokens, config.stream_interval, self.plan_runs.stop_token_ids)
 
@@ -295,11 +300,14 @@ class WorkerLoop:
             self.log.exception("step_failed", step=plan.step)
             self.runner.release([s.rid for s in plan.slices])
             return StepResult(step=plan.step, sampled=[], error=f"{type(exc).__name__}: {exc}")
-        FORWARD_TIME.labels(kind).observe(time.perf_counter() - started)
+        forward_s = time.perf_counter() - started
+        FORWARD_TIME.labels(kind).observe(forward_s)
         STEPS.labels(kind).inc()
         BATCH_SIZE.observe(len(plan.slices))
         STEP_TOKENS.observe(sum(s.num_tokens for s in plan.slices))
         self.steps_run += 1
+        if self.forward_spans is not None:
+            self.forward_spans.stepped(plan, kind, forward_s)
         return result
 
     def instrumentation(self) -> dict:

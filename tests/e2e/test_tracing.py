@@ -1,7 +1,7 @@
 """Request traces (``--otlp-traces-endpoint``): a chat request that carries a W3C ``traceparent`` leaves one trace,
-the client's, in an OTLP/HTTP receiver: the api's spans and the scheduler's under them, each parent in the trace
-(or the client's span), with the GenAI attributes whose token counts are the response's usage. A stack whose
-collector is not there serves requests as before."""
+the client's, in an OTLP/HTTP receiver: the api's spans, the scheduler's under them and the worker's under the
+scheduler's prefill chunks, each parent in the trace (or the client's span), with the GenAI attributes whose token
+counts are the response's usage. A stack whose collector is not there serves requests as before."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import socket
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -113,29 +113,38 @@ def chat(stack: Stack, headers: dict[str, str], **settings) -> dict:
         return json.loads(response.read())
 
 
-def wait_for_trace(receiver: Receiver, trace_id: str, names: set[str], timeout: float = 30) -> list[dict]:
-    """The trace's spans once it holds each of ``names`` (a process's spans end, and are sent, before those named here)."""
+def wait_for_trace(
+    receiver: Receiver, trace_id: str, names: set[str], timeout: float = 30, complete: Callable[[list[dict]], bool] = lambda spans: True
+) -> list[dict]:
+    """The trace's spans once it holds each of ``names`` (a process's spans end, and are sent, before those named here)
+    and is ``complete`` (for spans of a process none of ``names`` ends after)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         spans = receiver.trace(trace_id)
-        if names <= {span["name"] for span in spans}:
+        if names <= {span["name"] for span in spans} and complete(spans):
             return spans
         time.sleep(0.2)
     pytest.fail(f"trace {trace_id} holds {sorted({s['service'] + ': ' + s['name'] for s in receiver.trace(trace_id)})}, not all of {sorted(names)}")
 
 
-def test_a_chat_request_leaves_one_trace_across_the_api_and_the_scheduler(traced_stack: Stack, receiver: Receiver) -> None:
+def _every_chunk_forwarded(spans: list[dict]) -> bool:
+    """The worker's spans are sent apart from the scheduler's: the trace holds them all once one per chunk is there."""
+    names = [span["name"] for span in spans]
+    return names.count("prefill_forward") == names.count("prefill")
+
+
+def test_a_chat_request_leaves_one_trace_across_the_api_the_scheduler_and_the_worker(traced_stack: Stack, receiver: Receiver) -> None:
     trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
     reply = chat(traced_stack, {"traceparent": f"00-{trace_id}-{client_span}-01"}, temperature=0.5, top_p=0.9)
     usage = reply["usage"]
-    wanted = {"POST /v1/chat/completions", "preprocess", "llm_request", "engine_request", "queued", "prefill", "decode"}
-    spans = wait_for_trace(receiver, trace_id, wanted)
+    wanted = {"POST /v1/chat/completions", "preprocess", "llm_request", "engine_request", "queued", "prefill", "decode", "prefill_forward"}
+    spans = wait_for_trace(receiver, trace_id, wanted, complete=_every_chunk_forwarded)
     by_name: dict[str, list[dict]] = {}
     for span in spans:
         by_name.setdefault(span["name"], []).append(span)
 
-    # One trace, the client's, across both services; every parent in it or the client's span.
-    assert {span["service"] for span in spans} == {"tokenyard-api", "tokenyard-scheduler"}
+    # One trace, the client's, across the three services; every parent in it or the client's span.
+    assert {span["service"] for span in spans} == {"tokenyard-api", "tokenyard-scheduler", "tokenyard-worker"}
     ids = {span["span_id"] for span in spans}
     assert all(span["parent"] in ids or span["parent"] == client_span for span in spans), spans
     (server,) = by_name["POST /v1/chat/completions"]
@@ -176,7 +185,22 @@ def test_a_chat_request_leaves_one_trace_across_the_api_and_the_scheduler(traced
     assert [p["attributes"]["tokenyard.prefill.start"] for p in chunks] == list(range(0, usage["prompt_tokens"], CHUNK))
     assert queued["end"] <= chunks[0]["start"] and chunks[-1]["end"] <= decode["start"] <= decode["end"] <= engine["end"]
     assert decode["attributes"]["gen_ai.usage.output_tokens"] == 12
-    assert len(spans) == len(wanted) - 1 + len(chunks)
+
+    # The worker's span of each chunk's forward pass, under the scheduler's span of that chunk, within it.
+    forwards = {f["parent"]: f for f in by_name["prefill_forward"]}
+    assert len(forwards) == len(chunks) and {f["service"] for f in forwards.values()} == {"tokenyard-worker"}
+    for chunk in chunks:
+        forward = forwards[chunk["span_id"]]
+        attributes = forward["attributes"]
+        assert attributes["gen_ai.request.id"] == engine["attributes"]["gen_ai.request.id"]
+        assert attributes["tokenyard.step"] == chunk["attributes"]["tokenyard.step"]
+        assert attributes["tokenyard.prefill.start"] == chunk["attributes"]["tokenyard.prefill.start"]
+        assert attributes["tokenyard.prefill.tokens"] == chunk["attributes"]["tokenyard.prefill.tokens"]
+        assert attributes["tokenyard.step.kind"] in ("prefill", "mixed") and attributes["tokenyard.step.batch_size"] >= 1
+        assert attributes["tokenyard.step.forward_s"] > 0
+        assert forward["end"] - forward["start"] == pytest.approx(attributes["tokenyard.step.forward_s"] * 1e9, abs=1e3)
+        assert chunk["start"] - 1e6 <= forward["start"] <= forward["end"] <= chunk["end"] + 1e6  # plan sent, forward pass, result
+    assert len(spans) == len(wanted) - 2 + 2 * len(chunks)
 
 
 def test_a_request_without_a_traceparent_starts_a_trace_of_its_own(traced_stack: Stack, receiver: Receiver) -> None:

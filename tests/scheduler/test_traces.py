@@ -1,6 +1,7 @@
 """The scheduler's spans of traced requests: a request whose Submit carries a traceparent gets an ``engine_request``
-span under the api's span, with its queueing, one span per prefill chunk and its decode beneath; a request without
-one, or a scheduler without ``--otlp-traces-endpoint``, makes none."""
+span under the api's span, with its queueing, one span per prefill chunk and its decode beneath, and each chunk's
+slice carries the traceparent of its span to the worker; a request without one, or a scheduler without
+``--otlp-traces-endpoint``, makes none."""
 
 from __future__ import annotations
 
@@ -84,6 +85,26 @@ def test_a_traced_request_gets_its_queueing_prefill_chunks_and_decode_under_the_
     assert not loop.traces.open and not loop.traces.prefills
 
 
+def test_a_traced_requests_prefill_chunks_carry_their_spans_traceparent_to_the_worker(traced) -> None:
+    loop, exporter = traced
+    loop._handle(_submit("traced"))
+    loop._handle(_submit("untraced", traced=False))
+    while loop.core.requests:
+        _step(loop)
+    carried = [(plan.step, s) for plan in loop.to_worker.frames if isinstance(plan, StepPlan) for s in plan.slices if s.trace]
+    chunks = {span.context.span_id: span for span in exporter.get_finished_spans() if span.name == "prefill"}
+    assert len(carried) == len(chunks) == 3  # the traced request's prefill chunks; no decode, nothing of the untraced request
+    for step, s in carried:
+        _, trace_id, span_id, flags = s.trace.split("-")
+        chunk = chunks[int(span_id, 16)]
+        assert (s.rid, int(trace_id, 16), flags) == ("traced", chunk.context.trace_id, "01")
+        assert (chunk.attributes["tokenyard.step"], chunk.attributes["tokenyard.prefill.start"], chunk.attributes["tokenyard.prefill.tokens"]) == (
+            step,
+            s.start,
+            s.num_tokens,
+        )
+
+
 def test_a_request_aborted_while_waiting_ends_its_spans_with_its_reason(traced) -> None:
     loop, exporter = traced
     loop._handle(_submit("first", prompt_len=CHUNK))
@@ -104,4 +125,6 @@ def test_requests_failed_by_a_lost_worker_end_their_spans_in_error(traced) -> No
     loop._handle(Heartbeat(process="worker", pid=101, state="ready"))  # a new pid: the worker restarted
     (engine,) = [s for s in exporter.get_finished_spans() if s.name == "engine_request"]
     assert engine.status.status_code is StatusCode.ERROR and "worker" in engine.status.description
+    (chunk,) = [s for s in exporter.get_finished_spans() if s.name == "prefill"]  # in flight: it ends in error too
+    assert chunk.status.status_code is StatusCode.ERROR and chunk.parent.span_id == engine.context.span_id
     assert not loop.traces.open and not loop.traces.prefills

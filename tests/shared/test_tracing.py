@@ -1,6 +1,6 @@
-"""shared/tracing.py: the collector's URL picks the exporter, a traceparent survives the trip through Submit, and
-an untraced Submit costs one byte more on the wire than before the field existed (array_like structs encode
-every field; it travels once per request, never per token)."""
+"""shared/tracing.py: the collector's URL picks the exporter, a traceparent survives the trip through Submit and a
+Slice, and an untraced Submit or Slice costs one byte more on the wire than before the field existed (array_like
+structs encode every field; an empty string is one byte)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from shared import tracing
 from shared.codec import decode, encode
-from shared.frames import SamplingParams, Submit
+from shared.frames import SamplingParams, Slice, StepPlan, StreamOpen, Submit
 
 
 def test_an_http_endpoint_without_a_path_exports_to_v1_traces() -> None:
@@ -61,3 +61,28 @@ def test_an_untraced_submit_costs_one_byte_on_the_wire() -> None:
     now = encode(Submit(rid="r", prompt_ids=[1, 2], max_tokens=4, arrival_time=1.5, reply_to="ipc://api"))
     before = msgspec.msgpack.encode(Before(rid="r", prompt_ids=[1, 2], max_tokens=4, arrival_time=1.5, reply_to="ipc://api"))
     assert now[0] == before[0] + 1 and now[1:] == before[1:] + msgspec.msgpack.encode("")  # one more element: an empty string
+
+
+def test_a_prefill_chunks_traceparent_travels_in_its_slice() -> None:
+    tracer = TracerProvider().get_tracer("test")
+    span = tracer.start_span("prefill")
+    chunk = Slice(rid="r", start=0, num_tokens=2, token_ids=[1, 2], trace=tracing.traceparent(span))
+    (received, decode_slice) = decode(encode(StepPlan(step=3, slices=[chunk, Slice(rid="s", start=9, num_tokens=1)]))).slices
+    child = tracer.start_span("prefill_forward", context=tracing.parent_context(received.trace))
+    assert child.context.trace_id == span.context.trace_id and child.parent.span_id == span.context.span_id
+    assert decode_slice.trace == ""
+
+
+@pytest.mark.parametrize(
+    "untraced",
+    [
+        Slice(rid="r", start=41, num_tokens=1, slot=2),  # a decode
+        Slice(rid="r", start=0, num_tokens=3, token_ids=[1, 2, 3], new_blocks=[7], sampling=SamplingParams(seed=1), opened=StreamOpen("r", 3, 4)),
+    ],
+    ids=["decode", "first prefill chunk"],
+)
+def test_an_untraced_slice_costs_one_byte_on_the_wire(untraced: Slice) -> None:
+    assert Slice.__struct_fields__[-1] == "trace"
+    now = msgspec.msgpack.encode(untraced)
+    before = msgspec.msgpack.encode(list(msgspec.structs.astuple(untraced))[:-1])  # the same slice without the field
+    assert now[0] == before[0] + 1 and now[1:] == before[1:] + msgspec.msgpack.encode("")
