@@ -1,8 +1,11 @@
-"""Block-quantized weights in llama.cpp's q4_1 and q8_0 layouts: the codec and its exactness check.
+"""Block-quantized weights in llama.cpp's q4_0, q4_1 and q8_0 layouts: the codec, its exactness check,
+and ``BlockQuantized``, a weight (or a stack of experts' weights) that travels in its blocks.
 
 A weight [out, in] is cut along ``in`` into blocks of 32 features, each with fp16 scales (llama.cpp's
 formats, laid out row by row with the codes first and the scales after them):
 
+- ``q4_0``: 4-bit codes (block b's byte j: feature 32b + j in the low nibble, 32b + j + 16 in the high
+  one), then one scale ``d`` per block; ``w = d * (q - 8)``. 18 bytes per 32 weights.
 - ``q4_1``: 4-bit codes (block b's byte j: feature 32b + j in the low nibble, 32b + j + 16 in the high
   one), then one scale ``d`` and one minimum ``m`` per block; ``w = d * q + m``. 20 bytes per 32 weights.
 - ``q8_0``: signed byte codes, then one scale ``d`` per block; ``w = d * q``. 34 bytes per 32 weights.
@@ -11,18 +14,22 @@ A model converted from a GGUF in these formats (the default model: q4_1 projecti
 embedding) round-trips exactly, so serving it in them loses nothing; ``is_exact`` tells.
 
 ``to_panels`` regroups the rows into panels of 8 output channels, what ``csrc/block_quant_gemm.cpp``
-multiplies: per panel and block one record, the codes of all 8 channels (4 features of each per 32
-bytes), then their 8 scales (and for q4_1 their 8 minimums). A panel is one sequential stream.
+and ``csrc/grouped_moe.cpp`` multiply: per panel and block one record, the codes of all 8 channels (4
+features of each per 32 bytes), then their 8 scales (and for q4_1 their 8 minimums). A panel is one
+sequential stream.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 BLOCK = 32
-BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
+BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
+CODE_BYTES = {"q4_0": 16, "q4_1": 16, "q8_0": 32}  # per block, before the row's scales
 PANEL = 8  # output channels per panel
-PANEL_BLOCK_BYTES = {"q4_1": 160, "q8_0": 272}  # one panel's record per block: 8 channels' codes, scales (and minimums)
+PANEL_BLOCK_BYTES = {"q4_0": 144, "q4_1": 160, "q8_0": 272}  # one panel's record per block: 8 channels' codes, scales (and minimums)
 
 
 def _blocks(weight: torch.Tensor) -> torch.Tensor:
@@ -41,12 +48,23 @@ def _safe_divisor(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale == 0, torch.ones_like(scale), scale)
 
 
+def _check_format(fmt: str) -> None:
+    if fmt not in BLOCK_BYTES:
+        raise ValueError(f"unknown block format {fmt!r} (supported: {', '.join(BLOCK_BYTES)})")
+
+
 def quantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     """``weight`` [out, in] → uint8 [out, in / 32 * BLOCK_BYTES[fmt]] (scales rounded to fp16 first,
     so the codes are chosen against the scales that will be stored)."""
+    _check_format(fmt)
     blocks = _blocks(weight)
     rows = weight.shape[0]
-    if fmt == "q4_1":
+    if fmt == "q4_0":  # llama.cpp's choice: the value of largest magnitude is code 0, so d carries its sign
+        extreme = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))
+        d = (extreme / -8).half().float()
+        codes = torch.round(blocks / _safe_divisor(d) + 8).clamp_(0, 15).to(torch.uint8)
+        parts = [codes[..., :16] | (codes[..., 16:] << 4), _half_bytes(d)]
+    elif fmt == "q4_1":
         low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
         d, m = ((high - low) / 15).half().float(), low.half().float()
         codes = torch.round((blocks - m) / _safe_divisor(d)).clamp_(0, 15).to(torch.uint8)
@@ -56,21 +74,21 @@ def quantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
         d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
         codes = torch.round(blocks / _safe_divisor(d)).clamp_(-127, 127).to(torch.int8).view(torch.uint8)
         parts = [codes, _half_bytes(d)]
-    else:
-        raise ValueError(f"unknown block format {fmt!r} (supported: {', '.join(BLOCK_BYTES)})")
     return torch.cat([part.reshape(rows, -1) for part in parts], dim=1).contiguous()
 
 
 def dequantize(packed: torch.Tensor, fmt: str) -> torch.Tensor:
     """The float32 weight [out, in] that ``packed`` stands for (the kernels' reference)."""
+    _check_format(fmt)
     rows, blocks = packed.shape[0], packed.shape[1] // BLOCK_BYTES[fmt]
-    code_bytes = blocks * (16 if fmt == "q4_1" else 32)
+    code_bytes = blocks * CODE_BYTES[fmt]
     scales = packed[:, code_bytes:].contiguous().view(torch.float16).float().reshape(rows, -1, blocks)
     d = scales[:, 0, :, None]
-    if fmt == "q4_1":
+    if fmt in ("q4_0", "q4_1"):
         nibbles = packed[:, :code_bytes].reshape(rows, blocks, 16)
         codes = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).float()
-        return (codes * d + scales[:, 1, :, None]).reshape(rows, -1)
+        restored = (codes - 8) * d if fmt == "q4_0" else codes * d + scales[:, 1, :, None]
+        return restored.reshape(rows, -1)
     codes = packed[:, :code_bytes].contiguous().view(torch.int8).float().reshape(rows, blocks, BLOCK)
     return (codes * d).reshape(rows, -1)
 
@@ -87,13 +105,12 @@ def to_panels(packed: torch.Tensor, fmt: str = "q4_1") -> torch.Tensor:
     """Rows [out, in / 32 * BLOCK_BYTES[fmt]] → uint8 [ceil(out / 8), in / 32, PANEL_BLOCK_BYTES[fmt]].
     Per panel and block, 32 bytes per group j of 4 features: byte 4c + i belongs to channel c.
 
-    - q4_1: the row layout's byte 4j + i of channel c (features 4j + i and 16 + 4j + i), j < 4;
+    - q4_0, q4_1: the row layout's byte 4j + i of channel c (features 4j + i and 16 + 4j + i), j < 4;
     - q8_0: channel c's features 4j, 4j + 2, 4j + 1, 4j + 3 (i = 0..3), j < 8, so a 16-bit lane's low
       bytes and high bytes are each a pair of adjacent features;
 
     then the channels' fp16 scales (and q4_1's minimums). Channels past ``out`` are zero (they add nothing)."""
-    if fmt not in BLOCK_BYTES:
-        raise ValueError(f"unknown block format {fmt!r} (supported: {', '.join(BLOCK_BYTES)})")
+    _check_format(fmt)
     rows, width = packed.shape
     blocks = width // BLOCK_BYTES[fmt]
     if rows % PANEL:
@@ -103,10 +120,56 @@ def to_panels(packed: torch.Tensor, fmt: str = "q4_1") -> torch.Tensor:
     def halves(part: torch.Tensor) -> torch.Tensor:  # [out, blocks * 2] fp16 bytes → [panels, blocks, 8 * 2]
         return part.reshape(panels, PANEL, blocks, 2).permute(0, 2, 1, 3).reshape(panels, blocks, 2 * PANEL)
 
-    if fmt == "q4_1":
+    if fmt in ("q4_0", "q4_1"):
         codes = packed[:, : blocks * 16].reshape(panels, PANEL, blocks, 4, 4).permute(0, 2, 3, 1, 4).reshape(panels, blocks, 128)
-        parts = [codes, halves(packed[:, blocks * 16 : blocks * 18]), halves(packed[:, blocks * 18 :])]
+        parts = [codes, halves(packed[:, blocks * 16 : blocks * 18])] + ([halves(packed[:, blocks * 18 :])] if fmt == "q4_1" else [])
     else:
         groups = packed[:, : blocks * 32].reshape(panels, PANEL, blocks, 8, 4)[..., [0, 2, 1, 3]]
         parts = [groups.permute(0, 2, 3, 1, 4).reshape(panels, blocks, 256), halves(packed[:, blocks * 32 :])]
     return torch.cat(parts, dim=2).contiguous()
+
+
+@dataclass(frozen=True)
+class BlockQuantized:
+    """A weight [..., rows, in_features] held in ``fmt``'s blocks, each row in the row codec's layout above:
+    ``data`` is uint8 [..., rows, in_features / 32 * BLOCK_BYTES[fmt]] (one matrix [rows, bytes], or a
+    stack of experts' matrices [experts, rows, bytes]). A loader's pre-quantized tensor (a GGUF's Q4_0,
+    Q4_1 or Q8_0 blocks, as they are stored) reaches the layers as this."""
+
+    fmt: str
+    data: torch.Tensor
+    in_features: int
+
+    def __post_init__(self) -> None:
+        _check_format(self.fmt)
+        if self.in_features <= 0 or self.in_features % BLOCK:
+            raise ValueError(f"block quantization needs in_features divisible by {BLOCK}, got {self.in_features}")
+        width = self.in_features // BLOCK * BLOCK_BYTES[self.fmt]
+        if self.data.dtype != torch.uint8 or self.data.dim() < 2 or self.data.shape[-1] != width:
+            raise ValueError(
+                f"{self.fmt} data of {self.in_features} features must be uint8 [..., rows, {width}], got {self.data.dtype} {list(self.data.shape)}"
+            )
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, fmt: str) -> BlockQuantized:
+        """``weight`` [..., rows, in] quantized to ``fmt``."""
+        *lead, rows, in_features = weight.shape
+        data = quantize(weight.reshape(-1, in_features), fmt)
+        return cls(fmt, data.reshape(*lead, rows, -1), in_features)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the weight it stands for: [..., rows, in_features]."""
+        return (*self.data.shape[:-1], self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [..., rows, in_features]."""
+        return dequantize(self.data.reshape(-1, self.data.shape[-1]), self.fmt).reshape(self.shape)
+
+    def panels(self) -> torch.Tensor:
+        """The kernels' panels: [..., ceil(rows / 8), in / 32, PANEL_BLOCK_BYTES[fmt]]."""
+        *lead, rows, width = self.data.shape
+        if not lead:
+            return to_panels(self.data.contiguous(), self.fmt)
+        stacked = [to_panels(matrix.contiguous(), self.fmt) for matrix in self.data.reshape(-1, rows, width)]
+        return torch.stack(stacked).reshape(*lead, *stacked[0].shape)

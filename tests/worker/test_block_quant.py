@@ -44,6 +44,53 @@ def test_codec_error_is_at_most_half_a_step_and_a_second_pass_is_exact(fmt: str,
         block_quant.quantize(torch.randn(4, 40), fmt)
 
 
+def test_q4_0_codes_its_largest_magnitude_exactly_and_the_rest_within_a_step() -> None:
+    w = torch.randn(6, 96) * torch.logspace(-3, 1, 6)[:, None]
+    packed = block_quant.quantize(w, "q4_0")
+    assert packed.shape == (6, 3 * 18)
+    restored, blocks = block_quant.dequantize(packed, "q4_0").view(6, 3, 32), w.view(6, 3, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    # d = -extreme / 8 (in fp16): the extreme is code 0, the other side reaches 7 d, so one step at worst
+    assert torch.all((restored - blocks).abs() <= amax / 8 * 1.001 + 1e-7)
+    at = blocks.abs().argmax(-1, keepdim=True)
+    torch.testing.assert_close(restored.gather(-1, at), blocks.gather(-1, at), rtol=1e-3, atol=0)  # fp16's rounding of d
+    restored = restored.reshape(6, 96)
+    assert not block_quant.is_exact(w, packed, "q4_0")
+    assert block_quant.is_exact(restored, block_quant.quantize(restored, "q4_0"), "q4_0")  # what a Q4_0 GGUF holds
+    assert torch.equal(block_quant.quantize(restored, "q4_0"), packed)
+
+
+def test_q4_0_panels_hold_the_q4_1_codes_and_only_the_scales() -> None:
+    w = torch.randn(13, 96)
+    packed = block_quant.quantize(w, "q4_0")
+    panels = block_quant.to_panels(packed, "q4_0")
+    assert panels.shape == (2, 3, 144)
+    codes = panels[..., :128].reshape(2, 3, 4, 8, 4)  # [panel, block, j, c, i]
+    low, high = (codes & 0x0F).float(), (codes >> 4).float()
+    features = torch.cat([low.permute(0, 3, 1, 2, 4), high.permute(0, 3, 1, 2, 4)], dim=3).reshape(16, 96)
+    scales = panels[..., 128:].contiguous().view(torch.float16).float().permute(0, 2, 1).reshape(16, 3)
+    restored = (features - 8) * scales.repeat_interleave(32, 1)
+    torch.testing.assert_close(restored[:13], block_quant.dequantize(packed, "q4_0"), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
+def test_block_quantized_stacks_experts_and_refuses_data_of_the_wrong_width(fmt: str) -> None:
+    w = torch.randn(3, 13, 64)  # three experts' [13, 64] weights
+    stacked = block_quant.BlockQuantized.of(w, fmt)
+    assert stacked.shape == (3, 13, 64) and stacked.data.shape == (3, 13, 2 * block_quant.BLOCK_BYTES[fmt])
+    for e in range(3):
+        single = block_quant.quantize(w[e], fmt)
+        assert torch.equal(stacked.data[e], single)
+        assert torch.equal(stacked.dequantize()[e], block_quant.dequantize(single, fmt))
+        assert torch.equal(stacked.panels()[e], block_quant.to_panels(single, fmt))
+    with pytest.raises(ValueError, match=r"uint8 \[\.\.\., rows, "):
+        block_quant.BlockQuantized(fmt, stacked.data[..., :-1], 64)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        block_quant.BlockQuantized(fmt, stacked.data, 48)
+    with pytest.raises(ValueError, match="unknown block format"):
+        block_quant.BlockQuantized("q5_k", stacked.data, 64)
+
+
 def _kernel_reference(x: torch.Tensor, packed: torch.Tensor, fmt: str, bits: int = 16) -> torch.Tensor:
     """The kernel's arithmetic in torch: the codes times rounded ``x``, q4_1's minimums times the block
     sums of ``x`` itself (the minimums alone are what the blocks hold with every code zeroed)."""
