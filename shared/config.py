@@ -104,6 +104,8 @@ class SchedulerConfig:
     decode_plan_ms: float = _opt(20.0, "time a plan of decodes alone may fill with decode steps (0: one step per plan)", minimum=0)
     max_waiting: int = _opt(1024, "most requests waiting for admission before 429", minimum=0)
     enable_prefix_cache: bool = _opt(True, "reuse the KV of full blocks shared with earlier prompts")
+    gdn_checkpoint_slots: int = _opt(64, "GDN state checkpoints a hybrid model's prefix cache keeps (0: no prefix cache for hybrid models)", minimum=0)
+    gdn_checkpoint_interval: int = _opt(512, "tokens between GDN state checkpoints of a prefill, rounded up to whole blocks", minimum=1)
     pipeline_depth: int = _opt(2, "step plans in flight at once (1: strictly alternate plan and result)", minimum=1)
 
 

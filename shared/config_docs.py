@@ -67,6 +67,8 @@ READERS: dict[str, tuple[str, ...]] = {
     "decode_plan_ms": ("scheduler",),
     "max_waiting": ("api", "scheduler"),
     "enable_prefix_cache": ("scheduler",),
+    "gdn_checkpoint_slots": ("api", "scheduler", "worker"),
+    "gdn_checkpoint_interval": ("scheduler",),
     "pipeline_depth": ("scheduler",),
     # Worker
     "dtype": ("scheduler", "worker"),

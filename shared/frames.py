@@ -110,6 +110,7 @@ class Submit(_Frame):
     arrival_time: float = 0.0
     reply_to: str = ""  # inbox address of the api replica that owns the reply ("": the configured api)
     trace: str = ""  # W3C traceparent of the api's span of this request when it is traced (untraced: one byte, once per request)
+    anchors: list[int] = []  # prompt positions that end a rendered chat message (ascending): hybrid models checkpoint their GDN state there
 
 
 class Abort(_Frame):
@@ -156,7 +157,11 @@ class Slice(_Part):
     slot: int = -1  # GDN state slot, on every slice of a hybrid model's request
     opened: StreamOpen | None = None  # on the first slice of the first admission: the worker forwards it to the text maker
     stop_token_ids: list[int] = []  # with ``sampling``: the tokens that end the request within a run of decode steps (none with ignore_eos)
-    trace: str = ""  # a traced request's prefill chunk: the W3C traceparent of the scheduler's span of it (last: untraced, not sent)
+    trace: str = ""  # a traced request's prefill chunk: the W3C traceparent of the scheduler's span of it (untraced: not sent when last)
+    # Hybrid models' prefix cache: the first slice after a hit copies GDN checkpoint ``restore`` into ``slot``; a prefill
+    # chunk copies its state at each (position, checkpoint) of ``checkpoints`` (positions in (start, start + num_tokens]).
+    restore: int = -1
+    checkpoints: list[tuple[int, int]] = []
 
 
 class StepPlan(_Frame):
