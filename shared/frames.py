@@ -63,6 +63,23 @@ class ErrorType(enum.StrEnum):
     SERVER = "server_error"
 
 
+class GrammarKind(enum.StrEnum):
+    """What a structured output's ``Grammar.text`` is, as xgrammar reads it."""
+
+    JSON_SCHEMA = "json_schema"  # a JSON Schema (JSON text): the output is one JSON value it allows
+    REGEX = "regex"
+    EBNF = "ebnf"  # xgrammar's EBNF (GBNF), rule ``root`` first
+    STRUCTURAL_TAG = "structural_tag"  # an xgrammar structural tag (JSON text): tool calls in the model's format
+
+
+class Grammar(_Part):
+    """What a structured output must follow; the api checked that it parses, the worker compiles it."""
+
+    kind: GrammarKind
+    text: str
+    strict: bool = False  # json_schema: objects take no properties beyond those they name (OpenAI's strict)
+
+
 class SamplingParams(_Part):
     """How a request's next token is drawn (vLLM semantics for the penalties).
 
@@ -84,6 +101,8 @@ class SamplingParams(_Part):
     json_schema: str | None = None  # structured outputs: the output is one JSON value this schema (JSON text) allows
     json_prefix: str = ""  # ... with this text before the value and json_suffix after it (a tool call's tags)
     json_suffix: str = ""
+    grammar: Grammar | None = None  # structured outputs: the output follows this grammar
+    grammar_after: list[int] = []  # ... from after these tokens (the end of a reasoning block; empty: from its start)
 
     @property
     def penalised(self) -> bool:
@@ -94,7 +113,7 @@ class SamplingParams(_Part):
     def follows_outputs(self) -> bool:
         """Whether the worker must know which prefilled tokens are earlier outputs (a preempted request is
         recomputed from its prompt and outputs): the penalties count them, and a grammar resumes after them."""
-        return self.penalised or self.json_schema is not None
+        return self.penalised or self.json_schema is not None or self.grammar is not None
 
 
 class Submit(_Frame):
@@ -175,6 +194,19 @@ class StepPlan(_Frame):
     step: int
     slices: list[Slice]
     decode_steps: int = 1
+
+
+class CompileGrammar(_Frame):
+    """A queued request's grammar, for the worker to compile off the step's path; it answers ``GrammarCompiled``,
+    and the scheduler admits the request only then."""
+
+    rid: str
+    grammar: Grammar
+
+
+class GrammarCompiled(_Frame):
+    rid: str
+    error: str = ""  # non-empty: the grammar did not compile, and the request fails with it
 
 
 class Release(_Frame):
@@ -308,4 +340,4 @@ class ApiAnnounce(_Frame):
     engine: str
 
 
-Frame = Submit | Abort | StepPlan | Release | StepResult | TokenBatch | TextBatch | Finish | Error | Heartbeat | EngineStatus | ApiAnnounce
+Frame = Submit | Abort | StepPlan | CompileGrammar | GrammarCompiled | Release | StepResult | TokenBatch | TextBatch | Finish | Error | Heartbeat | EngineStatus | ApiAnnounce

@@ -77,7 +77,8 @@ class Scheduler:
 
     # Admission. ----------------------------------------------------------------------
 
-    def submit(self, submit: Submit) -> None:
+    def submit(self, submit: Submit, compiling: bool = False) -> None:
+        """Queues the request; with ``compiling`` it is admitted only once ``compiled`` (its grammar)."""
         if submit.rid in self.requests:
             raise AdmissionError(400, f"request id {submit.rid!r} is already in use")
         capacity = self.pool.num_blocks * self.pool.block_size
@@ -89,9 +90,14 @@ class Scheduler:
             )
         if len(self.waiting) >= self.max_waiting:
             raise AdmissionError(429, f"the engine's waiting queue is full ({self.max_waiting} requests); retry later")
-        request = Request(submit=submit)
+        request = Request(submit=submit, compiling=compiling)
         self.requests[submit.rid] = request
         self.waiting.append(request)
+
+    def compiled(self, rid: str) -> None:
+        """The request's grammar is compiled: it may be admitted."""
+        if rid in self.requests:
+            self.requests[rid].compiling = False
 
     # Planning. -----------------------------------------------------------------------
 
@@ -114,8 +120,8 @@ class Scheduler:
             if request.prefilling and request.pending_samples == 0:
                 budget -= self._schedule_prefill(request, budget, slices)
         while self.waiting and budget > 0 and len(slices) < self.max_num_seqs and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            if request.pending_samples:  # a preempted request whose last tokens are still in flight
+            request = next((r for r in self.waiting if not r.compiling), None)  # one whose grammar compiles holds back no other
+            if request is None or request.pending_samples:  # a preempted request whose last tokens are still in flight
                 break
             scheduled = self._admit(request, budget, slices)
             if scheduled == 0:
@@ -163,7 +169,7 @@ class Scheduler:
             self._free_slot(request)
             return 0
         self.pool.count_lookup(request.prefill_len - 1, request.num_scheduled - scheduled)
-        self.waiting.popleft()
+        self.waiting.remove(request)
         request.phase = Phase.RUNNING
         request.admitted_at = time.monotonic()
         self.running.append(request)

@@ -23,12 +23,14 @@ from shared.cpu_placement import keep_off_worker_core
 from shared.frames import (
     Abort,
     ApiAnnounce,
+    CompileGrammar,
     EngineState,
     EngineStatus,
     Error,
     ErrorType,
     Finish,
     FinishReason,
+    GrammarCompiled,
     Heartbeat,
     ProcessState,
     Release,
@@ -233,6 +235,8 @@ class SchedulerLoop:
             self._on_result(frame)
         elif isinstance(frame, Submit):
             self._on_submit(frame)
+        elif isinstance(frame, GrammarCompiled):
+            self._on_compiled(frame)
         elif isinstance(frame, Abort):
             self._send(self.core.finish(frame.rid, FinishReason.ABORT), tell_detokenizer=True)
         elif isinstance(frame, Finish):  # a stop string ended it, where the text is made (detokenizer or api)
@@ -252,13 +256,22 @@ class SchedulerLoop:
             self._reject(submit, 503, "the engine is not ready")
             return
         try:
-            self.core.submit(submit)
+            grammar = submit.sampling.grammar
+            self.core.submit(submit, compiling=grammar is not None)
+            if grammar is not None:  # the worker compiles it off the step's path; the request waits for it here
+                self.to_worker.send(CompileGrammar(rid=submit.rid, grammar=grammar))
             self.log.info("request_queued", rid=submit.rid, prompt_tokens=len(submit.prompt_ids), max_tokens=submit.max_tokens)
             if submit.trace and self.traces is not None:
                 self.traces.submitted(submit)
         except AdmissionError as exc:
             self.log.info("request_rejected", rid=submit.rid, status=exc.status, reason=exc.message)
             self._reject(submit, exc.status, exc.message)
+
+    def _on_compiled(self, frame: GrammarCompiled) -> None:
+        if frame.error:
+            self._fail([frame.rid], 400, f"the request's grammar did not compile: {frame.error}")
+        else:
+            self.core.compiled(frame.rid)
 
     def _reject(self, submit: Submit, status: int, message: str) -> None:
         REJECTED.labels(str(status)).inc()

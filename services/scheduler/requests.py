@@ -30,6 +30,7 @@ class Request:
     stream_opened: bool = False  # a slice carried its StreamOpen (once, at the first admission)
     slot: int = -1  # GDN state slot while running (hybrid models), else -1
     phase: Phase = Phase.WAITING
+    compiling: bool = False  # its grammar is being compiled: it waits, and the requests behind it may pass it
     admitted_at: float = 0.0
     queued_at: float = field(default_factory=time.monotonic)
     end_rule: EndRule = field(init=False)
