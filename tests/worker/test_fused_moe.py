@@ -85,3 +85,19 @@ def test_fused_moe_matches_the_torch_path(interpreter: Pool, case: str, dtype: t
     assert ((ours.float() - expected).norm() / expected.norm()).item() < tolerance
     if residual is not None:  # the residual must not hide the experts' part
         assert ((ours.float() - residual.float() - moe_only).norm() / moe_only.norm()).item() < 4 * tolerance
+
+
+@pytest.mark.parametrize("formats", [("q4_0", "q4_0"), ("q4_1", "q8_0"), ("q8_0", "q4_1")])
+def test_fused_moe_dequantizes_experts_in_blocks_in_its_k_loop(interpreter: Pool, formats: tuple[str, str]) -> None:
+    """Experts in blocks against the torch path on their dequantized weights: the same fp32 products."""
+    from services.worker.block_quant import BlockQuantized
+
+    tokens, hidden, inter, experts, top_k = 5, 64, 32, 6, 2
+    generator = torch.Generator().manual_seed(len(formats[0]) + ord(formats[1][1]))
+    x, residual = torch.randn(tokens, hidden, generator=generator), torch.randn(tokens, hidden, generator=generator)
+    gate_up = BlockQuantized.of(torch.randn(experts, 2 * inter, hidden, generator=generator) / hidden**0.5, formats[0])
+    down = BlockQuantized.of(torch.randn(experts, hidden, inter, generator=generator) / inter**0.5, formats[1])
+    weights, ids = _uneven_routing(tokens, experts, top_k, torch.float32, seed=3)
+    ours = interpreter.apply(fused_moe, (x, gate_up, down, weights, ids, residual, MoEConfig(16, 16, 32, 1)))
+    expected = experts_torch(x, gate_up.dequantize(), down.dequantize(), weights, ids, residual)
+    assert ((ours - expected).norm() / (expected - residual).norm()).item() < 1e-5
