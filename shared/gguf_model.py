@@ -11,6 +11,7 @@ is refused on opening with ``GGUFError``, one line that names what is wrong.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -72,15 +73,10 @@ class GGUFError(ValueError):
     """A GGUF file the stack cannot serve; the message is one line naming why."""
 
 
-def is_gguf(path: str) -> bool:
-    """``path`` names a single-file GGUF model (rather than a Hugging Face directory)."""
-    return path.endswith(".gguf") and not os.path.isdir(path)
-
-
 @dataclass(frozen=True)
 class GGUFWeight:
-    """One tensor in Hugging Face layout: float values (``ggml_type`` F32/F16/BF16) of the tensor's shape, or
-    a Q4_0/Q4_1/Q8_0 tensor's llama.cpp blocks as stored, uint8 [..., rows, in_features / 32 * block bytes]."""
+    """One tensor in Hugging Face layout: F32/F16 values of the tensor's shape, or its bytes as stored, uint8
+    [..., rows, bytes per row] (Q4_0/Q4_1/Q8_0: llama.cpp's blocks, in_features / 32 of them per row; BF16)."""
 
     ggml_type: GGMLQuantizationType
     array: np.ndarray
@@ -92,7 +88,7 @@ class GGUFWeight:
 
     def float32(self) -> np.ndarray:
         """The values as float32 (blocks dequantized)."""
-        if self.block_format is None:
+        if self.ggml_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             return self.array.astype(np.float32)
         rows = self.array.shape[:-1]
         return dequantize(self.array.reshape(-1, self.array.shape[-1]), self.ggml_type).reshape(*rows, self.in_features)
@@ -100,6 +96,17 @@ class GGUFWeight:
     def map_rows(self, fn: Callable[[np.ndarray], np.ndarray]) -> GGUFWeight:
         """``fn`` applied to the rows ([rows, width] -> [rows', width]): a reordering that keeps each row whole."""
         return GGUFWeight(self.ggml_type, fn(self.array), self.in_features)
+
+
+@functools.cache
+def _open(path: str, mtime_ns: int, size: int) -> GGUFModel:
+    return GGUFModel(path)
+
+
+def open_gguf(path: str) -> GGUFModel:
+    """``GGUFModel(path)``, read once per process for its metadata (the tokenizer, the config)."""
+    stat = os.stat(path) if os.path.isfile(path) else None
+    return _open(os.path.abspath(path), stat.st_mtime_ns, stat.st_size) if stat else GGUFModel(path)
 
 
 def _f32(value: float) -> float:
@@ -116,12 +123,15 @@ class GGUFModel:
             raise GGUFError(f"{path} does not exist")
         try:
             self.reader = GGUFReader(path)
-        except Exception as exc:  # the reader raises whatever numpy does on a short or corrupt header
-            raise GGUFError(f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+        except Exception as exc:  # the reader raises whatever numpy does on a short or corrupt file
+            with open(path, "rb") as f:
+                magic = f.read(4)
+            what = "is truncated or corrupt" if magic == b"GGUF" else "is not a GGUF file"
+            raise GGUFError(f"the file {what} ({type(exc).__name__}: {exc})") from None
         size = os.path.getsize(path)
         for t in self.reader.tensors:
             if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
-                raise GGUFError(f"{path} is truncated: tensor {t.name} needs bytes up to {t.data_offset + t.n_bytes}, the file has {size}")
+                raise GGUFError(f"the file is truncated: tensor {t.name} needs bytes up to {t.data_offset + t.n_bytes}, the file has {size}")
         self.arch = self._field("general.architecture")
         if self.arch not in FAMILIES:
             raise GGUFError(f"GGUF architecture {self.arch!r} is not supported (supported: {', '.join(FAMILIES)})")
@@ -132,9 +142,14 @@ class GGUFModel:
                 raise GGUFError(f"tensor {t.name} is {t.tensor_type.name}, a type this stack does not serve (accepted: {ACCEPTED_TYPES})")
         self.tokens: list[str] = list(self._field("tokenizer.ggml.tokens", None) or [])
         if not self.tokens:
-            raise GGUFError(f"{path} has no tokenizer (tokenizer.ggml.tokens)")
-        self.config = self._config()
-        self._check_shapes()
+            raise GGUFError("the file has no tokenizer (tokenizer.ggml.tokens)")
+        try:
+            self.config = self._config()
+            self._check_shapes()
+        except GGUFError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as exc:  # a metadata value of the wrong type or range
+            raise GGUFError(f"the file has malformed metadata ({type(exc).__name__}: {exc})") from None
 
     # Metadata. -----------------------------------------------------------------------------------------
 
@@ -142,7 +157,7 @@ class GGUFModel:
         field = self.reader.get_field(key)
         if field is None:
             if default is ...:
-                raise GGUFError(f"{self.path} lacks the metadata key {key}")
+                raise GGUFError(f"the file lacks the metadata key {key}")
             return default
         return field.contents()
 
@@ -166,7 +181,7 @@ class GGUFModel:
         if eos_extra is not None and eos_extra not in eos:
             eos.append(eos_extra)
         if not eos:
-            raise GGUFError(f"{self.path} names no end-of-sequence token (tokenizer.ggml.eos_token_id)")
+            raise GGUFError("the file names no end-of-sequence token (tokenizer.ggml.eos_token_id)")
         pad = gguf_id("padding")
         return {"bos": gguf_id("bos"), "eos": eos, "pad": eos[0] if pad is None else pad, "unk": gguf_id("unknown")}
 
@@ -262,7 +277,7 @@ class GGUFModel:
         if pre not in PRE_TOKENIZERS:
             raise GGUFError(f"pre-tokenizer {pre!r} is not supported (supported: {', '.join(PRE_TOKENIZERS)})")
         tokens, ids = self.tokens, self.special_ids
-        merges = [tuple(m.split(" ", 1)) for m in self._field("tokenizer.ggml.merges")]
+        merges = [tuple(m.split(" ", 1)) for m in self._field("tokenizer.ggml.merges", None) or []]
         tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
         if pre in ("gpt2", "smollm"):  # llama.cpp's smollm: the GPT-2 regex after splitting off every digit
             byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -416,9 +431,9 @@ class GGUFModel:
     def _weight(self, name: str) -> GGUFWeight:
         t = self.tensors[name]
         shape = self._torch_shape(name)
-        if t.tensor_type in BLOCK_TYPES:
-            return GGUFWeight(t.tensor_type, t.data.reshape(*shape[:-1], -1), shape[-1])
-        return GGUFWeight(t.tensor_type, t.data.reshape(shape), shape[-1])
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            return GGUFWeight(t.tensor_type, t.data.reshape(shape), shape[-1])
+        return GGUFWeight(t.tensor_type, t.data.reshape(*shape[:-1], -1), shape[-1])
 
     def weights(self) -> Iterator[tuple[str, GGUFWeight]]:
         """Every tensor under its Hugging Face name, in Hugging Face layout; tensors that are not matrix

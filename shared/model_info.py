@@ -1,4 +1,5 @@
-"""What every process needs to know about the served model, read from its directory.
+"""What every process needs to know about the served model, read from its directory's config.json (or a
+GGUF file's metadata).
 
 The scheduler sizes the KV cache from it, the api its context limit and stop tokens, the
 worker its shapes. All of them compute the KV block count with ``kv_cache_blocks`` so
@@ -86,8 +87,14 @@ class ModelInfo:
         return max(self.num_kv_layers, 1) * 2 * self.num_kv_heads * self.head_dim * _DTYPE_BYTES[dtype]
 
     def revision(self) -> str:
-        """A short hash of config.json and the weight files' names and sizes."""
+        """A short hash of config.json and the weight files' names and sizes (a GGUF: its name, size and metadata's config)."""
         digest = hashlib.sha256()
+        if is_gguf(self.path):
+            from shared.gguf_model import open_gguf
+
+            digest.update(f"{os.path.basename(self.path)}:{os.path.getsize(self.path)}".encode())
+            digest.update(json.dumps(open_gguf(self.path).config, sort_keys=True).encode())
+            return digest.hexdigest()[:16]
         for name in sorted(os.listdir(self.path)):
             if name == "config.json" or name.endswith(".safetensors"):
                 digest.update(f"{name}:{os.path.getsize(os.path.join(self.path, name))}".encode())
@@ -102,7 +109,19 @@ def _as_ids(value: int | list[int] | None) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list) else (value,)
 
 
-def load_model_info(path: str) -> ModelInfo:
+def is_gguf(path: str) -> bool:
+    """``path`` names a single-file GGUF model (rather than a Hugging Face directory)."""
+    return path.endswith(".gguf") and not os.path.isdir(path)
+
+
+def read_config(path: str) -> tuple[dict, dict]:
+    """config.json and generation_config.json ({} if absent) of a model directory, or their equivalents from a
+    GGUF file's metadata (checked whole: a file the stack cannot serve raises ``GGUFError``, one line)."""
+    if is_gguf(path):
+        from shared.gguf_model import open_gguf  # imports gguf and numpy: only for GGUF models
+
+        model = open_gguf(path)
+        return model.config, model.generation_config
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{path} is not a model directory: it has no config.json")
@@ -113,6 +132,11 @@ def load_model_info(path: str) -> ModelInfo:
     if os.path.isfile(gen_path):
         with open(gen_path) as f:
             generation = json.load(f)
+    return config, generation
+
+
+def load_model_info(path: str) -> ModelInfo:
+    config, generation = read_config(path)
     eos = _as_ids(generation.get("eos_token_id", config.get("eos_token_id")))
     num_heads = config["num_attention_heads"]
     return ModelInfo(

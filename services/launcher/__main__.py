@@ -27,7 +27,7 @@ import urllib.error
 import urllib.request
 
 from shared.config import API_KEY_ENV, DEFAULT_MODEL_DIR, StackConfig
-from shared.model_info import load_model_info
+from shared.model_info import is_gguf, load_model_info
 from shared.transport import InsecureBindError, check_binds
 
 PROCESSES = ("scheduler", "worker", "detokenizer", "api")
@@ -71,6 +71,8 @@ def check_tensor_parallel(config: StackConfig) -> None:
         raise SystemExit(f"--tensor-parallel-size must be at least 1, got {config.tensor_parallel_size}")
     if config.tensor_parallel_size == 1:
         return
+    if is_gguf(config.model):
+        raise SystemExit("tokenyard: a GGUF model is served unsharded: leave --tensor-parallel-size at 1")
     from services.worker.tensor_parallel import shard_config
 
     with open(os.path.join(config.model, "config.json")) as f:
