@@ -140,7 +140,8 @@ def create_app(config: StackConfig, engine_factory: Callable[[StackConfig], Engi
     model = load_model_info(config.model)
 
     async def on_startup(app: web.Application) -> None:
-        prompts = PromptBuilder(config.model)
+        # A hybrid model's prefix cache checkpoints its GDN state where the rendered chat messages end: the api finds them.
+        prompts = PromptBuilder(config.model, anchors=model.uses_state_slots and config.enable_prefix_cache and config.gdn_checkpoint_slots > 0)
         # tool_call_parser / reasoning_parser: "" chooses by chat template and model family (see services.api.chat).
         chat_format = ChatFormat.for_model(model.family, prompts.chat_template, config.tool_call_parser, config.reasoning_parser)
         engine = engine_factory(config)

@@ -215,4 +215,7 @@ async def chat_submits(state: ApiState, turn: ChatTurn, generation: Generation, 
     if generation.sampling.json_schema is None and (call := tool_call_grammar(turn.shown_tools, turn.tool_choice, state.chat_format.tool_parser, thinking)):
         schema, prefix, suffix = call
         generation = replace(generation, sampling=msgspec.structs.replace(generation.sampling, json_schema=schema, json_prefix=prefix, json_suffix=suffix))
-    return prompt, build_submits(generation, [prompt.ids], [max_tokens], state.eos_token_ids, state.config.api_address)
+    submits = build_submits(generation, [prompt.ids], [max_tokens], state.eos_token_ids, state.config.api_address)
+    for submit in submits:  # where a hybrid model checkpoints its GDN state (none unless the builder finds anchors)
+        submit.anchors = prompt.anchors
+    return prompt, submits

@@ -9,7 +9,11 @@ recently admitted running request is preempted and later recomputed. Full blocks
 the prefix cache as soon as their KV is scheduled; an admission starts after the longest
 cached prefix of its tokens. For a hybrid (GDN) model each running request also holds one
 state slot, taken at admission and given back when it finishes or is preempted; every slice
-names it.
+names it. Its prefix cache (with a ``CheckpointPool``) keeps GDN state checkpoints beside the KV: a
+prefill chunk saves the state at each checkpoint position it passes (every ``checkpoint_interval``
+tokens and at the blocks where the prompt's chat messages end, ``Submit.anchors``, rounded down to
+whole blocks), and an admission resumes after the longest cached prefix that ends at a checkpoint,
+its first slice restoring that checkpoint into the request's own slot.
 
 While nothing waits or prefills, a plan of decodes alone may run several decode steps
 (decode_runs.py), its result arriving once for them all.
@@ -28,7 +32,7 @@ from dataclasses import dataclass, field
 from services.scheduler.decode_runs import DecodeRuns
 from services.scheduler.kv_blocks import BlockPool
 from services.scheduler.requests import Phase, Request
-from services.scheduler.state_slots import SlotPool
+from services.scheduler.state_slots import CheckpointPool, SlotPool
 from services.scheduler.step_cost import StepCost
 from shared.frames import FinishReason, Slice, StepPlan, StepResult, Submit, TokenDelta
 from shared.stream_contract import open_stream
@@ -61,9 +65,14 @@ class Scheduler:
         slots: SlotPool | None = None,
         mixed_step_target_s: float = 0.0,
         decode_plan_s: float = 0.0,
+        checkpoints: CheckpointPool | None = None,
+        checkpoint_interval: int = 512,
     ) -> None:
-        self.pool = pool
         self.slots = slots  # GDN state slots: hybrid models only
+        self.checkpoints = checkpoints  # GDN state checkpoints: hybrid models with a prefix cache only
+        self.pool = pool
+        self.checkpoint_interval = -(-checkpoint_interval // pool.block_size) * pool.block_size
+        self._step = 0  # the plan being made
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_waiting = max_waiting
@@ -74,6 +83,25 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._released: list[str] = []  # preempted since the last take_released()
+
+    @property
+    def pool(self) -> BlockPool:
+        return self._pool
+
+    @pool.setter
+    def pool(self, pool: BlockPool) -> None:
+        """A hybrid model's checkpoints follow the KV cache they extend: a new pool starts them over."""
+        self._pool = pool
+        checkpoints = self.checkpoints
+        if checkpoints is not None:
+            checkpoints.clear()
+            pool.on_evict, pool.retains, checkpoints.on_uncovered = checkpoints.dropped_with, checkpoints.covers, pool.demote
+
+    def clear_prefix_cache(self) -> None:
+        """Forgets every cached block and checkpoint (the worker that held them is gone)."""
+        self.pool.clear()
+        if self.checkpoints is not None:
+            self.checkpoints.clear()
 
     # Admission. ----------------------------------------------------------------------
 
@@ -91,6 +119,9 @@ class Scheduler:
         if len(self.waiting) >= self.max_waiting:
             raise AdmissionError(429, f"the engine's waiting queue is full ({self.max_waiting} requests); retry later")
         request = Request(submit=submit, compiling=compiling)
+        if self.checkpoints is not None:
+            size = self.pool.block_size
+            request.anchor_positions = sorted({a // size * size for a in (*submit.anchors, len(submit.prompt_ids)) if a >= size})
         self.requests[submit.rid] = request
         self.waiting.append(request)
 
@@ -102,6 +133,7 @@ class Scheduler:
     # Planning. -----------------------------------------------------------------------
 
     def plan(self, step: int) -> StepPlan:
+        self._step = step
         slices: list[Slice] = []
         budget = self.max_num_batched_tokens
         decode_steps = self._decode_steps()
@@ -159,15 +191,27 @@ class Scheduler:
                 return 0
             request.slot = slot
         # At least the last token is computed, to get the logits that sample the next one.
-        cached, hashes = self.pool.match_prefix(request.tokens, request.prefill_len - 1)
+        cached, hashes = self.pool.walk(request.tokens, request.prefill_len - 1)
+        if self.slots is not None:  # a hybrid prefix resumes only where a checkpoint holds its GDN state
+            checkpoint = self.checkpoints.longest(hashes, self._step) if self.checkpoints is not None and hashes else None
+            keep = 0 if checkpoint is None else len(checkpoint.chain)
+            cached, hashes = cached[:keep], hashes[:keep]
+            request.restore = checkpoint
+            if checkpoint is not None:  # first in line to stay while this plan saves others (the copy precedes the saves)
+                self.checkpoints.touch(checkpoint)
+        self.pool.take(cached)
         request.blocks, request.block_hashes = cached, hashes
         request.num_scheduled = len(cached) * self.pool.block_size
+        restore = request.restore
         scheduled = self._schedule_prefill(request, budget, slices)
         if scheduled == 0:
             self.pool.free(cached)
             request.blocks, request.block_hashes, request.num_scheduled = [], [], 0
+            request.restore = None
             self._free_slot(request)
             return 0
+        if restore is not None:
+            self.checkpoints.restored += 1
         self.pool.count_lookup(request.prefill_len - 1, request.num_scheduled - scheduled)
         self.waiting.remove(request)
         request.phase = Phase.RUNNING
@@ -224,6 +268,8 @@ class Scheduler:
         new_blocks = request.blocks[request.blocks_sent :]  # the worker's table grows by these
         request.blocks_sent = len(request.blocks)
         self._register_full_blocks(request)
+        restore, request.restore = (-1 if request.restore is None else request.restore.slot), None
+        checkpoints = self._checkpoints_of(request, start) if token_ids and self.checkpoints is not None else []
         return Slice(
             rid=request.rid,
             start=start,
@@ -237,7 +283,25 @@ class Scheduler:
             slot=request.slot,
             opened=opened,
             stop_token_ids=stop_token_ids,
+            restore=restore,
+            checkpoints=checkpoints,
         )
+
+    def _checkpoints_of(self, request: Request, start: int) -> list[tuple[int, int]]:
+        """(position, checkpoint slot) of each checkpoint the prefill chunk from ``start`` saves: the interval's
+        and the anchors' positions it passes, once their blocks are cached (a prefix cached already is skipped)."""
+        size, end = self.pool.block_size, min(request.num_scheduled, len(request.block_hashes) * self.pool.block_size)
+        interval = self.checkpoint_interval
+        positions = set(range((start // interval + 1) * interval, end + 1, interval))
+        positions.update(p for p in request.anchor_positions if start < p <= end)
+        saves = []
+        for position in sorted(positions):
+            chain = tuple(request.block_hashes[: position // size])
+            if all(self.pool.is_cached(h) for h in chain):
+                slot = self.checkpoints.save(chain, position, self._step, request.rid)
+                if slot is not None:
+                    saves.append((position, slot))
+        return saves
 
     def _register_full_blocks(self, request: Request) -> None:
         """Enters into the prefix cache every block whose tokens are known and whose KV is scheduled.
@@ -260,6 +324,7 @@ class Scheduler:
         request.blocks, request.block_hashes, request.blocks_sent = [], [], 0
         self._free_slot(request)
         request.num_scheduled = 0
+        request.restore = None
         request.sampling_sent = False
         request.phase = Phase.WAITING
         self.waiting.appendleft(request)
@@ -305,6 +370,8 @@ class Scheduler:
         Returns the rids that were still live.
         """
         failed = [self.requests[rid] for rid in rids if rid in self.requests]
+        if self.checkpoints is not None:
+            self.checkpoints.drop_owned({r.rid for r in failed})
         for request in failed:
             self.pool.forget(request.blocks)
             self._end(request, Outcome())

@@ -5,11 +5,16 @@ so equal hashes mean equal prefixes; the stored tokens are compared on every hit
 hash collision is a miss, never wrong output. Blocks are reference-counted: a block
 is free (on the free list), held (refcount > 0), or cached and idle (refcount 0, in the
 LRU, reusable by a later hit or evicted when the free list runs dry).
+
+A hybrid model's cache (``state_slots.CheckpointPool``) listens: ``on_evict`` hears every hash that
+leaves the cache, and ``retains`` says whether an idle block is worth keeping (one that no GDN state
+checkpoint's prefix covers goes to the front of the LRU, as ``demote`` sends one that stopped being covered).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -34,6 +39,8 @@ class BlockPool:
         self._idle: OrderedDict[int, None] = OrderedDict()  # cached blocks with refcount 0, least recent first
         self.queries = 0  # prompt tokens looked up at admissions
         self.hits = 0  # of which were found in the cache
+        self.on_evict: Callable[[int], None] | None = None  # hears each hash that leaves the cache
+        self.retains: Callable[[int], bool] | None = None  # whether an idle cached block keeps its place in the LRU
 
     # Capacity. ------------------------------------------------------------------------
 
@@ -70,7 +77,7 @@ class BlockPool:
                 block = self._free.pop()
             else:
                 block, _ = self._idle.popitem(last=False)
-                del self._by_hash[self._hash_of.pop(block)]
+                self._uncache(block)
             self._refs[block] = 1
             blocks.append(block)
         return blocks
@@ -85,6 +92,8 @@ class BlockPool:
             if refs == 0:
                 if block in self._hash_of:
                     self._idle[block] = None
+                    if self.retains is not None and not self.retains(self._hash_of[block]):
+                        self._idle.move_to_end(block, last=False)
                 else:
                     self._free.append(block)
 
@@ -98,6 +107,12 @@ class BlockPool:
 
         The returned blocks are taken: their reference counts are incremented.
         """
+        blocks, hashes = self.walk(token_ids, max_tokens)
+        self.take(blocks)
+        return blocks, hashes
+
+    def walk(self, token_ids: list[int], max_tokens: int) -> tuple[list[int], list[int]]:
+        """What ``match_prefix`` finds, taking nothing."""
         if not self.enable_prefix_cache:
             return [], []
         blocks: list[int] = []
@@ -113,11 +128,23 @@ class BlockPool:
             blocks.append(entry.block)
             hashes.append(key)
             parent = key
+        return blocks, hashes
+
+    def take(self, blocks: list[int]) -> None:
+        """One more reference to each of these cached blocks (found by ``walk``)."""
         for block in blocks:
             if self._refs[block] == 0:
                 del self._idle[block]
             self._refs[block] += 1
-        return blocks, hashes
+
+    def is_cached(self, key: int) -> bool:
+        return key in self._by_hash
+
+    def demote(self, key: int) -> None:
+        """Moves the block cached under ``key``, if idle, to the front of the LRU: it goes first."""
+        entry = self._by_hash.get(key)
+        if entry is not None and entry.block in self._idle:
+            self._idle.move_to_end(entry.block, last=False)
 
     def count_lookup(self, queried: int, hit: int) -> None:
         self.queries += queried
@@ -126,9 +153,24 @@ class BlockPool:
     def forget(self, blocks: list[int]) -> None:
         """Removes these blocks from the prefix cache (their contents can't be trusted)."""
         for block in blocks:
-            key = self._hash_of.pop(block, None)
-            if key is not None:
-                del self._by_hash[key]
+            if block in self._hash_of:
+                self._uncache(block)
+                if block in self._idle:
+                    del self._idle[block]
+                    self._free.append(block)
+
+    def clear(self) -> None:
+        """Empties the prefix cache (the worker that held its KV is gone); held blocks stay held."""
+        for block in list(self._hash_of):
+            self._uncache(block)
+        self._free.extend(self._idle)
+        self._idle.clear()
+
+    def _uncache(self, block: int) -> None:
+        key = self._hash_of.pop(block)
+        del self._by_hash[key]
+        if self.on_evict is not None:
+            self.on_evict(key)
 
     def register(self, block: int, parent: int | None, tokens: tuple[int, ...]) -> int:
         """Records a full, computed (or scheduled) block under its chained hash; returns the hash."""

@@ -16,7 +16,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from services.scheduler.core import AdmissionError, Outcome, Scheduler
 from services.scheduler.kv_blocks import BlockPool
-from services.scheduler.state_slots import SlotPool
+from services.scheduler.state_slots import CheckpointPool, SlotPool
 from services.scheduler.traces import RequestTraces
 from shared.config import StackConfig
 from shared.cpu_placement import keep_off_worker_core
@@ -58,6 +58,9 @@ DECODE_STEPS_PER_PLAN = Gauge(
 SECONDS_PER_TOKEN = Gauge(f"{PREFIX}scheduler_step_seconds_per_token", "The worker's time per token of large steps, averaged (0 until measured)")
 PREFIX_QUERIES = Counter(f"{PREFIX}prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
 PREFIX_HITS = Counter(f"{PREFIX}prefix_cache_hits", "Prompt tokens found in the prefix cache")
+CHECKPOINTS_USED = Counter(f"{PREFIX}prefix_cache_gdn_checkpoints_used", "GDN state checkpoints restored at admissions (hybrid models)")
+CHECKPOINTS_HELD = Gauge(f"{PREFIX}gdn_checkpoints_used", "GDN state checkpoints the prefix cache holds (hybrid models)")
+CHECKPOINTS_TOTAL = Gauge(f"{PREFIX}gdn_checkpoints_total", "GDN checkpoint slots on the worker (0: none)")
 PREEMPTIONS = Counter(f"{PREFIX}num_preemptions", "Running requests preempted for recomputation")
 STEPS = Counter(f"{PREFIX}scheduler_steps", "Step plans sent to the worker")
 STEP_TOKENS = Histogram(f"{PREFIX}step_tokens", "Tokens scheduled per step", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048))
@@ -89,10 +92,15 @@ class SchedulerLoop:
         self.model = load_model_info(config.model)
         num_blocks = kv_cache_blocks(self.model, config.kv_cache_tokens, config.kv_cache_bytes, config.block_size, config.dtype)
         # A hybrid model's requests hold a GDN state slot each, as many as may run at once (the worker
-        # sizes its state tensors the same way); its prefix cache stays off: cached blocks can't restore GDN state.
-        self.prefix_cache_off_reason = self.model.prefix_cache_unsupported if config.enable_prefix_cache else "disabled by --enable-prefix-cache false"
+        # sizes its state tensors the same way); its prefix cache resumes at GDN state checkpoints, without which it is off.
+        hybrid = self.model.uses_state_slots
+        self.prefix_cache_off_reason = "disabled by --enable-prefix-cache false"
+        if config.enable_prefix_cache:
+            off = hybrid and not config.gdn_checkpoint_slots
+            self.prefix_cache_off_reason = f"{self.model.prefix_cache_unsupported} (--gdn-checkpoint-slots 0)" if off else ""
         pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_cache and not self.prefix_cache_off_reason)
-        slots = SlotPool(config.max_num_seqs) if self.model.uses_state_slots else None
+        slots = SlotPool(config.max_num_seqs) if hybrid else None
+        checkpoints = CheckpointPool(config.gdn_checkpoint_slots) if hybrid and pool.enable_prefix_cache else None
         self.core = Scheduler(
             pool,
             config.max_num_seqs,
@@ -101,8 +109,10 @@ class SchedulerLoop:
             slots,
             config.mixed_step_target_ms / 1000,
             config.decode_plan_ms / 1000,
+            checkpoints,
+            config.gdn_checkpoint_interval,
         )
-        self._counted_queries = self._counted_hits = 0
+        self._counted_queries = self._counted_hits = self._counted_restores = 0
         ctx = zmq.Context()
         curve = Curve.from_file(config.curve_key_file)
         self.inbox = Inbox(ctx, config.scheduler_address, "scheduler_inbox", curve)
@@ -137,6 +147,8 @@ class SchedulerLoop:
         KV_BLOCKS_TOTAL.set_function(lambda: core.pool.num_blocks)
         GDN_SLOTS_USED.set_function(lambda: core.slots.num_used if core.slots else 0)
         GDN_SLOTS_TOTAL.set_function(lambda: core.slots.num_slots if core.slots else 0)
+        CHECKPOINTS_HELD.set_function(lambda: len(core.checkpoints) if core.checkpoints is not None else 0)
+        CHECKPOINTS_TOTAL.set_function(lambda: core.checkpoints.num_slots if core.checkpoints is not None else 0)
         STEP_TOKEN_CAP.set_function(lambda: core.step_cost.token_cap() or 0)
         SECONDS_PER_TOKEN.set_function(lambda: core.step_cost.seconds_per_token or 0.0)
         DECODE_STEPS_PER_PLAN.set_function(lambda: core.decode_runs.steps())
@@ -355,6 +367,8 @@ class SchedulerLoop:
         self.peers[name].serving = False
         self.in_flight.clear()
         self.log.error("peer_lost", peer=name, why=why, failed_requests=len(self.core.requests))
+        if name == "worker":  # a restarted worker holds none of the cached KV or GDN checkpoints
+            self.core.clear_prefix_cache()
         self._send_status()
         self._fail(list(self.core.requests), 503, f"the {name} process was lost ({why}); retry the request")
 
@@ -394,6 +408,10 @@ class SchedulerLoop:
             PREFIX_QUERIES.inc(pool.queries - self._counted_queries)
             PREFIX_HITS.inc(pool.hits - self._counted_hits)
             self._counted_queries, self._counted_hits = pool.queries, pool.hits
+        checkpoints = self.core.checkpoints
+        if checkpoints is not None and checkpoints.restored != self._counted_restores:
+            CHECKPOINTS_USED.inc(checkpoints.restored - self._counted_restores)
+            self._counted_restores = checkpoints.restored
 
     # Introspection. ----------------------------------------------------------------------
 
@@ -431,6 +449,19 @@ class SchedulerLoop:
                 "cached_blocks": pool.num_cached,
                 "queries": pool.queries,
                 "hits": pool.hits,
+                **(
+                    {
+                        "gdn_checkpoints": {
+                            "total": core.checkpoints.num_slots,
+                            "used": len(core.checkpoints),
+                            "saved": core.checkpoints.saved,
+                            "restored": core.checkpoints.restored,
+                            "interval": core.checkpoint_interval,
+                        }
+                    }
+                    if core.checkpoints is not None
+                    else {}
+                ),
             },
             "gdn_state_slots": {"total": core.slots.num_slots, "used": core.slots.num_used} if core.slots else None,
             "peers": {name: {"state": p.state, "detail": p.detail, "progress": p.progress} for name, p in self.peers.items()},

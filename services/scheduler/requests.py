@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from services.scheduler.state_slots import Checkpoint
 from shared.frames import Submit
 from shared.stream_contract import EndRule, stop_token_ids
 
@@ -29,6 +30,8 @@ class Request:
     sampling_sent: bool = False  # the worker has this request's sampling params
     stream_opened: bool = False  # a slice carried its StreamOpen (once, at the first admission)
     slot: int = -1  # GDN state slot while running (hybrid models), else -1
+    restore: Checkpoint | None = None  # the GDN checkpoint the next slice restores (hybrid models, after a prefix hit)
+    anchor_positions: list[int] = field(default_factory=list)  # where its prefill saves GDN checkpoints besides the interval's
     phase: Phase = Phase.WAITING
     compiling: bool = False  # its grammar is being compiled: it waits, and the requests behind it may pass it
     admitted_at: float = 0.0

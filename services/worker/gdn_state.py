@@ -6,10 +6,16 @@ them back; the worker never clears one: a request's first chunk reads zeros inst
 (``has_initial_state`` False), so a slot reused after an abort or a preemption starts clean. With
 decode graphs, the worker's pool has one slot more than the scheduler hands out: the dummy slot of
 graph padding rows, which is zeroed on every replay.
+
+A hybrid model's prefix cache keeps checkpoints in the same tensors, past the running slots: a prefill
+chunk copies its slot's state into a checkpoint at the positions its slice names (the chunk runs in
+rounds cut there: ``SlotMetadata.by_rounds``), and a request that resumes a cached prefix starts from a
+copy of the checkpoint in its own slot (``GDNStateCache.restore_``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -28,24 +34,83 @@ class GDNShape(NamedTuple):
 
 
 class GDNStateCache:
-    """``conv[i]`` [num_slots, C, K − 1] and ``recurrent[i]`` [num_slots, Hv, Dk, Dv] fp32 of GDN layer i."""
+    """``conv[i]`` [S, C, K − 1] and ``recurrent[i]`` [S, Hv, Dk, Dv] fp32 of GDN layer i, where S is
+    ``num_slots`` running slots then ``num_checkpoints`` checkpoints (checkpoint c is index ``checkpoint_base + c``)."""
 
-    def __init__(self, shape: GDNShape, num_slots: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+    def __init__(self, shape: GDNShape, num_slots: int, dtype: torch.dtype, device: torch.device | str = "cpu", num_checkpoints: int = 0) -> None:
         if num_slots < 1:
             raise ValueError(f"a hybrid model needs at least one state slot, got {num_slots}")
-        self.shape, self.num_slots = shape, num_slots
-        self.conv_tensor = torch.zeros(shape.num_layers, num_slots, shape.conv_channels, shape.conv_history, dtype=dtype, device=device)
-        self.recurrent_tensor = torch.zeros(shape.num_layers, num_slots, shape.num_v_heads, shape.key_dim, shape.value_dim, dtype=torch.float32, device=device)
+        self.shape, self.num_slots, self.num_checkpoints = shape, num_slots, num_checkpoints
+        self.checkpoint_base = num_slots
+        total = num_slots + num_checkpoints
+        self.conv_tensor = torch.zeros(shape.num_layers, total, shape.conv_channels, shape.conv_history, dtype=dtype, device=device)
+        self.recurrent_tensor = torch.zeros(shape.num_layers, total, shape.num_v_heads, shape.key_dim, shape.value_dim, dtype=torch.float32, device=device)
         self.conv, self.recurrent = list(self.conv_tensor.unbind(0)), list(self.recurrent_tensor.unbind(0))
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.conv_tensor, self.recurrent_tensor))
+        """The running slots' bytes."""
+        return self.bytes_per_slot * self.num_slots
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        return self.bytes_per_slot * self.num_checkpoints
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return sum(t[:, 0].numel() * t.element_size() for t in (self.conv_tensor, self.recurrent_tensor))
+
+    def restore_(self, checkpoint: int, slot: int) -> None:
+        """Copy checkpoint ``checkpoint``'s state, every layer's, into running slot ``slot``."""
+        src = self.checkpoint_base + checkpoint
+        self.conv_tensor[:, slot] = self.conv_tensor[:, src]
+        self.recurrent_tensor[:, slot] = self.recurrent_tensor[:, src]
 
     def zero_slot_(self, slot: int) -> None:
         """Clear one slot's state in every layer (two kernels, no host sync: it may run inside a graph)."""
         self.conv_tensor[:, slot].zero_()
         self.recurrent_tensor[:, slot].zero_()
+
+
+@dataclass(frozen=True)
+class Round:
+    """One varlen call over some prefill rows (those of each chunk's next piece), then the checkpoints it ends at."""
+
+    rows: torch.Tensor  # [n] int64, counted from the first prefill row
+    cu_seqlens: torch.Tensor  # [P' + 1] int32
+    slots: torch.Tensor  # [P'] int32
+    has_initial_state: torch.Tensor  # [P'] bool
+    save_from: torch.Tensor  # [s] int64: running slots whose state is copied ...
+    save_to: torch.Tensor  # [s] int64: ... into these pool indices (checkpoints)
+
+
+def _rounds(slots: list[int], starts: list[int], lens: list[int], saves: list[list[tuple[int, int]]], base: int) -> list[tuple]:
+    """The prefill chunks cut at their checkpoint positions: round r runs every chunk's r-th piece."""
+    pieces = []  # per chunk: [(first row, length, saves at its end)]
+    row = 0
+    for start, n, chunk_saves in zip(starts, lens, saves):
+        cuts = sorted({p - start for p, _ in chunk_saves})
+        bounds = [0, *cuts] if cuts and cuts[-1] == n else [0, *cuts, n]
+        at = {p - start: [] for p, _ in chunk_saves}
+        for p, c in chunk_saves:
+            at[p - start].append(base + c)
+        pieces.append([(row + a, b - a, at.get(b, [])) for a, b in zip(bounds, bounds[1:])])
+        row += n
+    rounds = []
+    for r in range(max(len(p) for p in pieces)):
+        rows, cu, ids, initial, save_from, save_to = [], [0], [], [], [], []
+        for b, chunk in enumerate(pieces):
+            if r >= len(chunk):
+                continue
+            first, n, to = chunk[r]
+            rows.extend(range(first, first + n))
+            cu.append(cu[-1] + n)
+            ids.append(slots[b])
+            initial.append(r > 0 or starts[b] > 0)
+            save_from.extend([slots[b]] * len(to))
+            save_to.extend(to)
+        rounds.append((rows, cu, ids, initial, save_from, save_to))
+    return rounds
 
 
 @dataclass(frozen=True)
@@ -61,10 +126,14 @@ class SlotMetadata:
     prefill_slots: torch.Tensor  # [P] int32
     prefill_cu_seqlens: torch.Tensor  # [P + 1] int32
     prefill_has_initial_state: torch.Tensor  # [P] bool: the chunk continues a prefill (start > 0)
+    prefill_rounds: tuple[Round, ...] | None = None  # where a chunk saves checkpoints: its pieces, round by round
 
     @classmethod
-    def build(cls, cache: GDNStateCache, slots: list[int], starts: list[int], lens: list[int], num_decodes: int) -> SlotMetadata:
-        """Built on the CPU, then moved to the device the state lives on (where the kernels read it)."""
+    def build(
+        cls, cache: GDNStateCache, slots: list[int], starts: list[int], lens: list[int], num_decodes: int, saves: list[list[tuple[int, int]]] | None = None
+    ) -> SlotMetadata:
+        """Built on the CPU, then moved to the device the state lives on (where the kernels read it). ``saves``: per
+        prefill chunk, the (position, checkpoint) pairs it saves."""
         prefill_lens = lens[num_decodes:]
         cu = [0]
         for n in prefill_lens:
@@ -78,7 +147,28 @@ class SlotMetadata:
         device = cache.conv_tensor.device
         if device.type != "cpu":
             tensors = tuple(t.to(device, non_blocking=True) for t in tensors)
-        return cls(cache, num_decodes, *tensors)
+        rounds = None
+        if saves and any(saves):
+            dtypes = (torch.int64, torch.int32, torch.int32, torch.bool, torch.int64, torch.int64)
+            made = _rounds(slots[num_decodes:], starts[num_decodes:], prefill_lens, saves, cache.checkpoint_base)
+            rounds = tuple(Round(*(torch.tensor(x, dtype=d).to(device, non_blocking=True) for x, d in zip(r, dtypes))) for r in made)
+        return cls(cache, num_decodes, *tensors, rounds)
+
+    def by_rounds(self, run: Callable[..., torch.Tensor], inputs: list[torch.Tensor], pool: torch.Tensor) -> torch.Tensor:
+        """``run(inputs, cu_seqlens, slots, has_initial_state)``, a varlen op over the prefill rows that keeps its state
+        in ``pool`` (one layer's): in one call, or round by round where chunks save checkpoints, each round's
+        checkpoints copied out of ``pool`` as soon as it ends. Rows come back in the order they went in."""
+        if self.prefill_rounds is None:
+            return run(inputs, self.prefill_cu_seqlens, self.prefill_slots, self.prefill_has_initial_state)
+        out = None
+        for r in self.prefill_rounds:
+            part = run([x.index_select(0, r.rows) for x in inputs], r.cu_seqlens, r.slots, r.has_initial_state)
+            if out is None:
+                out = part.new_empty(inputs[0].shape[0], *part.shape[1:])
+            out.index_copy_(0, r.rows, part)
+            if r.save_to.numel():
+                pool.index_copy_(0, r.save_to, pool.index_select(0, r.save_from))
+        return out
 
     @classmethod
     def for_decode(cls, cache: GDNStateCache, decode_slots: torch.Tensor) -> SlotMetadata:

@@ -81,6 +81,7 @@ class PlanLimits:
     num_blocks: int
     vocab_size: int
     num_slots: int | None  # GDN state slots the scheduler hands out; None: the model has no GDN layers
+    num_checkpoints: int = 0  # GDN state checkpoints of the prefix cache
 
 
 class RequestTable:
@@ -156,7 +157,7 @@ class RequestTable:
             if s.sampling is not None and any(not 0 <= t < vocab for t in [*s.sampling.logit_bias, *s.prefix_ids]):
                 raise ValueError(f"slice for {s.rid!r} names token ids (logit_bias or prefix_ids) outside the vocabulary of {vocab}")
             if limits.num_slots is not None:
-                self._validate_slot(s, request, limits.num_slots)
+                self._validate_slot(s, request, limits.num_slots, limits.num_checkpoints)
             if s.sampling is not None and s.sampling.json_schema is not None and grammars is not None:
                 grammars.check(s.sampling)  # a schema it cannot take: a bad plan
             if any(not 0 <= b < limits.num_blocks for b in s.new_blocks):
@@ -168,11 +169,19 @@ class RequestTable:
                     f"{capacity} blocks of {block_size} hold {capacity * block_size} tokens"
                 )
 
-    def _validate_slot(self, s: Slice, request: RequestState | None, num_slots: int) -> None:
+    def _validate_slot(self, s: Slice, request: RequestState | None, num_slots: int, num_checkpoints: int) -> None:
         if not 0 <= s.slot < num_slots:
             raise ValueError(f"slice for {s.rid!r} names GDN state slot {s.slot}, outside 0..{num_slots - 1}")
-        if request is None and s.start > 0:
-            raise ValueError(f"slice for {s.rid!r} starts at {s.start} but the worker holds no GDN state of it (a new request starts at 0)")
+        if s.restore >= 0 and (request is not None or s.start == 0 or s.restore >= num_checkpoints):
+            raise ValueError(f"slice for {s.rid!r} restores GDN checkpoint {s.restore}: only a new request's first slice past 0 may (0..{num_checkpoints - 1})")
+        if request is None and s.start > 0 and s.restore < 0:
+            raise ValueError(f"slice for {s.rid!r} starts at {s.start} but the worker holds no GDN state of it (a new request starts at 0 or restores)")
+        positions = [p for p, _ in s.checkpoints]
+        if s.checkpoints and (
+            not s.token_ids or positions != sorted(set(positions)) or not s.start < positions[0] or positions[-1] > s.start + s.num_tokens
+            or any(not 0 <= c < num_checkpoints for _, c in s.checkpoints)
+        ):  # fmt: skip
+            raise ValueError(f"slice for {s.rid!r} saves GDN checkpoints {s.checkpoints} out of its chunk, out of order or outside 0..{num_checkpoints - 1}")
         if request is not None and request.slot != s.slot:
             raise ValueError(f"slice for {s.rid!r} names GDN state slot {s.slot} but the request holds slot {request.slot}")
         holder = self.slot_holders.get(s.slot, s.rid)

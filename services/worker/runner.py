@@ -1,7 +1,7 @@
 """The worker's compute core: runs one ``StepPlan`` through the model and samples its tokens.
 
 ``ModelRunner`` owns the weights (``weights_loading``), the fixed-size KV cache, the GDN state slots of
-hybrid models, each running request's state (``request_table``) and the sampler (``sampler``). It makes
+hybrid models (and their prefix cache's checkpoints), each running request's state (``request_table``) and the sampler (``sampler``). It makes
 no scheduling decision: it executes plans in the order they arrive, a decode slice is fed the token
 this runner sampled last for its request, and a hybrid model's slice runs in the state slot it names.
 
@@ -62,6 +62,7 @@ class RunnerConfig:
     cuda_graph_max_batch: int = 0
     max_model_len: int = 0
     weight_prefetch: str = "auto"
+    gdn_checkpoint_slots: int = 0  # a hybrid model's prefix cache: GDN state checkpoints past the running slots
 
     @classmethod
     def of(cls, config: StackConfig, num_blocks: int, device: str = "cpu") -> RunnerConfig:
@@ -69,6 +70,7 @@ class RunnerConfig:
         return cls(
             config.model, num_blocks, config.block_size, config.dtype, config.max_num_seqs, config.weight_quant, config.kv_cache_dtype, device,
             config.cuda_graph_max_batch if torch.device(device).type == "cuda" else 0, config.max_model_len, config.weight_prefetch,
+            gdn_checkpoint_slots=config.gdn_checkpoint_slots,
         )  # fmt: skip
 
 
@@ -120,13 +122,13 @@ class ModelRunner:
         self._dummy_slot = max_num_seqs if graphed and shape is not None else None
         pool_slots = max_num_seqs + (self._dummy_slot is not None)
         if budget is not None:
-            fit = self._plan_memory(budget, pool_slots if shape is not None else 0, DTYPES[dtype])
+            fit = self._plan_memory(budget, pool_slots + config.gdn_checkpoint_slots if shape is not None else 0, DTYPES[dtype])
             num_blocks = fit - 1 if graphed else fit  # the scheduler's share: the dummy block is the worker's
             if num_blocks < 1:
                 raise ValueError(f"the device memory budget leaves room for {fit} KV blocks; raise --gpu-memory-utilization")
         self.num_blocks = num_blocks
         with torch.inference_mode():
-            self.states = None if shape is None else GDNStateCache(shape, pool_slots, DTYPES[dtype], self.model.embed.device)
+            self.states = None if shape is None else GDNStateCache(shape, pool_slots, DTYPES[dtype], self.model.embed.device, config.gdn_checkpoint_slots)
             self._limits = self._plan_limits()
             # With graphs, one block past the scheduler's is the dummy block that padding rows write.
             cache_blocks = num_blocks + 1 if graphed else num_blocks
@@ -204,7 +206,8 @@ class ModelRunner:
 
     def _plan_limits(self) -> PlanLimits:
         """What plans must stay within, for the cache and state pool of now."""
-        return PlanLimits(self.max_num_seqs, self.block_size, self.num_blocks, self.model.vocab_size, None if self.states is None else self.num_slots)
+        slots, checkpoints = (None, 0) if self.states is None else (self.num_slots, self.states.num_checkpoints)
+        return PlanLimits(self.max_num_seqs, self.block_size, self.num_blocks, self.model.vocab_size, slots, checkpoints)
 
     @property
     def num_slots(self) -> int:
@@ -270,6 +273,10 @@ class ModelRunner:
             return [], [], None
         self.requests.validate(slices, self._limits, self._grammars)
         self.requests.admit(slices, self.states is not None, self._grammars)
+        if self.states is not None:  # a hybrid prefix-cache hit starts from a copy of its checkpoint
+            for s in slices:
+                if s.restore >= 0:
+                    self.states.restore_(s.restore, s.slot)
 
         # Decode slices first: attention batches them in one call and prefill chunks follow.
         ordered = [s for s in slices if not s.token_ids] + [s for s in slices if s.token_ids]
@@ -293,7 +300,9 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             starts, lens, [r.table for r in requests], num_decodes, self.block_size, self.model.dtype, self.device, self._attention_backend
         )
-        slots = None if self.states is None else SlotMetadata.build(self.states, [s.slot for s in ordered], starts, lens, num_decodes)
+        slots = None
+        if self.states is not None:  # prefill chunks that save GDN checkpoints run their GDN layers in rounds cut there
+            slots = SlotMetadata.build(self.states, [s.slot for s in ordered], starts, lens, num_decodes, [s.checkpoints for s in ordered[num_decodes:]])
         hidden = self.decoder(torch.tensor(input_ids, device=self.device), meta.positions, meta, self.kv_cache, slots)
 
         to_sample = [j for j, s in enumerate(ordered) if s.sample]
@@ -378,7 +387,9 @@ class ModelRunner:
                 "slots_used": len(self.requests.slot_holders),
                 "dummy_slot": self._dummy_slot,  # graph padding's, past the scheduler's slots
                 "bytes": self.states.nbytes,
-                "bytes_per_slot": self.states.nbytes // self.states.num_slots,
+                "bytes_per_slot": self.states.bytes_per_slot,
+                "checkpoints_total": self.states.num_checkpoints,  # the prefix cache's, past the running slots
+                "checkpoint_bytes": self.states.checkpoint_bytes,
             },
-            "prefix_cache": {"enabled": False, "reason": HYBRID_PREFIX_CACHE_OFF},
+            "prefix_cache": {"enabled": True} if self.states.num_checkpoints else {"enabled": False, "reason": HYBRID_PREFIX_CACHE_OFF},
         }

@@ -1,6 +1,7 @@
 """Random Llama checkpoints with SmolLM2's vocabulary and tokenizer files, built here with no network:
 ``tiny`` (2 layers of 64: steps take milliseconds; the stack tests' model) and ``smollm2-135m`` (the default
-model's exact shapes: serving runs on a machine the 540 MB weights cannot travel to, such as a lent GPU).
+model's exact shapes: serving runs on a machine the 540 MB weights cannot travel to, such as a lent GPU), and
+a tiny hybrid ``qwen3_next`` (``--shape hybrid``: Gated DeltaNet and full attention, the hybrid stack tests' model).
 
     python -m shared.devtools.random_model DIR [--shape tiny|smollm2-135m] [--dtype float32|bfloat16] [--initializer-range 0.02]
 
@@ -46,15 +47,54 @@ def build_random_smollm(path: str, shape: str = "tiny", initializer_range: float
     return path
 
 
+# A hybrid qwen3_next: Gated DeltaNet layers around full attention (every 4th layer), a small MoE with a shared expert.
+HYBRID_SHAPE: dict[str, object] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    max_position_embeddings=8192,
+)
+
+
+def build_random_qwen3_next(path: str, initializer_range: float = 0.2, tokenizer_dir: str = DEFAULT_MODEL_DIR, **overrides: object) -> str:
+    """A seeded random hybrid (qwen3_next) checkpoint with SmolLM2's vocabulary and tokenizer files at ``path``."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(
+        vocab_size=49152, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, initializer_range=initializer_range, **{**HYBRID_SHAPE, **overrides}
+    )
+    torch.manual_seed(0)
+    Qwen3NextForCausalLM(config).save_pretrained(path)
+    for name in os.listdir(tokenizer_dir):
+        if name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(os.path.join(tokenizer_dir, name), path)
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("path")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--shape", choices=[*sorted(SHAPES), "hybrid"], default="tiny")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--initializer-range", type=float, default=0.02)
     parser.add_argument("--tokenizer", default=DEFAULT_MODEL_DIR, help="directory holding SmolLM2's tokenizer files")
     args = parser.parse_args()
-    print(build_random_smollm(args.path, args.shape, args.initializer_range, args.dtype, args.tokenizer))
+    if args.shape == "hybrid":
+        print(build_random_qwen3_next(args.path, args.initializer_range, args.tokenizer))
+    else:
+        print(build_random_smollm(args.path, args.shape, args.initializer_range, args.dtype, args.tokenizer))
 
 
 if __name__ == "__main__":

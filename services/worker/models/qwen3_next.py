@@ -134,16 +134,13 @@ class GatedDeltaNet:
         parts = []
         if decodes:
             parts.append(kernels.causal_conv1d_update(mixed[:decodes].contiguous(), conv_state, slots.decode_slots, self.conv_weight, self.conv_bias))
-        if decodes < total:
+        if decodes < total:  # in rounds where a chunk saves GDN checkpoints (gdn_state.SlotMetadata.by_rounds)
+            conv = kernels.causal_conv1d_varlen
             parts.append(
-                kernels.causal_conv1d_varlen(
-                    mixed[decodes:].contiguous(),
-                    slots.prefill_cu_seqlens,
+                slots.by_rounds(
+                    lambda x, cu, ids, initial: conv(x[0].contiguous(), cu, conv_state, ids, initial, self.conv_weight, self.conv_bias),
+                    [mixed[decodes:]],
                     conv_state,
-                    slots.prefill_slots,
-                    slots.prefill_has_initial_state,
-                    self.conv_weight,
-                    self.conv_bias,
                 )
             )
         qkv = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -160,11 +157,8 @@ class GatedDeltaNet:
             outs.append(kernels.fused_recurrent_gated_delta_rule(q[d], k[d], v[d], g[d], beta[d], scale, state, slots.decode_slots))
         if decodes < total:
             pf = slice(decodes, total)
-            outs.append(
-                kernels.chunk_gated_delta_rule(
-                    q[pf], k[pf], v[pf], g[pf], beta[pf], scale, state, slots.prefill_slots, slots.prefill_cu_seqlens, slots.prefill_has_initial_state
-                )
-            )
+            rule = kernels.chunk_gated_delta_rule
+            outs.append(slots.by_rounds(lambda x, cu, ids, initial: rule(*x, scale, state, ids, cu, initial), [q[pf], k[pf], v[pf], g[pf], beta[pf]], state))
         o = outs[0] if len(outs) == 1 else torch.cat(outs)
         o = self.norm(o).mul_(F.silu(z.reshape(total, self.hv, self.dv)))
         return self.out_proj(o.view(total, self.value_dim), residual=residual)
