@@ -93,7 +93,7 @@ class TransportConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Scheduler: KV cache size and blocks, batching, step timing, admission and the prefix cache."""
+    """Scheduler: KV cache size and blocks, batching, step timing, admission, the prefix cache and speculative decoding."""
 
     kv_cache_tokens: int = _opt(16384, "KV cache size in tokens (ignored if kv_cache_bytes is set)", minimum=1)
     kv_cache_bytes: int = _opt(0, "KV cache size in bytes (0: use kv_cache_tokens)", minimum=0)
@@ -107,6 +107,11 @@ class SchedulerConfig:
     gdn_checkpoint_slots: int = _opt(64, "GDN state checkpoints a hybrid model's prefix cache keeps (0: no prefix cache for hybrid models)", minimum=0)
     gdn_checkpoint_interval: int = _opt(512, "tokens between GDN state checkpoints of a prefill, rounded up to whole blocks", minimum=1)
     pipeline_depth: int = _opt(2, "step plans in flight at once (1: strictly alternate plan and result)", minimum=1)
+    speculative_method: str = _opt("", "proposer of the tokens a decode step verifies (default: none, no speculation)", choices=("", "ngram"))
+    num_speculative_tokens: int = _opt(3, "most proposed tokens one decode step verifies", minimum=1)
+    ngram_min: int = _opt(2, "shortest n-gram of a request's last tokens that ngram looks up in its earlier tokens", minimum=1)
+    ngram_max: int = _opt(4, "longest such n-gram (the longest that matches proposes)", minimum=1)
+    speculative_max_batch: int = _opt(4, "requests may speculate only while at most this many run", minimum=1)
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,11 @@ READERS: dict[str, tuple[str, ...]] = {
     "gdn_checkpoint_slots": ("api", "scheduler", "worker"),
     "gdn_checkpoint_interval": ("scheduler",),
     "pipeline_depth": ("scheduler",),
+    "speculative_method": ("scheduler", "worker"),
+    "num_speculative_tokens": ("scheduler",),
+    "ngram_min": ("worker",),
+    "ngram_max": ("worker",),
+    "speculative_max_batch": ("scheduler",),
     # Worker
     "dtype": ("scheduler", "worker"),
     "weight_quant": ("worker",),

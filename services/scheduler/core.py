@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 from services.scheduler.decode_runs import DecodeRuns
 from services.scheduler.kv_blocks import BlockPool
 from services.scheduler.requests import Phase, Request
+from services.scheduler.speculation import Speculation, blocks_kept
 from services.scheduler.state_slots import CheckpointPool, SlotPool
 from services.scheduler.step_cost import StepCost
-from shared.frames import FinishReason, Slice, StepPlan, StepResult, Submit, TokenDelta
+from shared.frames import FinishReason, Sampled, Slice, StepPlan, StepResult, Submit, TokenDelta
 from shared.stream_contract import open_stream
 
 
@@ -67,6 +68,7 @@ class Scheduler:
         decode_plan_s: float = 0.0,
         checkpoints: CheckpointPool | None = None,
         checkpoint_interval: int = 512,
+        speculation: Speculation | None = None,
     ) -> None:
         self.slots = slots  # GDN state slots: hybrid models only
         self.checkpoints = checkpoints  # GDN state checkpoints: hybrid models with a prefix cache only
@@ -78,6 +80,7 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.step_cost = StepCost(mixed_step_target_s)  # sizes the prefill of steps that carry decodes
         self.decode_runs = DecodeRuns(decode_plan_s)  # how many steps a plan of decodes alone runs
+        self.speculation = speculation or Speculation()  # which decodes verify proposed tokens (speculation.py)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.requests: dict[str, Request] = {}
@@ -136,14 +139,19 @@ class Scheduler:
         self._step = step
         slices: list[Slice] = []
         budget = self.max_num_batched_tokens
-        decode_steps = self._decode_steps()
+        drafts = self.speculation.drafts(self.running)
+        decode_steps = 1 if drafts else self._decode_steps()
         for request in list(self.running):
             if budget == 0 or len(slices) == self.max_num_seqs:
                 break
             if request.phase is Phase.RUNNING and not request.prefilling and self._wants_decode(request):
-                if self._grow_for_decode(request, decode_steps):
-                    slices.append(self._slice(request, 1, decode_steps=decode_steps))
-                    budget -= 1
+                draft = min(drafts.get(request.rid, 0), budget - 1)
+                if request.verifying or (draft and request.pending_samples):
+                    continue  # a verify waits for the tokens in flight, and is waited for: its positions are known from its result
+                if self._grow_for_decode(request, decode_steps + draft):
+                    slices.append(self._slice(request, 1 + draft, decode_steps=decode_steps))
+                    request.verifying = draft
+                    budget -= 1 + draft
         decodes = len(slices)
         budget = prefill_budget = self.step_cost.prefill_budget(budget, decodes)
         for request in self.running:
@@ -161,7 +169,7 @@ class Scheduler:
             budget -= scheduled
         # The step's tokens, one per decode; a run's time is several steps', not a sample of a step's.
         self.step_cost.planned(step, decodes + prefill_budget - budget if decode_steps == 1 else 0)
-        if decodes and decodes == len(slices):
+        if decodes and decodes == len(slices) and not drafts:
             self.decode_runs.planned(step, decode_steps, decodes)
         return StepPlan(step=step, slices=slices, decode_steps=decode_steps)
 
@@ -174,7 +182,7 @@ class Scheduler:
             return 1
         needed_blocks = 0
         for request in self.running:
-            if request.prefilling:
+            if request.prefilling or request.verifying:
                 return 1
             steps = min(steps, request.end_rule.run_limit(request.outputs_promised))
             if steps == 1:
@@ -252,7 +260,8 @@ class Scheduler:
                 return False
 
     def _slice(self, request: Request, num_tokens: int, token_ids: list[int] | None = None, decode_steps: int = 1) -> Slice:
-        """``num_tokens`` prompt positions, or a decode (one position) in each of ``decode_steps`` steps."""
+        """``num_tokens`` prompt positions, or a decode in each of ``decode_steps`` steps: one position, or with
+        ``num_tokens`` above 1 a speculative step's (speculation.py)."""
         start = request.num_scheduled
         sample = start + num_tokens >= request.prefill_len
         request.num_scheduled += num_tokens * decode_steps
@@ -262,7 +271,8 @@ class Scheduler:
         opened = None if request.stream_opened else open_stream(request.submit, cached_tokens=start)  # the first admission's first slice
         request.stream_opened = True
         prompt_len, prefix_ids = 0, []
-        if sampling is not None and sampling.follows_outputs:  # the worker's penalties and grammars need every token, cached ones too
+        # The worker's penalties, grammars and proposer need every token, cached ones too.
+        if sampling is not None and (sampling.follows_outputs or self.speculation.enabled):
             prompt_len, prefix_ids = len(request.submit.prompt_ids), request.tokens[:start]
         stop_token_ids = [] if sampling is None else request.stop_token_ids  # for the worker's runs
         new_blocks = request.blocks[request.blocks_sent :]  # the worker's table grows by these
@@ -348,10 +358,14 @@ class Scheduler:
         outcome = Outcome()
         self.step_cost.observed(result.step, result.forward_s)
         self.decode_runs.observed(result.step, result.forward_s, len(result.sampled))
+        verified: dict[str, list[Sampled]] = {}
         for sampled in result.sampled:
             request = self.requests.get(sampled.rid)
             if request is None or request.pending_samples == 0:
                 continue  # finished while this step was in flight: the extra token is dropped
+            if request.verifying:  # a speculative step's run of tokens: taken whole below
+                verified.setdefault(request.rid, []).append(sampled)
+                continue
             request.pending_samples -= 1
             request.output_ids.append(sampled.token_id)
             reason = request.end_rule.ends_at(sampled.token_id, len(request.output_ids))
@@ -361,7 +375,35 @@ class Scheduler:
                 self._register_full_blocks(request)
             else:
                 self._end(request, outcome)
+        for rid, run in verified.items():
+            self._take_verified(self.requests[rid], run, outcome)
         return outcome
+
+    def _take_verified(self, request: Request, run: list[Sampled], outcome: Outcome) -> None:
+        """A speculative step's tokens: the request's positions end at its last accepted token (its last token is
+        fed next) and the blocks past them go back, as the worker's table drops them; then its tokens up to the
+        one that ends it by the end rule."""
+        request.pending_samples -= 1
+        draft, request.verifying = request.verifying, 0
+        self.speculation.verified(request, draft, len(run))
+        if request.phase is Phase.RUNNING:  # not preempted meanwhile
+            request.num_scheduled -= 1 + draft - len(run)
+            keep = blocks_kept(request.num_scheduled, self.pool.block_size)
+            self.pool.free(request.blocks[keep:])
+            del request.blocks[keep:]
+            request.blocks_sent = min(request.blocks_sent, keep)
+        for i, sampled in enumerate(run):
+            request.output_ids.append(sampled.token_id)
+            reason = request.end_rule.ends_at(sampled.token_id, len(request.output_ids))
+            if reason is not None or i == len(run) - 1:
+                taken = run[: i + 1]
+                logprobs = [s.logprobs for s in taken if s.logprobs is not None]
+                outcome.deltas.append(TokenDelta(rid=request.rid, token_ids=[s.token_id for s in taken], finish=reason, logprobs=logprobs))
+                if reason is None:
+                    self._register_full_blocks(request)
+                else:
+                    self._end(request, outcome)
+                return
 
     def fail(self, rids: list[str]) -> list[str]:
         """Ends these requests with an error (their step failed, or a process lost their state).

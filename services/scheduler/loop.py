@@ -16,6 +16,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from services.scheduler.core import AdmissionError, Outcome, Scheduler
 from services.scheduler.kv_blocks import BlockPool
+from services.scheduler.speculation import Speculation
 from services.scheduler.state_slots import CheckpointPool, SlotPool
 from services.scheduler.traces import RequestTraces
 from shared.config import StackConfig
@@ -101,6 +102,13 @@ class SchedulerLoop:
         pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_cache and not self.prefix_cache_off_reason)
         slots = SlotPool(config.max_num_seqs) if hybrid else None
         checkpoints = CheckpointPool(config.gdn_checkpoint_slots) if hybrid and pool.enable_prefix_cache else None
+        speculation = None
+        if config.speculative_method:
+            if self.model.uses_state_slots:
+                raise ValueError("speculative decoding does not yet run hybrid (GDN) models: their state cannot be rolled back past rejected tokens")
+            if config.tensor_parallel_size > 1:
+                raise ValueError("speculative decoding does not run with tensor parallelism")
+            speculation = Speculation(config.num_speculative_tokens, config.speculative_max_batch)
         self.core = Scheduler(
             pool,
             config.max_num_seqs,
@@ -111,6 +119,7 @@ class SchedulerLoop:
             config.decode_plan_ms / 1000,
             checkpoints,
             config.gdn_checkpoint_interval,
+            speculation=speculation,
         )
         self._counted_queries = self._counted_hits = self._counted_restores = 0
         ctx = zmq.Context()
@@ -438,6 +447,13 @@ class SchedulerLoop:
                 "ms_per_step": None if core.decode_runs.seconds_per_step is None else round(core.decode_runs.seconds_per_step * 1000, 4),
                 "steps": core.decode_runs.steps(),
             },
+            "speculative": {
+                "method": self.config.speculative_method,
+                "num_speculative_tokens": core.speculation.num_tokens,
+                "max_batch": core.speculation.max_batch,
+            }
+            if core.speculation.enabled
+            else None,
             "max_waiting": core.max_waiting,
             "pipeline_depth": self.config.pipeline_depth,
             "running": len(core.running),

@@ -30,6 +30,9 @@ class Request:
     sampling_sent: bool = False  # the worker has this request's sampling params
     stream_opened: bool = False  # a slice carried its StreamOpen (once, at the first admission)
     slot: int = -1  # GDN state slot while running (hybrid models), else -1
+    verifying: int = 0  # proposed tokens of the speculative step in flight (speculation.py), 0: none
+    speculation_backoff: int = 0  # plain decode tokens after the last verify that accepted nothing
+    resume_speculation_at: int = 0  # outputs before the request speculates again
     restore: Checkpoint | None = None  # the GDN checkpoint the next slice restores (hybrid models, after a prefix hit)
     anchor_positions: list[int] = field(default_factory=list)  # where its prefill saves GDN checkpoints besides the interval's
     phase: Phase = Phase.WAITING

@@ -4,7 +4,7 @@ A run executes the plan's decodes again and again, each step feeding back the to
 sampled (the runner keeps every request's last token), at positions one further each time. A request
 that samples one of its stop tokens leaves the run (``ends_run``, shared/stream_contract.py): the
 scheduler plans runs only where such a token ends the request, so it will end it too when the result
-arrives. Until then its request id is remembered and later plans skip it: with plans pipelined, the next plan may already
+arrives. A speculative step's run of tokens for one request ends there too. Until then its request id is remembered and later plans skip it: with plans pipelined, the next plan may already
 hold its decodes, whose tokens nobody would read.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from shared.frames import Slice, StepPlan, StepResult
+from shared.frames import Sampled, Slice, StepPlan, StepResult
 from shared.stream_contract import ends_run
 
 
@@ -32,6 +32,8 @@ class PlanRuns:
             if not plan.slices:
                 return StepResult(step=plan.step, sampled=[])
         result = self.execute(plan)
+        if len(result.sampled) > len(plan.slices):  # speculative steps' runs of tokens: each ends at its first stop token
+            result = StepResult(step=result.step, sampled=self._through_stops(result.sampled), forward_s=result.forward_s)
         on_step(plan, result)
         if plan.decode_steps == 1 or result.error:
             return result
@@ -49,6 +51,16 @@ class PlanRuns:
             forward_s += result.forward_s
             running = self._still_running(running, result)
         return StepResult(step=plan.step, sampled=sampled, forward_s=forward_s)
+
+    def _through_stops(self, sampled: list[Sampled]) -> list[Sampled]:
+        ended: set[str] = set()
+        kept = []
+        for x in sampled:
+            if x.rid not in ended:
+                kept.append(x)
+                if ends_run(x.token_id, self.stop_token_ids.get(x.rid, ())):
+                    ended.add(x.rid)
+        return kept
 
     def _still_running(self, slices: list[Slice], result: StepResult) -> list[Slice]:
         tokens = {x.rid: x.token_id for x in result.sampled}

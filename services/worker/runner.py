@@ -32,6 +32,7 @@ from services.worker.kernel_settings import CpuKernelSettings
 from services.worker.linear import held_bytes, linears_of, resolve_weight_quant
 from services.worker.request_table import PlanLimits, RequestState, RequestTable
 from services.worker.sampler import Sampler
+from services.worker.speculative.speculator import Speculator, Verify
 from services.worker.structured import StructuredOutputs
 from services.worker.tensor_parallel import TensorParallelGroup
 from services.worker.weights_loading import load_model
@@ -63,6 +64,8 @@ class RunnerConfig:
     max_model_len: int = 0
     weight_prefetch: str = "auto"
     gdn_checkpoint_slots: int = 0  # a hybrid model's prefix cache: GDN state checkpoints past the running slots
+    speculative_method: str = ""  # "": decode slices verify nothing (services/worker/speculative/)
+    ngram: tuple[int, int] = (2, 4)  # the n-gram lengths prompt lookup matches
 
     @classmethod
     def of(cls, config: StackConfig, num_blocks: int, device: str = "cpu") -> RunnerConfig:
@@ -70,7 +73,7 @@ class RunnerConfig:
         return cls(
             config.model, num_blocks, config.block_size, config.dtype, config.max_num_seqs, config.weight_quant, config.kv_cache_dtype, device,
             config.cuda_graph_max_batch if torch.device(device).type == "cuda" else 0, config.max_model_len, config.weight_prefetch,
-            gdn_checkpoint_slots=config.gdn_checkpoint_slots,
+            gdn_checkpoint_slots=config.gdn_checkpoint_slots, speculative_method=config.speculative_method, ngram=(config.ngram_min, config.ngram_max),
         )  # fmt: skip
 
 
@@ -98,9 +101,14 @@ class ModelRunner:
         self.last_step_graphed = False
         self.activation_profile: ActivationProfile | None = None
         self.requests = RequestTable()
+        self.speculator = Speculator(config.speculative_method, *config.ngram, config.block_size) if config.speculative_method else None
+        if self.speculator is not None and tp is not None:
+            raise ValueError("speculative decoding does not run with tensor parallelism")
 
         model_config, self.model, self.weight_quant, self.quantized_linears = load_model(config.model, DTYPES[dtype], self.device, weight_quant, tp)
         self.family = model_config.get("model_type", "llama")
+        if self.speculator is not None and self.model.gdn_shape is not None:
+            raise ValueError(f"speculative decoding does not yet run {self.family}: its GDN state cannot be rolled back past rejected tokens")
         self.sampler = Sampler(self.device, config.model, self.model.vocab_size)
         self._grammars = self.sampler if tp is None or tp.leader else None  # only the leader samples
         self.decoder = select_decoder_backend(self.model, sharded=tp is not None)  # the weights are in their final form
@@ -185,7 +193,7 @@ class ModelRunner:
 
     @property
     def structured(self) -> StructuredOutputs:
-        """The vocabulary as bytes, built once (warm-up does it); a ``ValueError`` when the model has no tokenizer."""
+        """xgrammar's tokenizer info and compiler, built once (warm-up does it); a ``ValueError`` when the model has no tokenizer."""
         return self.sampler.structured
 
     def _decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, gdn_slots: torch.Tensor) -> torch.Tensor:
@@ -222,7 +230,8 @@ class ModelRunner:
         began = time.perf_counter()
         sampled = []
         with torch.inference_mode():
-            rids, requests, logits = self._forward(plan.slices)
+            rids, requests, logits, verifies = self._forward(plan.slices)
+            by_rid: dict[str, list[Sampled]] = {}
             if rids:
                 if self.tp is None or self.tp.leader:
                     chosen, logprobs = self.sampler(logits, requests)
@@ -233,8 +242,13 @@ class ModelRunner:
                 tokens = chosen.tolist()
                 for request, token in zip(requests, tokens):
                     request.record_sampled(token)
-                by_rid = {rid: (token, lp) for rid, token, lp in zip(rids, tokens, logprobs)}
-                sampled = [Sampled(s.rid, *by_rid[s.rid]) for s in plan.slices if s.sample]
+                if self.speculator is not None:
+                    self.speculator.sampled(rids, tokens)
+                by_rid = {rid: [Sampled(rid, token, lp)] for rid, token, lp in zip(rids, tokens, logprobs)}
+            if verifies:
+                for rid, verified in self.speculator.verify(*verifies).items():
+                    by_rid[rid] = [Sampled(rid, token, lp) for token, lp in zip(verified.tokens, verified.logprobs)]
+            sampled = [x for s in plan.slices if s.sample for x in by_rid.get(s.rid, ())]
         return StepResult(step=plan.step, sampled=sampled, forward_s=time.perf_counter() - began)
 
     def logits(self, plan: StepPlan) -> dict[str, torch.Tensor]:
@@ -242,7 +256,7 @@ class ModelRunner:
         if self.tp is not None:
             raise RuntimeError("logits() runs on one rank alone; with tensor parallelism use execute()")
         with torch.inference_mode():
-            rids, _, logits = self._forward(plan.slices)
+            rids, _, logits, _ = self._forward(plan.slices)
         return dict(zip(rids, logits)) if rids else {}
 
     def release(self, rids: list[str]) -> None:
@@ -250,6 +264,8 @@ class ModelRunner:
         if self.tp is not None and self.tp.leader:
             self.tp.send_frame(Release(rids=rids))
         self.requests.release(rids)
+        if self.speculator is not None:
+            self.speculator.release(rids)
 
     def follow(self) -> None:
         """A follower rank: runs the frames the leader broadcasts until it sends stop."""
@@ -267,20 +283,31 @@ class ModelRunner:
         if self.tp is not None and self.tp.leader:
             self.tp.send_frame(None)
 
-    def _forward(self, slices: list[Slice]) -> tuple[list[str], list[RequestState], torch.Tensor | None]:
-        """The rids and states of the slices that sample, and their logits [N, vocab]."""
+    def _forward(self, slices: list[Slice]) -> tuple[list[str], list[RequestState], torch.Tensor | None, tuple[list[Verify], list[torch.Tensor]] | None]:
+        """The rids and states of the slices that sample, and their logits [N, vocab]; and the step's verifies
+        (speculative slices with a proposal) with each one's logits [its positions, vocab]."""
         if not slices:
-            return [], [], None
+            return [], [], None, None
+        verifies: dict[str, Verify] = {}
+        if self.speculator is not None:
+            self.speculator.check(slices, self.requests)
+            speculative, slices = slices, self.speculator.as_decodes(slices)
+        elif any(not s.token_ids and s.num_tokens > 1 for s in slices):
+            raise ValueError("a decode slice of several positions verifies proposed tokens, but this worker runs no speculative method")
         self.requests.validate(slices, self._limits, self._grammars)
         self.requests.admit(slices, self.states is not None, self._grammars)
         if self.states is not None:  # a hybrid prefix-cache hit starts from a copy of its checkpoint
             for s in slices:
                 if s.restore >= 0:
                     self.states.restore_(s.restore, s.slot)
+        if self.speculator is not None:
+            self.speculator.observe(slices)
+            verifies = self.speculator.propose(speculative, self.requests)
 
-        # Decode slices first: attention batches them in one call and prefill chunks follow.
-        ordered = [s for s in slices if not s.token_ids] + [s for s in slices if s.token_ids]
-        num_decodes = len(slices) - sum(1 for s in slices if s.token_ids)
+        # Decode slices first: attention batches them in one call; verifies and prefill chunks follow.
+        plain = [s for s in slices if not s.token_ids and s.rid not in verifies]
+        ordered = plain + [s for s in slices if s.rid in verifies] + [s for s in slices if s.token_ids]
+        num_decodes = len(slices) - len(verifies) - sum(1 for s in slices if s.token_ids)
         requests = [self.requests[s.rid] for s in ordered]
         input_ids = [r.last_token for r in requests[:num_decodes]]
         self.last_step_graphed = False
@@ -291,11 +318,11 @@ class ModelRunner:
                 self.last_step_graphed = True
                 slots = [s.slot for s in ordered] if self.states is not None else ()
                 logits = self.graphs.run(bucket, input_ids, [s.start for s in ordered], tables, slots)
-                return [s.rid for s in ordered], requests, logits  # a decode slice always samples
+                return [s.rid for s in ordered], requests, logits, None  # a decode slice always samples
             self.graphs.eager += 1
         for s in ordered[num_decodes:]:
-            input_ids += s.token_ids
-        lens = [s.num_tokens for s in ordered]
+            input_ids += verifies[s.rid].token_ids if s.rid in verifies else s.token_ids
+        lens = [len(verifies[s.rid].token_ids) if s.rid in verifies else s.num_tokens for s in ordered]
         starts = [s.start for s in ordered]
         meta = AttentionMetadata.build(
             starts, lens, [r.table for r in requests], num_decodes, self.block_size, self.model.dtype, self.device, self._attention_backend
@@ -305,17 +332,23 @@ class ModelRunner:
             slots = SlotMetadata.build(self.states, [s.slot for s in ordered], starts, lens, num_decodes, [s.checkpoints for s in ordered[num_decodes:]])
         hidden = self.decoder(torch.tensor(input_ids, device=self.device), meta.positions, meta, self.kv_cache, slots)
 
-        to_sample = [j for j, s in enumerate(ordered) if s.sample]
+        to_sample = [j for j, s in enumerate(ordered) if s.sample and s.rid not in verifies]
+        ends = list(itertools.accumulate(lens))
+        verified = None
+        if verifies:  # every position of a verify: the logits its proposal is checked against
+            spans = [(ends[j] - lens[j], ends[j]) for j, s in enumerate(ordered) if s.rid in verifies]
+            rows = torch.tensor([r for a, b in spans for r in range(a, b)], device=self.device)
+            verify_logits = self.model.compute_logits(hidden.index_select(0, rows)).split([b - a for a, b in spans])
+            verified = ([verifies[s.rid] for s in ordered if s.rid in verifies], list(verify_logits))
         if not to_sample:
-            return [], [], None
+            return [], [], None, verified
         if len(to_sample) == hidden.shape[0]:  # a decode step: every row is a request's last
             logits = self.model.compute_logits(hidden)
         else:
             # index_select, not hidden[rows]: torch's advanced indexing wakes OpenMP's threads even for a few rows
-            ends = list(itertools.accumulate(lens))
             last_rows = torch.tensor([ends[j] - 1 for j in to_sample], device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, last_rows))
-        return [ordered[j].rid for j in to_sample], [requests[j] for j in to_sample], logits
+        return [ordered[j].rid for j in to_sample], [requests[j] for j in to_sample], logits, verified
 
     def warmup(self) -> None:
         """One short prefill and one decode through blocks 0.., then release: allocator and kernels warm."""
@@ -354,6 +387,7 @@ class ModelRunner:
             ),
             "fusion_kernels": getattr(getattr(self.model, "fusions", None), "names", None),
             "sampler": self.sampler.name,
+            "speculative": None if self.speculator is None else self.speculator.describe(),
             "structured_outputs": self.sampler.describe_structured(),
             "cuda_graphs": None if self.graphs is None else self.graphs.describe(),
             "num_layers": self.model.num_layers,

@@ -1,0 +1,164 @@
+"""The scheduler's side of speculative decoding: which requests speculate (the batch-size rule, their end rules,
+structured outputs, backing off after rejections), the positions a verify plans, and the blocks of its rejected
+positions given back when its result comes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import structlog
+
+from services.scheduler.core import Scheduler
+from services.scheduler.kv_blocks import BlockPool
+from services.scheduler.loop import SchedulerLoop
+from services.scheduler.speculation import MAX_BACKOFF_TOKENS, Speculation
+from shared.config import StackConfig
+from shared.frames import FinishReason, Grammar, GrammarKind, Sampled, SamplingParams, StepPlan, StepResult, Submit
+
+STOP = 0
+
+
+def make(k: int = 3, max_batch: int = 4, num_blocks: int = 64) -> Scheduler:
+    return Scheduler(BlockPool(num_blocks, 4, False), max_num_seqs=8, max_num_batched_tokens=64, max_waiting=100, speculation=Speculation(k, max_batch))
+
+
+def submit(s: Scheduler, rid: str, prompt_len: int = 6, max_tokens: int = 50, **kw) -> None:
+    s.submit(Submit(rid=rid, prompt_ids=list(range(1, prompt_len + 1)), max_tokens=max_tokens, stop_token_ids=[STOP], **kw))
+
+
+def answer(s: Scheduler, plan: StepPlan, tokens: dict[str, list[int]] | None = None):
+    """Each sampling slice's tokens (one each unless given), in the order the worker sends them."""
+    tokens = tokens or {x.rid: [7] for x in plan.slices if x.sample}
+    return s.on_result(StepResult(step=plan.step, sampled=[Sampled(rid, t) for rid, run in tokens.items() for t in run]))
+
+
+def decoding(s: Scheduler, *rids: str, **kw) -> None:
+    for rid in rids:
+        submit(s, rid, **kw)
+    answer(s, s.plan(0))  # the prompts and the first tokens
+
+
+def test_a_verify_plans_k_plus_one_positions_and_gives_back_the_blocks_of_rejected_ones() -> None:
+    s = make(k=3)
+    decoding(s, "a")  # 6 prompt positions in 2 blocks of 4, one output
+    plan = s.plan(1)
+    (x,) = plan.slices
+    assert (x.start, x.num_tokens, x.token_ids, len(x.new_blocks)) == (6, 4, [], 1)  # positions 6..9: a third block
+    assert s.pool.num_used == 3 and s.plan(2).slices == []  # nothing more for it while its verify is in flight
+    outcome = answer(s, plan, {"a": [9]})  # every proposal rejected: the target's own token alone
+    assert [(d.rid, d.token_ids) for d in outcome.deltas] == [("a", [9])]
+    request = s.requests["a"]
+    assert request.num_scheduled == 7 and request.output_ids == [7, 9]  # position 7 (token 9) is fed next
+    assert s.pool.num_used == 2 and len(request.blocks) == 2 and request.blocks_sent == 2  # the third went back
+    x = s.plan(3).slices[0]
+    assert x.start == 7
+
+
+def test_an_accepted_run_keeps_its_positions_and_its_tokens_arrive_in_one_delta() -> None:
+    s = make(k=3)
+    decoding(s, "a")
+    outcome = answer(s, s.plan(1), {"a": [3, 4, 5, 6]})  # all three accepted, and the target's token after them
+    assert [(d.rid, d.token_ids) for d in outcome.deltas] == [("a", [3, 4, 5, 6])]
+    request = s.requests["a"]
+    assert request.num_scheduled == 10 and request.output_ids == [7, 3, 4, 5, 6] and len(request.blocks) == 3
+    assert s.plan(2).slices[0].start == 10
+
+
+def test_a_stop_token_inside_an_accepted_run_ends_the_request_and_frees_its_blocks() -> None:
+    s = make(k=3)
+    decoding(s, "a")
+    outcome = answer(s, s.plan(1), {"a": [3, STOP, 5]})  # the worker cuts its run at the stop token; if not, the rest is dropped
+    assert [(d.rid, d.token_ids, d.finish) for d in outcome.deltas] == [("a", [3, STOP], FinishReason.STOP)]
+    assert outcome.released == ["a"] and s.pool.num_used == 0 and not s.requests
+
+
+def test_a_run_never_passes_max_tokens_nor_speculates_before_min_tokens() -> None:
+    s = make(k=3)
+    decoding(s, "a", max_tokens=3)
+    assert s.plan(1).slices[0].num_tokens == 2  # one output out, two to go: one proposal and the target's own token
+    s = make(k=3)
+    decoding(s, "b", min_tokens=3)
+    plan = s.plan(1)
+    assert plan.slices[0].num_tokens == 1  # a stop token before min_tokens does not end it: runs could not stop there
+    answer(s, plan)
+    plan = s.plan(2)
+    assert plan.slices[0].num_tokens == 1
+    answer(s, plan)
+    assert s.plan(3).slices[0].num_tokens == 4
+
+
+def test_beyond_max_batch_nothing_speculates() -> None:
+    s = make(k=2, max_batch=2)
+    decoding(s, "a", "b", "c")
+    assert [x.num_tokens for x in s.plan(1).slices] == [1, 1, 1]
+    s = make(k=2, max_batch=3)
+    decoding(s, "a", "b", "c")
+    assert [x.num_tokens for x in s.plan(1).slices] == [3, 3, 3]
+
+
+def test_a_structured_output_decodes_plainly() -> None:
+    s = make()
+    grammar = SamplingParams(grammar=Grammar(GrammarKind.REGEX, "[a-z]+"), frequency_penalty=0.5)
+    decoding(s, "json", sampling=grammar)
+    assert s.plan(1).slices[0].num_tokens == 1
+
+
+def test_verifies_that_accept_nothing_back_off_for_doubling_runs_of_plain_decodes() -> None:
+    s = make(k=2, num_blocks=128)
+    decoding(s, "a", max_tokens=500)
+    step, plain_runs, plain = 1, [], 0
+    while len(plain_runs) < 8:
+        plan = s.plan(step)
+        step += 1
+        if plan.slices[0].num_tokens == 1:
+            plain += 1
+            answer(s, plan)
+            continue
+        assert plan.slices[0].num_tokens == 3
+        plain_runs.append(plain)
+        plain = 0
+        answer(s, plan, {"a": [9]})  # nothing accepted
+    assert plain_runs == [0, 1, 2, 4, 8, 16, 32, 64] and MAX_BACKOFF_TOKENS == 64
+    while (plan := s.plan(step)).slices[0].num_tokens == 1:
+        step += 1
+        answer(s, plan)
+    answer(s, plan, {"a": [3, 9]})  # one accepted: it speculates again at once
+    assert s.plan(step + 1).slices[0].num_tokens == 3
+
+
+def test_a_verify_of_a_request_preempted_meanwhile_keeps_no_blocks() -> None:
+    s = make(k=3)
+    decoding(s, "a")
+    plan = s.plan(1)
+    s._preempt(s.requests["a"])  # as a request admitted later would make it
+    answer(s, plan, {"a": [3, 4]})
+    assert s.pool.num_used == 0
+    s.pool.check()
+
+
+def loop_for(tmp_path: Path, model_type: str, extra: dict | None = None, **flags: object) -> SchedulerLoop:
+    model = tmp_path / "model"
+    model.mkdir()
+    config = {"model_type": model_type, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "hidden_size": 64}
+    (model / "config.json").write_text(json.dumps({**config, **(extra or {}), "vocab_size": 256, "max_position_embeddings": 256}))
+    stack = StackConfig(model=str(model), run_dir=str(tmp_path / "run"), kv_cache_tokens=1024, **flags)
+    return SchedulerLoop(stack, structlog.get_logger())
+
+
+def test_the_scheduler_process_reports_the_method_and_k(tmp_path: Path) -> None:
+    loop = loop_for(tmp_path, "qwen3", speculative_method="ngram", num_speculative_tokens=5, speculative_max_batch=2)
+    assert loop.instrumentation()["speculative"] == {"method": "ngram", "num_speculative_tokens": 5, "max_batch": 2}
+    assert (loop.core.speculation.num_tokens, loop.core.speculation.max_batch) == (5, 2)
+
+
+def test_without_a_method_nothing_speculates(tmp_path: Path) -> None:
+    loop = loop_for(tmp_path, "qwen3")
+    assert loop.instrumentation()["speculative"] is None and not loop.core.speculation.enabled
+
+
+def test_a_hybrid_model_is_refused_saying_why(tmp_path: Path) -> None:
+    gdn = {"linear_num_key_heads": 2, "linear_key_head_dim": 16, "linear_num_value_heads": 4, "linear_value_head_dim": 16}
+    with pytest.raises(ValueError, match="hybrid .GDN. models: their state cannot be rolled back"):
+        loop_for(tmp_path, "qwen3_next", gdn, speculative_method="ngram")

@@ -1,0 +1,244 @@
+"""Speculative decoding changes no greedy output: proposals verified in the step's batch, under chunked prefill,
+mixed batches, preemption and aborts, give transformers' greedy continuation token for token, and every block goes
+back to the pool.
+
+A tiny random model rarely repeats itself, so prompt lookup's proposals are mostly rejected; to verify runs that
+are accepted in full, in part and not at all, the runner's proposer is replaced by one that proposes the
+reference continuation with every ``wrong_every``-th token wrong."""
+
+from __future__ import annotations
+
+from collections import deque
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from prometheus_client import REGISTRY
+
+from services.scheduler.core import Scheduler
+from services.scheduler.kv_blocks import BlockPool
+from services.scheduler.speculation import Speculation
+from services.worker.runner import ModelRunner, RunnerConfig
+from shared.devtools.inprocess_engine import InProcessEngine
+from shared.frames import FinishReason, SamplingParams, StepResult, Submit
+from tests.worker.harness import build_tiny
+
+NEW_TOKENS = 20
+LOOP = [11, 12, 13, 14, 15, 16, 17, 18]
+# Prompts that repeat themselves, so prompt lookup proposes; a tiny random model also falls into loops of its own.
+PROMPTS = [
+    LOOP * 3 + [11, 12],
+    [5, 17, 33, 9, 81] * 2 + [5, 17],
+    [70, 71, 72, 73, 74, 75],
+    LOOP * 2 + [40, 41, 42, 11, 12, 13],
+    [90, 91, 92, 93, 90, 91, 92, 93, 90],
+]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3_moe"])
+def model(request, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp(f"tiny-{request.param}-spec"))
+    reference = build_tiny(request.param, path)
+    expected = {}
+    for i, prompt in enumerate(PROMPTS):
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+        expected[f"r{i}"] = out[0, len(prompt) :].tolist()
+    return path, expected
+
+
+class ReferenceProposer:
+    """Proposes each request's reference continuation after its tokens, every ``wrong_every``-th token made wrong."""
+
+    def __init__(self, expected: dict[str, list[int]], wrong_every: int) -> None:
+        self.prompts = {f"r{i}": len(prompt) for i, prompt in enumerate(PROMPTS)}
+        self.expected, self.wrong_every = expected, wrong_every
+        self.tokens: dict[str, list[int]] = {}
+        self.proposed = 0
+
+    def extend(self, rid: str, token_ids: list[int]) -> None:
+        self.tokens.setdefault(rid, []).extend(token_ids)
+
+    def propose(self, wanted: dict[str, int]) -> dict[str, list[int]]:
+        out = {}
+        for rid, count in wanted.items():
+            done = len(self.tokens[rid]) - self.prompts[rid]
+            proposal = []
+            for token in self.expected[rid][done : done + count]:
+                self.proposed += 1
+                proposal.append((token + 1) % 256 if self.proposed % self.wrong_every == 0 else token)
+            if proposal:
+                out[rid] = proposal
+        return out
+
+    def release(self, rid: str) -> None:
+        self.tokens.pop(rid, None)
+
+
+def engine(path: str, num_blocks: int, budget: int, depth: int, k: int, max_batch: int = 8, decode_plan_s: float = 0.0, proposer=None):
+    block_size = 4
+    runner = ModelRunner(RunnerConfig(path, num_blocks=num_blocks, block_size=block_size, speculative_method="ngram" if k else "", ngram=(1, 3)))
+    if proposer is not None:
+        runner.speculator.proposer = proposer
+    scheduler = Scheduler(
+        BlockPool(num_blocks, block_size),
+        max_num_seqs=8,
+        max_num_batched_tokens=budget,
+        max_waiting=100,
+        decode_plan_s=decode_plan_s,
+        speculation=Speculation(k, max_batch) if k else None,
+    )
+    return InProcessEngine(scheduler, runner, depth), scheduler, runner
+
+
+def submits(stop: int | None = None) -> list[Submit]:
+    return [
+        Submit(
+            rid=f"r{i}",
+            prompt_ids=prompt,
+            max_tokens=NEW_TOKENS - (i == 2),  # one ends where a run of accepted tokens may overshoot it
+            sampling=SamplingParams(temperature=0),
+            ignore_eos=stop is None,
+            stop_token_ids=[] if stop is None else [stop],
+            min_tokens=3 if i == 1 else 0,
+        )
+        for i, prompt in enumerate(PROMPTS)
+    ]
+
+
+@pytest.mark.parametrize(
+    "num_blocks,budget,depth,k,wrong_every,decode_plan_s",
+    [
+        (64, 256, 2, 3, 1000, 0.0),  # whole prompts, then verifies accepted in full, in batches of decodes
+        (64, 256, 2, 3, 1, 0.0),  # every proposal rejected at once
+        (64, 7, 2, 4, 3, 0.0),  # chunks of 7 tokens in the same steps as verifies accepted in part
+        (64, 5, 1, 2, 2, 1.0),  # strictly alternating plans; runs of decodes where nothing speculates
+        (14, 16, 2, 3, 3, 0.0),  # 56 KV slots for 5 requests of up to 46 tokens: preemption and recompute
+    ],
+)
+def test_greedy_outputs_equal_transformers_with_speculation(
+    model, num_blocks: int, budget: int, depth: int, k: int, wrong_every: int, decode_plan_s: float
+) -> None:
+    path, expected = model
+    run_engine, scheduler, runner = engine(path, num_blocks, budget, depth, k, decode_plan_s=decode_plan_s, proposer=ReferenceProposer(expected, wrong_every))
+    work = submits()
+    result = run_engine.run(work[:3], arrivals={3: work[3:4], 6: work[4:]})
+    assert result.outputs == {**expected, "r2": expected["r2"][: NEW_TOKENS - 1]}
+    spec = runner.speculator
+    assert spec.drafts > 0 and (spec.accepted_tokens == 0 if wrong_every == 1 else spec.accepted_tokens > 0)
+    if wrong_every == 1000:
+        assert spec.accepted_tokens == spec.draft_tokens
+    assert scheduler.pool.num_used == 0
+    scheduler.pool.check()
+    if num_blocks == 14:
+        assert scheduler.num_preemptions > 0
+
+
+def test_prompt_lookup_changes_no_output(tmp_path) -> None:
+    """Over a vocabulary of 32 a tiny model repeats itself enough for prompt lookup to propose."""
+    reference = build_tiny("llama", str(tmp_path), vocab_size=32)
+    prompts = [[t % 32 for t in prompt] for prompt in PROMPTS]
+    run_engine, scheduler, runner = engine(str(tmp_path), 64, 7, 2, 3)
+    work = [msgspec.structs.replace(s, prompt_ids=prompt) for s, prompt in zip(submits(), prompts)]
+    result = run_engine.run(work)
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert result.outputs[f"r{i}"] == out[0, len(prompt) :].tolist()[: work[i].max_tokens]
+    assert runner.speculator.drafts > 0
+    assert scheduler.pool.num_used == 0
+
+
+def test_the_worker_counts_drafts_and_accepted_tokens_under_vllm_names(model) -> None:
+    path, expected = model
+
+    def sample(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(f"tokenyard:spec_decode_{name}_total", labels) or 0.0
+
+    before = {name: sample(name) for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    first_before = sample("num_accepted_tokens_per_pos", position="0")
+    run_engine, _, runner = engine(path, 64, 256, 2, 3, proposer=ReferenceProposer(expected, 3))
+    run_engine.run(submits())
+    spec = runner.speculator
+    assert 0 < spec.accepted_tokens < spec.draft_tokens  # every third proposed token is wrong
+    assert sample("num_drafts") - before["num_drafts"] == spec.drafts
+    assert sample("num_draft_tokens") - before["num_draft_tokens"] == spec.draft_tokens
+    assert sample("num_accepted_tokens") - before["num_accepted_tokens"] == spec.accepted_tokens
+    assert sample("num_accepted_tokens_per_pos", position="0") - first_before == spec.accepted_per_position[0]
+    assert sum(spec.accepted_per_position) == spec.accepted_tokens
+    assert spec.accepted_per_position == sorted(spec.accepted_per_position, reverse=True)  # a position is accepted only after those before it
+    facts = runner.describe()["speculative"]
+    assert facts["method"] == "ngram" and facts["acceptance_rate"] == round(spec.accepted_tokens / spec.draft_tokens, 4)
+
+
+def test_a_worker_refuses_to_speculate_for_a_hybrid_model(tmp_path: Path) -> None:
+    build_tiny("qwen3_next", str(tmp_path))
+    with pytest.raises(ValueError, match="does not yet run qwen3_next: its GDN state cannot be rolled back"):
+        ModelRunner(RunnerConfig(str(tmp_path), num_blocks=16, block_size=4, speculative_method="ngram"))
+
+
+def test_a_stop_token_inside_an_accepted_run_ends_the_request_there(model) -> None:
+    path, expected = model
+    # A token the continuation holds past the first few, so a run of accepted tokens may cross it.
+    stop = expected["r0"][6]
+    plain, _, _ = engine(path, 64, 256, 2, 0)
+    speculative, scheduler, _ = engine(path, 64, 256, 2, 4, proposer=ReferenceProposer(expected, 1000))
+    off, on = plain.run(submits(stop)), speculative.run(submits(stop))
+    assert on.outputs == off.outputs and on.finish == off.finish
+    assert on.outputs["r0"][-1] == stop and on.finish["r0"] == FinishReason.STOP
+    assert scheduler.pool.num_used == 0
+
+
+def test_beyond_max_batch_no_request_speculates(model) -> None:
+    path, expected = model
+    run_engine, _, runner = engine(path, 64, 256, 2, 3, max_batch=2, proposer=ReferenceProposer(expected, 1000))
+    result = run_engine.run(submits())
+    assert result.outputs == {**expected, "r2": expected["r2"][: NEW_TOKENS - 1]}
+    assert runner.speculator.drafts == 0  # five requests ran together from the start
+
+
+def test_aborts_while_verifies_are_in_flight_free_every_block(model) -> None:
+    path, expected = model
+    run_engine, scheduler, runner = engine(path, 64, 256, 2, 3, proposer=ReferenceProposer(expected, 3))
+    for submit in submits():
+        scheduler.submit(submit)
+    in_flight: deque[StepResult] = deque()
+    outputs: dict[str, list[int]] = {}
+    step = 0
+    while scheduler.requests or in_flight:
+        plan = scheduler.plan(step)
+        step += 1
+        if step == 8:  # aborted with a verify (or its pipelined decodes) in flight
+            for rid in ("r0", "r3"):
+                runner.release(scheduler.finish(rid, FinishReason.ABORT).released)
+        if plan.slices:
+            in_flight.append(run_engine.plan_runs.run(plan, lambda *_: None))
+        if in_flight and (len(in_flight) >= 2 or not plan.slices):
+            outcome = scheduler.on_result(in_flight.popleft())
+            for delta in outcome.deltas:
+                outputs.setdefault(delta.rid, []).extend(delta.token_ids)
+            runner.release(outcome.released)
+    for rid in ("r1", "r4"):
+        assert outputs[rid] == expected[rid]
+    for rid in ("r0", "r3"):
+        assert outputs.get(rid, []) == expected[rid][: len(outputs.get(rid, []))]
+    assert scheduler.pool.num_used == 0 and len(runner.requests) == 0
+    scheduler.pool.check()
+
+
+def test_seeded_sampled_requests_verify_by_rejection_sampling_and_repeat_themselves(model) -> None:
+    """Sampled requests go through the rejection sampler in the step's batch; with a seed each one's tokens are
+    the same from run to run (its uniforms come from its own generator), and near-greedy ones accept proposals."""
+    path, expected = model
+    work = [
+        msgspec.structs.replace(s, sampling=SamplingParams(temperature=0.3 if i % 2 else 1.0, top_p=0.9, seed=100 + i), max_tokens=NEW_TOKENS)
+        for i, s in enumerate(submits())
+    ]
+    outputs = []
+    for _ in range(2):
+        run_engine, scheduler, runner = engine(path, 64, 256, 2, 3, proposer=ReferenceProposer(expected, 1000))
+        outputs.append(run_engine.run(work).outputs)
+        assert runner.speculator.accepted_tokens > 0 and scheduler.pool.num_used == 0
+    assert outputs[0] == outputs[1]
+    assert all(len(tokens) == NEW_TOKENS for tokens in outputs[0].values())
