@@ -98,9 +98,6 @@ class SamplingParams(_Part):
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = {}  # token id -> added to its logit
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's and the k most likely tokens' log-probabilities
-    json_schema: str | None = None  # structured outputs: the output is one JSON value this schema (JSON text) allows
-    json_prefix: str = ""  # ... with this text before the value and json_suffix after it (a tool call's tags)
-    json_suffix: str = ""
     grammar: Grammar | None = None  # structured outputs: the output follows this grammar
     grammar_after: list[int] = []  # ... from after these tokens (the end of a reasoning block; empty: from its start)
 
@@ -113,7 +110,7 @@ class SamplingParams(_Part):
     def follows_outputs(self) -> bool:
         """Whether the worker must know which prefilled tokens are earlier outputs (a preempted request is
         recomputed from its prompt and outputs): the penalties count them, and a grammar resumes after them."""
-        return self.penalised or self.json_schema is not None or self.grammar is not None
+        return self.penalised or self.grammar is not None
 
 
 class Submit(_Frame):
@@ -340,4 +337,19 @@ class ApiAnnounce(_Frame):
     engine: str
 
 
-Frame = Submit | Abort | StepPlan | CompileGrammar | GrammarCompiled | Release | StepResult | TokenBatch | TextBatch | Finish | Error | Heartbeat | EngineStatus | ApiAnnounce
+Frame = (
+    Submit
+    | Abort
+    | StepPlan
+    | CompileGrammar
+    | GrammarCompiled
+    | Release
+    | StepResult
+    | TokenBatch
+    | TextBatch
+    | Finish
+    | Error
+    | Heartbeat
+    | EngineStatus
+    | ApiAnnounce
+)

@@ -20,7 +20,6 @@ from services.api.protocol import (
     MAX_STOP_STRINGS,
     MAX_TOKENS,
     MAX_TOOL_NAME,
-    NULL_OR_FALSE,
     TOOL_NAME,
     Generation,
     check,
@@ -34,16 +33,13 @@ from services.api.protocol import (
     when,
 )
 from services.api.reasoning import check_effort
-from services.api.structured_outputs import anthropic_output_format, check_structured_combination
+from services.api.structured_outputs import anthropic_output_format
 from services.api.tools import ToolChoice, ToolSpec, check_tools, template_call
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     REQUIRED: ClassVar[tuple[str, ...]] = ()  # see services.api.protocol._Body
     RULES: ClassVar[tuple[dict[str, Any], ...]] = ()
-
-
-_NONE = {"type": ["array", "null"], "maxItems": 0}  # left out, null or empty
 
 
 class CacheControl(_Body):
@@ -103,7 +99,7 @@ class AnthropicTool(_Body):
     description: str | None = None
     type: Annotated[str | None, schema(enum=["custom", None])] = None
     cache_control: CacheControl | None = None
-    strict: Annotated[bool | None, NULL_OR_FALSE] = None
+    strict: bool | None = None  # true: a call's input is held to input_schema
 
 
 class AnthropicToolChoice(_Body):
@@ -147,15 +143,6 @@ class _MessagesBody(_Body):
                 {"properties": {"messages": {"contains": {"not": {"properties": {"role": {"const": "user"}, "content": {"maxItems": 0}}}}}}},
             ]
         },
-        when(  # the grammar would bind tool calls too
-            {"output_config": {"type": "object", "properties": {"format": {"type": "object"}}, "required": ["format"]}},
-            {
-                "anyOf": [
-                    {"properties": {"tool_choice": {"type": "object", "properties": {"type": {"const": "none"}}}}, "required": ["tool_choice"]},
-                    {"properties": {"tool_choice": {"type": "null"}, "tools": _NONE}},
-                ]
-            },
-        ),
     )
 
     model: Annotated[str | None, schema("model")] = None
@@ -209,8 +196,10 @@ def validate_messages(body: MessagesRequest, served_model: str, efforts: tuple[s
         stop=check_stops(body.stop_sequences, "stop_sequences"),
     )
     turn = turn_of(body, efforts)
-    schema = anthropic_output_format(body.output_config.format if body.output_config else None)
-    return replace(generation, sampling=msgspec.structs.replace(generation.sampling, json_schema=schema)), turn
+    grammar, param = anthropic_output_format(body.output_config.format if body.output_config else None)
+    if grammar is None:
+        return generation, turn
+    return replace(generation, sampling=msgspec.structs.replace(generation.sampling, grammar=grammar), grammar_param=param), turn
 
 
 def turn_of(body: _MessagesBody, efforts: tuple[str, ...]) -> ChatTurn:
@@ -228,9 +217,7 @@ def turn_of(body: _MessagesBody, efforts: tuple[str, ...]) -> ChatTurn:
     last = body.messages[-1]
     prefill = last.role == "assistant" and not messages[-1].get("tool_calls")
     effort = _effort(body, efforts)
-    # count_tokens refuses a format that messages would refuse, too
-    output_format = anthropic_output_format(body.output_config.format if body.output_config else None)
-    check_structured_combination(output_format, choice.mode, effort, efforts, "output_config.format")
+    anthropic_output_format(body.output_config.format if body.output_config else None)  # count_tokens refuses a format that messages would refuse, too
     return ChatTurn(
         messages=messages,
         tools=tools,
@@ -281,8 +268,7 @@ def _effort(body: _MessagesBody, efforts: tuple[str, ...]) -> str | None:
 def _tool(tool: AnthropicTool, index: int) -> ToolSpec:
     where = f"tools[{index}]"
     check(tool.type in (None, "custom"), f"{where}.type", f"tools of type {tool.type!r} are not supported; only custom tools")
-    unsupported(not tool.strict, f"{where}.strict", "strict tool schemas (they need constrained decoding)")
-    return ToolSpec(tool.name, tool.description or "", tool.input_schema)
+    return ToolSpec(tool.name, tool.description or "", tool.input_schema, strict=bool(tool.strict))
 
 
 def _tool_choice(choice: AnthropicToolChoice | None, has_tools: bool) -> ToolChoice:

@@ -23,8 +23,8 @@ from services.api.metrics import IN_FLIGHT, RequestTimer
 from services.api.output_parsing import Event, OutputParser
 from services.api.protocol import Generation
 from services.api.reasoning import thinks
-from services.api.structured_outputs import tool_call_grammar
-from shared.frames import Submit, TextDelta, TextLogprobs
+from services.api.structured_outputs import check_grammar, tool_call_grammar, tool_parameters_grammar
+from shared.frames import Grammar, Submit, TextDelta, TextLogprobs
 
 if TYPE_CHECKING:
     from services.api.chat import ChatTurn
@@ -211,11 +211,32 @@ async def chat_submits(state: ApiState, turn: ChatTurn, generation: Generation, 
     if state.tracing is not None:
         state.tracing.prompt_rendered(len(prompt.ids))
     max_tokens = context_limit(len(prompt.ids), generation, state.max_model_len, prompt_param)
-    thinking = thinks(turn.effort, state.chat_format.efforts)
-    if generation.sampling.json_schema is None and (call := tool_call_grammar(turn.shown_tools, turn.tool_choice, state.chat_format.tool_parser, thinking)):
-        schema, prefix, suffix = call
-        generation = replace(generation, sampling=msgspec.structs.replace(generation.sampling, json_schema=schema, json_prefix=prefix, json_suffix=suffix))
+    generation = await _with_grammar(state, turn, generation)
     submits = build_submits(generation, [prompt.ids], [max_tokens], state.eos_token_ids, state.config.api_address)
     for submit in submits:  # where a hybrid model checkpoints its GDN state (none unless the builder finds anchors)
         submit.anchors = prompt.anchors
     return prompt, submits
+
+
+async def _with_grammar(state: ApiState, turn: ChatTurn, generation: Generation) -> Generation:
+    """The chat's grammar: the answer's (``response_format`` and the like), or the structural tag that holds its tool
+    calls; from the end of the reasoning block on where the model thinks first; parsed in the api's thread pool."""
+    sampling, param = generation.sampling, generation.grammar_param
+    for i, tool in enumerate(turn.tools):
+        if tool.strict:
+            await check_grammar_off_loop(state, tool_parameters_grammar(tool, f"tools[{i}]"), f"tools[{i}]")
+    calls = tool_call_grammar(turn.shown_tools, turn.tool_choice, state.chat_format.tool_parser, sampling.grammar)
+    if calls is not None:
+        sampling, param = msgspec.structs.replace(sampling, grammar=calls), param or "tools"
+    if sampling.grammar is not None and state.chat_format.reasoning_tags and thinks(turn.effort, state.chat_format.efforts):
+        end = state.chat_format.reasoning_tags[1]
+        sampling = msgspec.structs.replace(sampling, grammar_after=state.prompts.tokenizer.encode(end, add_special_tokens=False))
+    if sampling.grammar is not None:
+        await check_grammar_off_loop(state, sampling.grammar, param)
+    return replace(generation, sampling=sampling, grammar_param=param)
+
+
+async def check_grammar_off_loop(state: ApiState, grammar: Grammar | None, param: str) -> None:
+    """``check_grammar`` in the api's thread pool: a schema that takes long to parse holds up no other request."""
+    if grammar is not None:
+        await asyncio.get_running_loop().run_in_executor(state.prompts.pool, check_grammar, grammar, param or "structured_outputs")

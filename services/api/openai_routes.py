@@ -10,7 +10,17 @@ from typing import Any
 from aiohttp import web
 
 from services.api.errors import ApiError
-from services.api.generation import ChoiceResult, build_submits, chat_submits, collect, collect_parsed, context_limit, engine_run, parsed_stream
+from services.api.generation import (
+    ChoiceResult,
+    build_submits,
+    chat_submits,
+    check_grammar_off_loop,
+    collect,
+    collect_parsed,
+    context_limit,
+    engine_run,
+    parsed_stream,
+)
 from services.api.logprobs import chat_logprobs, completion_logprobs
 from services.api.output_parsing import Content, Event, OutputParser, Reasoning, ToolCallDelta, ToolCallStart, finish_reason
 from services.api.protocol import ChatCompletionRequest, CompletionRequest, Generation, read_body, validate_chat, validate_completion
@@ -147,6 +157,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[API_STATE]
     body: CompletionRequest = await read_body(request, CompletionRequest)
     generation, prompts = validate_completion(body, state.model_id, state.model.vocab_size)
+    await check_grammar_off_loop(state, generation.sampling.grammar, generation.grammar_param)
     prompt_ids = [p if isinstance(p, list) else await state.prompts.encode(p) for p in prompts]
     limits = [context_limit(len(ids), generation, state.max_model_len, "prompt") for ids in prompt_ids]
     echoes = [(p if isinstance(p, str) else await state.prompts.decode(p)) if body.echo else "" for p in prompts]

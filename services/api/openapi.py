@@ -8,7 +8,7 @@ What the document does not say is left to the checks and named in its descriptio
 length in tokens against the context, ``min_tokens`` against ``max_tokens``, a completions batch times ``n``
 (the batch alone is bounded: the exact rule, one per batch size, is more than schema-driven generators take),
 tool names unique and a named tool among the tools, equal ``max_tokens`` and ``max_completion_tokens``, a
-structured-output schema inside the grammar's subset, structured outputs with a reasoning model's thinking, a
+structured-output schema, regex or grammar that xgrammar parses, a
 thinking budget below ``max_tokens``, and what a chat template itself refuses.
 """
 

@@ -16,7 +16,7 @@ from aiohttp import web
 from services.api.chat import ChatTurn
 from services.api.errors import ApiError, from_validation_error
 from services.api.reasoning import check_effort
-from services.api.structured_outputs import check_structured_combination, json_schema_of
+from services.api.structured_outputs import json_schema_of, structured_outputs_of
 from services.api.tools import ToolChoice, ToolSpec, check_tools, template_call
 from shared.frames import SamplingParams
 
@@ -50,6 +50,19 @@ METADATA = schema(
 SERVICE_TIER = schema(enum=["auto", "default", None])
 LOGPROBS = schema(minimum=0, maximum=MAX_LOGPROBS)
 TOOL_CHOICE_MODES = ["none", "auto", "required"]
+_STRUCTURED_KINDS = {  # vLLM's structured_outputs: a kind left out or null is not asked for
+    "json": {"type": ["object", "boolean", "string", "null"]},
+    "regex": {"type": ["string", "null"], "minLength": 1},
+    "choice": {"type": ["array", "null"], "minItems": 1, "items": {"type": "string", "minLength": 1}},
+    "grammar": {"type": ["string", "null"], "minLength": 1},
+    "json_object": {"enum": [True, None]},
+    "structural_tag": {"type": ["object", "string", "null"]},
+}
+STRUCTURED_OUTPUTS = schema(  # exactly one kind not null; that it parses is xgrammar's check
+    additionalProperties=False,
+    properties=_STRUCTURED_KINDS,
+    oneOf=[{"properties": {kind: {"not": {"type": "null"}}}, "required": [kind]} for kind in _STRUCTURED_KINDS],
+)
 
 
 def when(condition: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
@@ -120,7 +133,7 @@ class FunctionDef(_Body):
     name: Annotated[str, schema(minLength=1, maxLength=MAX_TOOL_NAME, pattern=TOOL_NAME)]
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: Annotated[bool | None, NULL_OR_FALSE] = None
+    strict: bool | None = None  # true: a call's arguments are held to the parameters
 
 
 class ChatTool(_Body):
@@ -184,6 +197,7 @@ class _SamplingBody(_Body):
         dict[str, float] | None, schema("token_id_keys", maxProperties=MAX_LOGIT_BIAS, additionalProperties={"minimum": -100, "maximum": 100})
     ] = None
     user: str | None = None
+    structured_outputs: Annotated[dict[str, Any] | None, STRUCTURED_OUTPUTS] = None  # vLLM's extension
 
 
 class ChatCompletionRequest(_SamplingBody):
@@ -194,15 +208,6 @@ class ChatCompletionRequest(_SamplingBody):
         when(present("top_logprobs"), {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}),
         when({"tool_choice": {"enum": ["required"]}}, {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}),
         when({"tool_choice": {"type": "object"}}, {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}),
-        when(  # the grammar would bind tool calls too
-            {"response_format": {"type": "object", "properties": {"type": {"enum": ["json_object", "json_schema"]}}}},
-            {
-                "anyOf": [
-                    {"properties": {"tool_choice": {"const": "none"}}, "required": ["tool_choice"]},
-                    {"properties": {"tool_choice": {"type": "null"}, "tools": {"type": ["array", "null"], "maxItems": 0}}},
-                ]
-            },
-        ),
     )
 
     messages: Annotated[list[ChatMessage], schema(minItems=1)] = []
@@ -257,6 +262,7 @@ class Generation:
     skip_special_tokens: bool = True
     continuous_usage: bool = False  # usage so far on every chunk
     max_tokens_param: str = "max_tokens"
+    grammar_param: str = ""  # the field that asked for ``sampling.grammar``: a grammar that does not parse is a 400 naming it
 
 
 def decode_body(data: bytes, kind: type[msgspec.Struct]) -> Any:
@@ -382,12 +388,17 @@ def validate_sampling(
     )
 
 
-def with_response_format(generation: Generation, response_format: ResponseFormat | None) -> Generation:
-    """``generation`` whose sampling carries the schema ``response_format`` asks the output to follow."""
-    if response_format is None:
+def with_grammar(generation: Generation, response_format: ResponseFormat | None, structured_outputs: dict[str, Any] | None) -> Generation:
+    """``generation`` whose sampling carries the grammar that ``response_format`` or vLLM's ``structured_outputs`` asks
+    the output to follow (at most one of them)."""
+    grammar, param = structured_outputs_of(structured_outputs)
+    if response_format is not None:
+        if grammar is not None:
+            raise ApiError(400, "send response_format or structured_outputs, not both", param="structured_outputs")
+        grammar, param = json_schema_of(response_format.type, response_format.json_schema, "response_format", "response_format.json_schema")
+    if grammar is None:
         return generation
-    schema = json_schema_of(response_format.type, response_format.json_schema, "response_format", "response_format.json_schema")
-    return replace(generation, sampling=msgspec.structs.replace(generation.sampling, json_schema=schema))
+    return replace(generation, sampling=msgspec.structs.replace(generation.sampling, grammar=grammar), grammar_param=param)
 
 
 def unsupported(condition: bool, param: str, what: str) -> None:
@@ -416,8 +427,7 @@ def validate_chat(body: ChatCompletionRequest, served_model: str, efforts: tuple
     choice = _chat_tool_choice(body.tool_choice, bool(tools), body.parallel_tool_calls)
     check_tools(tools, choice, "tools", "tool_choice", name_field="function.name")
     effort = check_effort(body.reasoning_effort, efforts, "reasoning_effort")
-    generation = with_response_format(generation, body.response_format)
-    check_structured_combination(generation.sampling.json_schema, choice.mode, effort, efforts, "response_format")
+    generation = with_grammar(generation, body.response_format, body.structured_outputs)
     turn = ChatTurn(
         messages=[chat_message(message, i) for i, message in enumerate(body.messages)],
         tools=tools,
@@ -432,8 +442,7 @@ def validate_chat(body: ChatCompletionRequest, served_model: str, efforts: tuple
 
 def chat_tool(tool: ChatTool, index: int) -> ToolSpec:
     check(tool.type == "function", f"tools[{index}].type", f"tools of type {tool.type!r} are not supported; only 'function'")
-    unsupported(not tool.function.strict, f"tools[{index}].function.strict", "strict function schemas (they need constrained decoding)")
-    return ToolSpec(tool.function.name, tool.function.description or "", tool.function.parameters)
+    return ToolSpec(tool.function.name, tool.function.description or "", tool.function.parameters, strict=bool(tool.function.strict))
 
 
 def _chat_tool_choice(choice: str | NamedToolChoice | None, has_tools: bool, parallel: bool | None) -> ToolChoice:
@@ -509,7 +518,7 @@ def validate_completion(body: CompletionRequest, served_model: str, vocab_size: 
     generation = validate_sampling(
         body, served_model, DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens, "max_tokens", vocab_size, logprobs
     )
-    generation = with_response_format(generation, body.response_format)
+    generation = with_grammar(generation, body.response_format, body.structured_outputs)
     unsupported(body.suffix is None, "suffix", "suffix")
     unsupported(body.best_of in (None, 1), "best_of", "best_of other than 1")
     prompts = _prompts(body.prompt)

@@ -37,7 +37,7 @@ from services.api.protocol import (
     when,
 )
 from services.api.reasoning import check_effort
-from services.api.structured_outputs import check_structured_combination, json_schema_of
+from services.api.structured_outputs import json_schema_of
 from services.api.tools import ToolChoice, ToolSpec, check_tools, template_call
 
 OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one ``include`` item served: logprobs on output text
@@ -109,15 +109,6 @@ class ResponsesRequest(_Body):
                 {"properties": {"input": {"anyOf": [{"type": "string"}, {"type": "array", "contains": _NOT_REASONING}]}}},
             ]
         },
-        when(  # the grammar would bind tool calls too
-            {"text": {"type": "object", "properties": {"format": {"type": "object", "properties": {"type": {"enum": ["json_object", "json_schema"]}}}}}},
-            {
-                "anyOf": [
-                    {"properties": {"tool_choice": {"const": "none"}}, "required": ["tool_choice"]},
-                    {"properties": {"tool_choice": {"type": "null"}, "tools": {"type": ["array", "null"], "maxItems": 0}}},
-                ]
-            },
-        ),
     )
 
     model: Annotated[str | None, schema("model")] = None
@@ -218,7 +209,7 @@ class FunctionTool(_Body):
     name: Annotated[str, schema(minLength=1, maxLength=MAX_TOOL_NAME, pattern=TOOL_NAME)]
     parameters: dict[str, Any] | None = None
     description: str | None = None
-    strict: Annotated[bool | None, NULL_OR_FALSE] = None
+    strict: bool | None = None  # true: a call's arguments are held to the parameters
 
 
 _PART_TYPES = {"user": ("input_text",), "system": ("input_text",), "developer": ("input_text",), "assistant": ("output_text", "refusal")}
@@ -237,11 +228,11 @@ def validate_responses(body: ResponsesRequest, served_model: str, efforts: tuple
     unsupported(body.truncation in (None, "disabled"), "truncation", f"truncation {body.truncation!r}")
     check_metadata(body.metadata)
     check_service_tier(body.service_tier)
-    json_schema = None
+    grammar, grammar_param = None, ""
     if body.text is not None:
         if (text_format := body.text.format) is not None:
             spec = {"name": text_format.name, "strict": text_format.strict} | ({} if text_format.schema is None else {"schema": text_format.schema})
-            json_schema = json_schema_of(text_format.type, spec, "text.format", "text.format")
+            grammar, grammar_param = json_schema_of(text_format.type, spec, "text.format", "text.format")
         unsupported(body.text.verbosity is None, "text.verbosity", "text.verbosity")
     check_max_tokens(body.max_output_tokens, "max_output_tokens")
     generation = Generation(
@@ -250,8 +241,9 @@ def validate_responses(body: ResponsesRequest, served_model: str, efforts: tuple
         stream=body.stream,
         include_usage=False,
         max_tokens=body.max_output_tokens,
-        sampling=msgspec.structs.replace(check_sampling(body.temperature, body.top_p, None), logprobs=logprobs, json_schema=json_schema),
+        sampling=msgspec.structs.replace(check_sampling(body.temperature, body.top_p, None), logprobs=logprobs, grammar=grammar),
         max_tokens_param="max_output_tokens",
+        grammar_param=grammar_param,
     )
     tools = [_tool(tool, i) for i, tool in enumerate(body.tools or [])]
     choice = _tool_choice(body.tool_choice, bool(tools), body.parallel_tool_calls)
@@ -261,7 +253,6 @@ def validate_responses(body: ResponsesRequest, served_model: str, efforts: tuple
         messages.insert(0, {"role": "system", "content": body.instructions})
     check(bool(messages), "input", "input must not be empty")
     effort = check_effort(body.reasoning.effort if body.reasoning else None, efforts, "reasoning.effort")
-    check_structured_combination(json_schema, choice.mode, effort, efforts, "text.format")
     return generation, ChatTurn(messages=messages, tools=tools, tool_choice=choice, effort=effort)
 
 
@@ -269,8 +260,7 @@ def _tool(raw: dict[str, Any], index: int) -> ToolSpec:
     where = f"tools[{index}]"
     check(raw.get("type") == "function", f"{where}.type", f"tools of type {raw.get('type')!r} are not supported; only 'function'")
     tool: FunctionTool = convert_part(raw, FunctionTool, where)
-    unsupported(not tool.strict, f"{where}.strict", "strict function schemas (they need constrained decoding); send strict: false")
-    return ToolSpec(tool.name, tool.description or "", tool.parameters)
+    return ToolSpec(tool.name, tool.description or "", tool.parameters, strict=bool(tool.strict))
 
 
 def _tool_choice(raw: str | dict[str, Any] | None, has_tools: bool, parallel: bool | None) -> ToolChoice:

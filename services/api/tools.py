@@ -19,6 +19,7 @@ class ToolSpec:
     name: str
     description: str = ""
     parameters: dict[str, Any] | None = None
+    strict: bool = False  # a call's arguments are held to ``parameters`` (structured_outputs.tool_call_grammar)
 
     def template_entry(self) -> dict[str, Any]:
         """The OpenAI/Hugging Face shape that chat templates iterate over."""
@@ -39,10 +40,10 @@ class ToolSpec:
 class ToolChoice:
     """``none``: no tools reach the model; ``auto``: it may call; ``required``/``named``: it is told to call.
 
-    ``required`` and ``named`` are held by the grammar where they can be (``structured_outputs.tool_call_grammar``:
-    the answer is then one call of an offered tool); elsewhere (a model that thinks first, another parser's
-    format, parameters outside the grammar's subset) they are instructions, and an answer without a call is
-    returned as it is, with the finish reason ``stop``.
+    ``required`` and ``named`` are held by the grammar where the tool parser's format has one
+    (``structured_outputs.tool_call_grammar``: the answer is then one call of an offered tool, after any reasoning);
+    with another parser's format they are instructions, and an answer without a call is returned as it is, with the
+    finish reason ``stop``.
     """
 
     mode: Literal["none", "auto", "required", "named"] = "auto"

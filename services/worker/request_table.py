@@ -11,21 +11,21 @@ from typing import Protocol
 import torch
 
 from services.worker.sampling import LogitBias, TokenHistory
+from services.worker.structured import GrammarState
 from shared.frames import SamplingParams, Slice
-from shared.json_grammar import Matcher
 
 ALL_PROMPT = 1 << 62  # a prompt_len no prefill reaches: every prefilled token is prompt
 
 
 class Grammars(Protocol):
-    """Structured outputs where this rank samples (``sampler.Sampler``): a schema's grammar (a ``ValueError``
-    for one it cannot take), where a request starts in it, and a step along it."""
+    """Structured outputs where this rank samples (``sampler.Sampler``): a request's grammar compiled (a
+    ``ValueError`` for one it cannot take), where a request starts in it, and a step along it."""
 
     def check(self, params: SamplingParams) -> None: ...
 
-    def start(self, params: SamplingParams) -> Matcher: ...
+    def start(self, params: SamplingParams) -> GrammarState: ...
 
-    def advance(self, matcher: Matcher, token: int) -> Matcher: ...
+    def advance(self, state: GrammarState, token: int) -> GrammarState: ...
 
 
 @dataclass
@@ -41,7 +41,7 @@ class RequestState:
     slot: int = -1  # GDN state slot (hybrid models)
     noise_seed: int = 0  # the device sampler's noise stream (the params' seed, else random)
     draws: int = 0  # tokens sampled so far
-    grammar: Matcher | None = None  # structured outputs: where the output is in its JSON grammar
+    grammar: GrammarState | None = None  # structured outputs: where the output is in its grammar
 
     @classmethod
     def start(cls, s: Slice) -> RequestState:
@@ -110,7 +110,7 @@ class RequestTable:
             request = self._requests.get(s.rid)
             if request is None:
                 request = self._requests[s.rid] = RequestState.start(s)
-                if request.params.json_schema is not None and grammars is not None:
+                if request.params.grammar is not None and grammars is not None:
                     request.grammar = grammars.start(request.params)
                 request.record_prefill(0, s.prefix_ids, grammars)
             request.table.extend(s.new_blocks)
@@ -129,7 +129,7 @@ class RequestTable:
 
     def validate(self, slices: list[Slice], limits: PlanLimits, grammars: Grammars | None) -> None:
         """A ``ValueError`` naming the first way ``slices`` break the contract; where this rank samples
-        (``grammars``), a json_schema it cannot take is one."""
+        (``grammars``), a grammar it cannot compile is one."""
         if len(slices) > limits.max_num_seqs:
             raise ValueError(f"a step of {len(slices)} slices exceeds max_num_seqs={limits.max_num_seqs}")
         if len({s.rid for s in slices}) != len(slices):
@@ -158,8 +158,8 @@ class RequestTable:
                 raise ValueError(f"slice for {s.rid!r} names token ids (logit_bias or prefix_ids) outside the vocabulary of {vocab}")
             if limits.num_slots is not None:
                 self._validate_slot(s, request, limits.num_slots, limits.num_checkpoints)
-            if s.sampling is not None and s.sampling.json_schema is not None and grammars is not None:
-                grammars.check(s.sampling)  # a schema it cannot take: a bad plan
+            if s.sampling is not None and s.sampling.grammar is not None and grammars is not None:
+                grammars.check(s.sampling)  # a grammar it cannot compile: a bad plan (compiled ahead, it is a cache hit)
             if any(not 0 <= b < limits.num_blocks for b in s.new_blocks):
                 raise ValueError(f"slice for {s.rid!r} names blocks outside 0..{limits.num_blocks - 1}: {s.new_blocks}")
             capacity = (len(request.table) if request else 0) + len(s.new_blocks)

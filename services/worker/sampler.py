@@ -10,9 +10,8 @@ import torch
 from services.worker.kernels.sampling import SamplingTensors, sample_on_device
 from services.worker.request_table import RequestState
 from services.worker.sampling import process_logits, sample, token_logprobs
-from services.worker.structured import StructuredOutputs, Vocabulary
+from services.worker.structured import GrammarState, StructuredOutputs
 from shared.frames import SamplingParams, TokenLogprobs
-from shared.json_grammar import Matcher
 
 
 class Sampler:
@@ -23,15 +22,21 @@ class Sampler:
         self.name = "torch" if device.type == "cpu" else "device"
         self._sample = self._sample_torch if self.name == "torch" else self._sample_device
         self._model_dir, self._vocab_size = model_dir, vocab_size
-        self._structured: StructuredOutputs | None = None  # built at the first request with a json_schema
+        self._structured: StructuredOutputs | None = None  # built in warm-up (else at the first request with a grammar)
 
     def __call__(self, logits: torch.Tensor, requests: list[RequestState]) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
         """Each request's token and (where it asked) logprobs; a constrained request's grammar moves past its token."""
         params = [r.params for r in requests]
         processed = process_logits(logits, params, [r.history for r in requests], [r.bias for r in requests])
+        grammars = [r.grammar for r in requests]
+        constrained = any(g is not None for g in grammars)
+        if constrained:
+            self.structured.apply(processed, grammars)  # the tokens each grammar refuses are masked out, in one call
         chosen = self._sample(processed, requests)
-        if any(r.grammar is not None for r in requests):
-            chosen = self._hold_to_grammars(processed, chosen, requests)
+        if constrained:
+            for grammar, token in zip(grammars, chosen.tolist()):
+                if grammar is not None:
+                    grammar.accept(token)
         return chosen, token_logprobs(processed, chosen, params)
 
     def _sample_torch(self, logits: torch.Tensor, requests: list[RequestState]) -> torch.Tensor:
@@ -47,39 +52,30 @@ class Sampler:
 
     @property
     def structured(self) -> StructuredOutputs:
-        """The vocabulary as bytes, built once (warm-up does it); a ``ValueError`` when the model has no tokenizer."""
+        """xgrammar's tokenizer info and compiler, built once (warm-up does it); a ``ValueError`` when the model has no tokenizer."""
         if self._structured is None:
             from shared.model_info import load_model_info
 
             eos = load_model_info(self._model_dir).eos_token_ids
             try:
-                vocabulary = Vocabulary.of_model(self._model_dir, self._vocab_size, eos)
+                self._structured = StructuredOutputs.of_model(self._model_dir, self._vocab_size, eos)
             except (OSError, ValueError, TypeError) as exc:
                 raise ValueError(f"structured outputs need the model's tokenizer, which did not load: {exc}") from exc
-            self._structured = StructuredOutputs(vocabulary)
         return self._structured
 
+    @property
+    def compiling(self) -> bool:
+        """Whether grammars compiled ahead (``StructuredOutputs.compile_ahead``) are still in flight."""
+        return self._structured is not None and self._structured.compiling
+
     def check(self, params: SamplingParams) -> None:
-        self.structured.grammar(params.json_schema, params.json_prefix, params.json_suffix)
+        self.structured.check(params)
 
-    def start(self, params: SamplingParams) -> Matcher:
-        return self.structured.grammar(params.json_schema, params.json_prefix, params.json_suffix).start()
+    def start(self, params: SamplingParams) -> GrammarState:
+        return self.structured.start(params)
 
-    def advance(self, matcher: Matcher, token: int) -> Matcher:
-        return self.structured.advance(matcher, token)
-
-    def _hold_to_grammars(self, logits: torch.Tensor, chosen: torch.Tensor, requests: list[RequestState]) -> torch.Tensor:
-        """``chosen`` with each constrained row's token one its grammar allows (``StructuredOutputs.enforce``); each
-        constrained request's grammar moves past its token."""
-        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
-
-        def resample(row: int, masked: torch.Tensor) -> int:
-            return int(sample(masked, [requests[row].params], [requests[row].generator])[0])
-
-        tokens, afters = self.structured.enforce(logits, chosen.tolist(), rows, [requests[i].grammar for i in rows], resample)
-        for i, after in zip(rows, afters):
-            requests[i].grammar = after
-        return torch.tensor(tokens, dtype=chosen.dtype, device=chosen.device)
+    def advance(self, state: GrammarState, token: int) -> GrammarState:
+        return self.structured.advance(state, token)
 
     def describe_structured(self) -> dict[str, Any] | None:
         return self._structured.describe() if self._structured is not None else None

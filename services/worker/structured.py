@@ -1,162 +1,174 @@
-"""Structured outputs in the worker: each constrained request's place in its JSON grammar, and its sampled
-token held to it.
+"""Structured outputs in the worker, on xgrammar: the model's tokenizer info (built once, in warm-up), grammars
+compiled once per distinct request grammar (off the step's path, on a thread, into xgrammar's bounded cache), one
+matcher per constrained request, and the batch's token bitmask filled for its constrained rows and applied to the
+logits in one call before sampling (so a greedy row takes the most likely token its grammar allows).
 
-A row's sampled token is kept when the grammar takes its bytes; otherwise the row is sampled again, with its
-own parameters, from its logits with every token the grammar refuses masked out (as llama.cpp does). A greedy
-row so takes the most likely token the grammar allows. The end-of-sequence tokens are allowed exactly where
-the output is a whole JSON value, and are all that is allowed once nothing may follow it; special tokens are
-never allowed as text. The masks are cached per grammar state, and grammars per schema.
+A request whose grammar starts after a reasoning block (``SamplingParams.grammar_after``: the end-of-reasoning
+tokens) thinks unconstrained; its matcher starts at the token after them.
 """
 
 from __future__ import annotations
 
-import json
+import re
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
+import xgrammar as xgr
 
-from shared.json_grammar import JsonGrammar, Matcher, plain_string_bytes
+from shared.frames import Grammar, GrammarKind, SamplingParams
 
-_TOKENS = -1  # key of a trie node's list of the token ids that end there
+_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # xgrammar's "[hh:mm:ss] file.cc:line: " before its complaint
 
 
-class Vocabulary:
-    """Every token's bytes as a byte trie, the tokens that may stand anywhere inside a plain string (a mask),
-    the others with bytes (checked one by one there), and the end-of-sequence ids."""
+def complaint(exc: Exception) -> str:
+    """xgrammar's error without the C++ source location it opens with."""
+    return _LOCATION.sub("", str(exc).strip()) or type(exc).__name__
 
-    def __init__(self, token_bytes: Sequence[bytes | None], eos_ids: Sequence[int]) -> None:
-        self.size = len(token_bytes)
-        self.token_bytes = token_bytes
-        self.eos_ids = [t for t in eos_ids if 0 <= t < self.size]
-        self.trie: dict = {}
-        plain, self.unplain_ids = [], []
-        for token, data in enumerate(token_bytes):
-            if not data:  # a special token: never text
-                continue
-            node = self.trie
-            for byte in data:
-                node = node.setdefault(byte, {})
-            node.setdefault(_TOKENS, []).append(token)
-            (plain if plain_string_bytes(data) else self.unplain_ids).append(token)
-        self.plain = torch.zeros(self.size, dtype=torch.bool)
-        self.plain[plain] = True
 
-    @classmethod
-    def of_model(cls, model_dir: str, vocab_size: int, eos_ids: Sequence[int]) -> Vocabulary:
-        from shared.token_texts import TokenTexts
-        from shared.tokenizer import load_tokenizer
+class GrammarState:
+    """One constrained request's place in its grammar: waiting for the end of its reasoning (``after``), then
+    its xgrammar matcher. ``rollback`` undoes accepted tokens (rejected speculative tokens)."""
 
-        tokenizer = load_tokenizer(model_dir)
-        texts = TokenTexts(tokenizer)
-        special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-        known = len(tokenizer)  # the embedding may have more rows than the tokenizer has tokens: those are never text
-        return cls([None if i in special or i >= known else texts(i)[1] for i in range(vocab_size)], eos_ids)
+    def __init__(self, compiled: xgr.CompiledGrammar, after: Sequence[int]) -> None:
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self._after = list(after)
+        self._seen: list[int] = []  # while reasoning: the latest outputs, as long as ``after``
+        self.reasoning = bool(self._after)
+        self.accepted = 0  # tokens the matcher took: what rollback may undo
+
+    @property
+    def constrains(self) -> bool:
+        """Whether the next token is held to the grammar (not while reasoning; once it ended, to its stop tokens)."""
+        return not self.reasoning
+
+    def accept(self, token: int) -> bool:
+        """Moves past an output token; False where the grammar refuses it (the state is then unchanged)."""
+        if self.reasoning:
+            self._seen = (self._seen + [token])[-len(self._after) :]
+            self.reasoning = self._seen != self._after
+            return True
+        if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+            return False
+        self.accepted += 1
+        return True
+
+    def rollback(self, tokens: int) -> None:
+        tokens = min(tokens, self.accepted)
+        if tokens:
+            self.matcher.rollback(tokens)
+            self.accepted -= tokens
 
 
 class StructuredOutputs:
-    """The worker's grammars (by schema text) and masks (by grammar state), over one vocabulary."""
+    """The worker's xgrammar compiler over the model's vocabulary, its compilations in flight, and the bitmask."""
 
-    def __init__(self, vocabulary: Vocabulary, cache_size: int = 256) -> None:
-        self.vocabulary = vocabulary
-        self._grammars: OrderedDict[tuple[str, str, str], JsonGrammar] = OrderedDict()
-        self._masks: OrderedDict[Matcher, torch.Tensor] = OrderedDict()
-        self._cache_size = cache_size
-        self.tokens_checked = self.tokens_resampled = self.masks_built = 0  # what /instrumentation reports
-        self.mask_seconds = self.seconds = 0.0  # building masks; all grammar work (checks, masks, resampling, advancing)
+    def __init__(self, info: xgr.TokenizerInfo, cache_bytes: int = 256 << 20) -> None:
+        self.info = info
+        self.vocab_size = info.vocab_size
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True, cache_limit_bytes=cache_bytes)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._compiling: dict[str, tuple[Grammar, Future[xgr.CompiledGrammar]]] = {}
+        self._bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        self._stops_only = torch.zeros_like(self._bitmask[0])  # a mask row for a grammar that ended: its stop tokens
+        for token in info.stop_token_ids:
+            self._stops_only[token // 32] |= 1 << (token % 32)
+        self.grammars_compiled = self.masks_filled = 0  # what /instrumentation reports
+        self.compile_seconds = self.mask_seconds = 0.0
 
-    def describe(self) -> dict[str, int | float]:
+    @classmethod
+    def of_model(cls, model_dir: str, vocab_size: int, eos_ids: Sequence[int]) -> StructuredOutputs:
+        from shared.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(model_dir)
+        return cls(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_ids) or None))
+
+    def describe(self) -> dict[str, Any]:
         return {
-            "tokens_checked": self.tokens_checked,
-            "tokens_resampled": self.tokens_resampled,
-            "masks_built": self.masks_built,
+            "engine": "xgrammar",
+            "grammars_compiled": self.grammars_compiled,
+            "compile_seconds": round(self.compile_seconds, 3),
+            "compiling": len(self._compiling),
+            "masks_filled": self.masks_filled,
             "mask_seconds": round(self.mask_seconds, 3),
-            "seconds": round(self.seconds, 3),
-            "grammars_cached": len(self._grammars),
+            "cache_bytes": self.compiler.get_cache_size_bytes(),
         }
 
-    def grammar(self, schema_json: str, prefix: str = "", suffix: str = "") -> JsonGrammar:
-        """The compiled schema, with the text around the value (cached); a ``ValueError`` for text that is no
-        schema of the subset (the api refuses those, so only a frame from elsewhere carries one)."""
-        key = (schema_json, prefix, suffix)
-        grammar = self._grammars.pop(key, None)
-        if grammar is None:
-            try:
-                grammar = JsonGrammar(json.loads(schema_json), prefix.encode(), suffix.encode())
-            except RecursionError:
-                raise ValueError("the schema nests too deeply to be compiled") from None
-        self._grammars[key] = grammar
-        if len(self._grammars) > 32:
-            self._grammars.popitem(last=False)
-        return grammar
-
-    def after(self, matcher: Matcher, token: int) -> Matcher | None:
-        """The matcher once ``token`` is output (an end-of-sequence token leaves it where it is); None: refused."""
-        if token in self.vocabulary.eos_ids:
-            return matcher if matcher.complete else None
-        data = self.vocabulary.token_bytes[token] if 0 <= token < self.vocabulary.size else None
-        return matcher.feed(data) if data else None
-
-    def allows(self, matcher: Matcher, token: int) -> bool:
-        return self.after(matcher, token) is not None
-
-    def advance(self, matcher: Matcher, token: int) -> Matcher:
-        """The matcher after a recomputed output ``token`` (one the grammar refuses leaves it where it is)."""
-        return self.after(matcher, token) or matcher
-
-    def mask(self, matcher: Matcher) -> torch.Tensor:
-        """Which tokens the grammar allows next: bool [vocabulary]."""
-        cached = self._masks.pop(matcher, None)
-        if cached is None:
-            began = time.perf_counter()
-            cached = self._allowed(matcher)
-            self.masks_built += 1
-            self.mask_seconds += time.perf_counter() - began
-        self._masks[matcher] = cached
-        if len(self._masks) > self._cache_size:
-            self._masks.popitem(last=False)
-        return cached
-
-    def _allowed(self, matcher: Matcher) -> torch.Tensor:
-        vocabulary = self.vocabulary
-        allowed = torch.zeros(vocabulary.size, dtype=torch.bool)
-        if matcher.in_plain_string:  # every plain token keeps it there; only the others need trying
-            allowed |= vocabulary.plain
-            fits = [t for t in vocabulary.unplain_ids if matcher.feed(vocabulary.token_bytes[t]) is not None]
-        else:
-            fits, pending = [], [(vocabulary.trie, matcher)]
-            while pending:
-                node, at = pending.pop()
-                for byte, child in node.items():
-                    if byte == _TOKENS:
-                        continue
-                    after = at.feed((byte,))
-                    if after is not None:
-                        fits.extend(child.get(_TOKENS, ()))
-                        pending.append((child, after))
-        allowed[fits] = True
-        if matcher.complete:
-            allowed[vocabulary.eos_ids] = True
-        return allowed
-
-    def enforce(self, logits: torch.Tensor, chosen: list[int], rows: Sequence[int], matchers: Sequence[Matcher], resample) -> tuple[list[int], list[Matcher]]:
-        """``chosen`` with each constrained row's token (``rows[i]``, under ``matchers[i]``) replaced, where the grammar
-        refuses it, by ``resample(row, masked_logits)``: the row's own sampler over the allowed tokens alone; and each
-        row's matcher once its token is output."""
+    def compile(self, grammar: Grammar) -> xgr.CompiledGrammar:
+        """The compiled grammar (xgrammar's cache answers a grammar seen before); a ``ValueError`` with xgrammar's
+        complaint for one that does not compile."""
         began = time.perf_counter()
-        afters = []
-        for row, matcher in zip(rows, matchers):
-            self.tokens_checked += 1
-            after = self.after(matcher, chosen[row])
-            if after is None:
-                self.tokens_resampled += 1
-                mask = self.mask(matcher).to(logits.device)
-                if bool(mask.any()):
-                    chosen[row] = resample(row, logits[row : row + 1].masked_fill(~mask, float("-inf")))
-                elif self.vocabulary.eos_ids:  # nothing fits (a vocabulary without the bytes it needs): end the output
-                    chosen[row] = self.vocabulary.eos_ids[0]
-                after = self.after(matcher, chosen[row]) or matcher
-            afters.append(after)
-        self.seconds += time.perf_counter() - began
-        return chosen, afters
+        try:
+            if grammar.kind is GrammarKind.JSON_SCHEMA:
+                compiled = self.compiler.compile_json_schema(grammar.text, any_whitespace=False, strict_mode=grammar.strict)
+            elif grammar.kind is GrammarKind.REGEX:
+                compiled = self.compiler.compile_regex(grammar.text)
+            elif grammar.kind is GrammarKind.EBNF:
+                compiled = self.compiler.compile_grammar(grammar.text)
+            else:
+                compiled = self.compiler.compile_structural_tag(grammar.text)
+        except Exception as exc:
+            raise ValueError(complaint(exc)) from None
+        self.grammars_compiled += 1
+        self.compile_seconds += time.perf_counter() - began
+        return compiled
+
+    # Compiling ahead, for the scheduler (its CompileGrammar frames). ------------------------------------------
+
+    def compile_ahead(self, rid: str, grammar: Grammar) -> None:
+        """Starts compiling a queued request's grammar on the compile thread."""
+        self._compiling[rid] = (grammar, self._pool.submit(self.compile, grammar))
+
+    @property
+    def compiling(self) -> bool:
+        return bool(self._compiling)
+
+    def compiled(self) -> list[tuple[str, str]]:
+        """(rid, error: "" when it compiled) of each grammar compiled ahead since the last call."""
+        done = [rid for rid, (_, future) in self._compiling.items() if future.done()]
+        out = []
+        for rid in done:
+            _, future = self._compiling.pop(rid)
+            error = future.exception()
+            out.append((rid, str(error) if error is not None else ""))
+        return out
+
+    # Requests. --------------------------------------------------------------------------------------------------
+
+    def check(self, params: SamplingParams) -> None:
+        if params.grammar is not None:
+            self.compile(params.grammar)
+
+    def start(self, params: SamplingParams) -> GrammarState:
+        assert params.grammar is not None
+        return GrammarState(self.compile(params.grammar), params.grammar_after)
+
+    def advance(self, state: GrammarState, token: int) -> GrammarState:
+        """The state after a recomputed output ``token`` (one the grammar refuses leaves it where it is)."""
+        state.accept(token)
+        return state
+
+    def apply(self, logits: torch.Tensor, states: Sequence[GrammarState | None]) -> None:
+        """Masks, in place, every token that a row's grammar refuses next (rows with no state, or reasoning, stay free;
+        a grammar that ended allows only its stop tokens)."""
+        rows = [i for i, s in enumerate(states) if s is not None and s.constrains]
+        if not rows:
+            return
+        began = time.perf_counter()
+        if self._bitmask.shape[0] < logits.shape[0]:
+            self._bitmask = xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
+        for row in rows:
+            matcher = states[row].matcher  # type: ignore[union-attr]
+            if matcher.is_terminated():  # past its stop token (ignore_eos, min_tokens): only stop tokens follow
+                self._bitmask[row] = self._stops_only
+            else:
+                matcher.fill_next_token_bitmask(self._bitmask, row)
+        bitmask = self._bitmask[: logits.shape[0]]
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), vocab_size=self.vocab_size, indices=rows)
+        self.masks_filled += len(rows)
+        self.mask_seconds += time.perf_counter() - began
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -7,6 +7,7 @@ import json
 import openai
 import pytest
 
+from shared.frames import GrammarKind
 from tests.api.conftest import Api
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -167,7 +168,6 @@ async def test_refusals_name_the_field(qwen: Api) -> None:
     base = {"model": qwen.model, "messages": ASK}
     cases = [
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-        ({"tools": [{**WEATHER, "function": {**WEATHER["function"], "strict": True}}]}, "tools[0].function.strict"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [{"type": "code_interpreter", "function": {"name": "x"}}]}, "tools[0].type"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
@@ -222,13 +222,13 @@ async def test_openai_bookkeeping_fields_are_taken_and_what_cannot_be_honoured_i
     )
     assert reply.choices[0].message.content == "Hi"
     image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
-    schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "string", "pattern": "^a"}}}
+    schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "string", "pattern": "^a(b"}}}
     cases = [
         ({"store": True}, "store", "store: true"),
         ({"service_tier": "flex"}, "service_tier", "service_tier 'flex'"),
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16 pairs"),
         ({"metadata": {"k": "v" * 513}}, "metadata", "at most 512 characters"),
-        ({"response_format": schema}, "response_format.json_schema.schema", "the schema keyword 'pattern'"),
+        ({"response_format": schema}, "response_format.json_schema.schema", "The parenthesis is not closed"),
         ({"messages": [{"role": "user", "content": [image]}]}, "messages[0].content[0].type", "'image_url' are not supported"),
     ]
     for extra, param, message in cases:
@@ -237,33 +237,53 @@ async def test_openai_bookkeeping_fields_are_taken_and_what_cannot_be_honoured_i
         assert error.value.body["param"] == param and message in error.value.body["message"], (extra, error.value.body)
 
 
+def grammar_of(api: Api) -> tuple[GrammarKind, object, bool] | None:
+    """The last engine request's grammar: its kind, its text (parsed where it is JSON) and strict."""
+    grammar = api.engine.submits[-1].sampling.grammar
+    if grammar is None:
+        return None
+    return grammar.kind, grammar.text if grammar.kind in (GrammarKind.REGEX, GrammarKind.EBNF) else json.loads(grammar.text), grammar.strict
+
+
 async def test_response_format_carries_the_schema_the_output_must_follow_and_refuses_what_cannot_be_followed(smol: Api) -> None:
-    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"], "additionalProperties": False}
+    schema = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0}}, "required": ["answer"], "additionalProperties": False}
     smol.engine.script('{"answer": 4}')
     reply = await smol.openai().chat.completions.create(
         model=smol.model, messages=ASK, response_format={"type": "json_schema", "json_schema": {"name": "sum", "schema": schema, "strict": True}}
     )
     assert reply.choices[0].message.content == '{"answer": 4}'
-    assert json.loads(smol.engine.submits[-1].sampling.json_schema) == schema
+    assert grammar_of(smol) == (GrammarKind.JSON_SCHEMA, schema, True)
     smol.engine.script("{}")
     await smol.openai().chat.completions.create(model=smol.model, messages=ASK, response_format={"type": "json_object"})
-    assert json.loads(smol.engine.submits[-1].sampling.json_schema) == {"type": "object"}
+    assert grammar_of(smol) == (GrammarKind.JSON_SCHEMA, {"type": "object"}, False)
     smol.engine.script("x")
     await smol.openai().completions.create(model=smol.model, prompt="2+2=", extra_body={"response_format": {"type": "json_object"}})
-    assert json.loads(smol.engine.submits[-1].sampling.json_schema) == {"type": "object"}
+    assert grammar_of(smol) == (GrammarKind.JSON_SCHEMA, {"type": "object"}, False)
     smol.engine.script("plain")
     await smol.openai().chat.completions.create(model=smol.model, messages=ASK, response_format={"type": "text"})
-    assert smol.engine.submits[-1].sampling.json_schema is None
+    assert grammar_of(smol) is None
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    smol.engine.script("{}")
+    await smol.openai().chat.completions.create(model=smol.model, messages=ASK, response_format={"type": "json_object"}, tools=[tool])
+    kind, tag, _ = grammar_of(smol)  # a call of the tool, or the answer under the format
+    assert kind == GrammarKind.STRUCTURAL_TAG and tag["format"]["elements"][-1] == {
+        "type": "json_schema",
+        "json_schema": {"type": "object"},
+        "max_whitespace_cnt": 1,
+    }
     cases = [
         ({"response_format": {"type": "xml"}}, "response_format.type", "must be one of text, json_object, json_schema"),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "needs its json_schema"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": schema}}}, "response_format.json_schema.name", "1 to 64 letters"),
-        ({"response_format": {"type": "json_object"}, "tools": [tool]}, "response_format", "with tools"),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {"$ref": "#/$defs/x"}}}},
             "response_format.json_schema.schema",
-            "not in the schema",
+            "$defs",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "integer", "minimum": 5, "maximum": 2}}}},
+            "response_format.json_schema.schema",
+            "minimum greater than maximum",
         ),
     ]
     for extra, param, message in cases:
@@ -277,37 +297,103 @@ async def test_bodies_and_schemas_that_nest_too_deeply_are_refused(smol: Api) ->
     response = await smol.client.post("/v1/chat/completions", data=deep, headers={"Content-Type": "application/json"})
     assert response.status == 400 and "nests too deeply" in (await response.json())["error"]["message"]
     body = '{"model": "%s", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": %s}}}'
-    text = body % (smol.model, '{"type": "array", "items": ' * 600 + '{"type": "string"}' + "}" * 600)  # a body that reads, a schema that does not compile
+    text = body % (smol.model, '{"type": "array", "items": ' * 600 + '{"type": "string"}' + "}" * 600)  # a body that reads, a schema too deep to compile
     response = await smol.client.post("/v1/chat/completions", data=text.encode(), headers={"Content-Type": "application/json"})
     error = (await response.json())["error"]
     assert response.status == 400 and error["param"] == "response_format.json_schema.schema" and "nests too deeply" in error["message"]
 
 
-async def test_tool_choice_required_or_named_holds_the_answer_to_one_call_where_it_can(smol: Api, qwen: Api) -> None:
+async def test_structured_outputs_extension_carries_json_regex_choice_and_grammar_and_refuses_malformed_ones(smol: Api) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    asks = [
+        ({"json": schema}, (GrammarKind.JSON_SCHEMA, schema, False)),
+        ({"json": json.dumps(schema)}, (GrammarKind.JSON_SCHEMA, schema, False)),
+        ({"regex": r"\d{3}"}, (GrammarKind.REGEX, r"\d{3}", False)),
+        ({"choice": ["yes", 'a "quoted" no']}, (GrammarKind.EBNF, 'root ::= "yes" | "a \\"quoted\\" no"', False)),
+        ({"grammar": 'root ::= "a"+'}, (GrammarKind.EBNF, 'root ::= "a"+', False)),
+        ({"json_object": True}, (GrammarKind.JSON_SCHEMA, {"type": "object"}, False)),
+        ({"choice": ["a"], "regex": None, "json_object": None}, (GrammarKind.EBNF, 'root ::= "a"', False)),  # null: not asked for
+    ]
+    for structured, expected in asks:
+        smol.engine.script("x")
+        await smol.openai().chat.completions.create(model=smol.model, messages=ASK, extra_body={"structured_outputs": structured})
+        assert grammar_of(smol) == expected, structured
+        smol.engine.script("x")
+        await smol.openai().completions.create(model=smol.model, prompt="2+2=", extra_body={"structured_outputs": structured})
+        assert grammar_of(smol) == expected, structured
+    submitted = len(smol.engine.submits)
+    cases = [
+        ({"regex": "a(b"}, "structured_outputs.regex", "The parenthesis is not closed"),
+        ({"grammar": "root ::= missing"}, "structured_outputs.grammar", 'Rule "missing" is not defined'),
+        ({"json": {"type": "strin"}}, "structured_outputs.json", 'Unsupported type "strin"'),
+        ({"json": "{not json"}, "structured_outputs.json", "not valid JSON"),
+        ({"choice": []}, "structured_outputs.choice", "non-empty list"),
+        ({"regex": "a", "choice": ["a"]}, "structured_outputs", "exactly one"),
+        ({"regex": None}, "structured_outputs", "exactly one"),
+        ({"json_object": False}, "structured_outputs.json_object", "must be true"),
+        ({"whitespace_pattern": " "}, "structured_outputs.whitespace_pattern", "not supported"),
+    ]
+    for structured, param, message in cases:
+        for call in (
+            smol.openai().chat.completions.create(model=smol.model, messages=ASK, extra_body={"structured_outputs": structured}),
+            smol.openai().completions.create(model=smol.model, prompt="x", extra_body={"structured_outputs": structured}),
+        ):
+            with pytest.raises(openai.BadRequestError) as error:
+                await call
+            assert error.value.body["param"] == param and message in error.value.body["message"], (structured, error.value.body)
+    with pytest.raises(openai.BadRequestError) as error:
+        await smol.openai().chat.completions.create(
+            model=smol.model, messages=ASK, response_format={"type": "json_object"}, extra_body={"structured_outputs": {"regex": "a"}}
+        )
+    assert error.value.body["param"] == "structured_outputs"
+    assert len(smol.engine.submits) == submitted  # nothing was queued
+
+
+async def test_tool_choice_required_or_named_holds_the_answer_to_one_call_and_strict_tools_their_arguments(smol: Api, qwen: Api) -> None:
     clock = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}}
+    strict_clock = {"type": "function", "function": {**clock["function"], "strict": True}}
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     smol.engine.script(call)
-    reply = await smol.openai().chat.completions.create(model=smol.model, messages=ASK, tools=[WEATHER, clock], tool_choice="required")
+    reply = await smol.openai().chat.completions.create(model=smol.model, messages=ASK, tools=[WEATHER, strict_clock], tool_choice="required")
     assert reply.choices[0].finish_reason == "tool_calls" and reply.choices[0].message.tool_calls[0].function.name == "get_weather"
-    sampling = smol.engine.submits[-1].sampling
-    assert (sampling.json_prefix, sampling.json_suffix) == ("<tool_call>\n", "\n</tool_call>")  # SmolLM2 is prompted in Hermes' format
-    schema = json.loads(sampling.json_schema)
-    assert [c["properties"]["name"] for c in schema["anyOf"]] == [{"const": "get_weather"}, {"const": "get_time"}]
-    assert schema["anyOf"][0]["properties"]["arguments"] == WEATHER["function"]["parameters"]
+    kind, tag, _ = grammar_of(smol)  # SmolLM2 is prompted in Hermes' format
+    assert kind == GrammarKind.STRUCTURAL_TAG and tag["format"]["type"] == "or"
+    weather, clock_call = tag["format"]["elements"]
+    assert weather["begin"] == '<tool_call>\n{"name": "get_weather", "arguments": ' and weather["end"] == "}\n</tool_call>"
+    assert weather["content"]["json_schema"] == {"type": "object"}  # not strict: any object
+    assert clock_call["content"]["json_schema"] == clock["function"]["parameters"]  # strict: its parameters
     smol.engine.script(call)
     await smol.openai().chat.completions.create(
         model=smol.model, messages=ASK, tools=[WEATHER, clock], tool_choice={"type": "function", "function": {"name": "get_time"}}
     )
-    assert json.loads(smol.engine.submits[-1].sampling.json_schema)["properties"]["name"] == {"const": "get_time"}
-    unconstrained = [
-        (smol, {"tool_choice": "auto"}),  # the model may answer in text
-        (smol, {"tools": [WEATHER, {**clock, "function": {**clock["function"], "parameters": {"type": "object", "properties": {"zone": {"pattern": "Z"}}}}}]}),
-        (qwen, {}),  # it thinks before it calls
-    ]
-    for api, extra in unconstrained:
-        api.engine.script(call)
-        await api.openai().chat.completions.create(**{"model": api.model, "messages": ASK, "tools": [WEATHER], "tool_choice": "required", **extra})
-        assert api.engine.submits[-1].sampling.json_schema is None, extra
+    assert grammar_of(smol)[1]["format"]["begin"] == '<tool_call>\n{"name": "get_time", "arguments": '
+    smol.engine.script("Sunny.")
+    await smol.openai().chat.completions.create(model=smol.model, messages=ASK, tools=[WEATHER, clock], tool_choice="auto")
+    assert grammar_of(smol) is None  # auto, nothing strict: free text
+    smol.engine.script("Sunny.")
+    await smol.openai().chat.completions.create(model=smol.model, messages=ASK, tools=[WEATHER, strict_clock], tool_choice="auto")
+    kind, tag, _ = grammar_of(smol)  # auto with a strict tool: text stays free, a call follows its tool
+    assert tag["format"]["type"] == "triggered_tags" and tag["format"]["triggers"] == ['<tool_call>\n{"name": ']
+    qwen.engine.script(call)
+    await qwen.openai().chat.completions.create(model=qwen.model, messages=ASK, tools=[WEATHER], tool_choice="required")
+    sampling = qwen.engine.submits[-1].sampling  # it thinks first: the call is held from the end of its reasoning on
+    assert sampling.grammar.kind == GrammarKind.STRUCTURAL_TAG and sampling.grammar_after == qwen.state.prompts.tokenizer.encode(
+        "</think>", add_special_tokens=False
+    )
     qwen.engine.script(call)
     await qwen.openai().chat.completions.create(model=qwen.model, messages=ASK, tools=[WEATHER], tool_choice="required", reasoning_effort="none")
-    assert qwen.engine.submits[-1].sampling.json_prefix == "<tool_call>\n"
+    assert qwen.engine.submits[-1].sampling.grammar is not None and qwen.engine.submits[-1].sampling.grammar_after == []
+    bad = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "object", "properties": {"a": {"type": "strin"}}}}}
+    with pytest.raises(openai.BadRequestError) as error:
+        await smol.openai().chat.completions.create(model=smol.model, messages=ASK, tools=[WEATHER, bad])
+    assert error.value.body["param"] == "tools[1]" and 'Unsupported type "strin"' in error.value.body["message"]
+
+
+async def test_response_format_with_a_reasoning_model_holds_the_answer_after_its_reasoning(qwen: Api) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    qwen.engine.script('<think>hmm</think>{"a": 1}')
+    reply = await qwen.openai().chat.completions.create(
+        model=qwen.model, messages=ASK, response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}
+    )
+    assert reply.choices[0].message.content == '{"a": 1}'
+    assert qwen.engine.submits[-1].sampling.grammar_after == qwen.state.prompts.tokenizer.encode("</think>", add_special_tokens=False)

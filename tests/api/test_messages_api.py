@@ -9,6 +9,7 @@ import anthropic
 import pytest
 
 from services.api.errors import ApiError
+from shared.frames import GrammarKind
 from tests.api.conftest import Api
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -168,13 +169,12 @@ async def test_output_config_format_carries_the_schema_and_refuses_what_cannot_b
     reply = await smol.anthropic().messages.create(
         model=smol.model, max_tokens=32, messages=ASK, output_config={"format": {"type": "json_schema", "schema": schema}}
     )
-    assert reply.content[0].text == '{"city": "Paris"}' and json.loads(smol.engine.submits[-1].sampling.json_schema) == schema
+    grammar = smol.engine.submits[-1].sampling.grammar
+    assert reply.content[0].text == '{"city": "Paris"}' and json.loads(grammar.text) == schema and grammar.strict
     cases = [
         (smol, {"output_config": {"format": {"type": "json_object"}}}, "output_config.format.type must be 'json_schema'"),
         (smol, {"output_config": {"format": {"type": "json_schema"}}}, "output_config.format.schema: Field required"),
-        (smol, {"output_config": {"format": {"type": "json_schema", "schema": {"type": "string", "pattern": "a"}}}}, "the schema keyword 'pattern'"),
-        (smol, {"output_config": {"format": {"type": "json_schema", "schema": schema}}, "tools": [WEATHER]}, "with tools"),
-        (qwen, {"output_config": {"format": {"type": "json_schema", "schema": schema}}}, "with a reasoning model"),
+        (smol, {"output_config": {"format": {"type": "json_schema", "schema": {"type": "string", "pattern": "a(b"}}}}, "The parenthesis is not closed"),
     ]
     for api, extra, message in cases:
         got, error = await api.post("/v1/messages", {"model": api.model, "max_tokens": 8, "messages": ASK, **extra})
@@ -190,14 +190,29 @@ async def test_output_config_format_carries_the_schema_and_refuses_what_cannot_b
             "output_config": {"format": {"type": "json_schema", "schema": schema}},
         },
     )
-    assert got == 200  # a reasoning model told not to think
+    assert got == 200 and qwen.engine.submits[-1].sampling.grammar_after == []  # a reasoning model told not to think
+    qwen.engine.script("<think>x</think>{}")
+    got, _ = await qwen.post(
+        "/v1/messages", {"model": qwen.model, "max_tokens": 8, "messages": ASK, "output_config": {"format": {"type": "json_schema", "schema": schema}}}
+    )
+    assert got == 200 and qwen.engine.submits[-1].sampling.grammar_after == qwen.state.prompts.tokenizer.encode("</think>", add_special_tokens=False)
+    smol.engine.script("{}")
+    got, _ = await smol.post(
+        "/v1/messages",
+        {"model": smol.model, "max_tokens": 8, "messages": ASK, "tools": [WEATHER], "output_config": {"format": {"type": "json_schema", "schema": schema}}},
+    )
+    assert got == 200 and smol.engine.submits[-1].sampling.grammar.kind == GrammarKind.STRUCTURAL_TAG  # a call, or the answer under the schema
 
 
 async def test_tool_choice_any_is_held_to_one_call(smol: Api) -> None:
     smol.engine.script(CALL)
     reply = await smol.anthropic().messages.create(model=smol.model, max_tokens=32, messages=ASK, tools=[WEATHER], tool_choice={"type": "any"})
-    assert reply.stop_reason == "tool_use" and smol.engine.submits[-1].sampling.json_prefix == "<tool_call>\n"
-    assert json.loads(smol.engine.submits[-1].sampling.json_schema)["properties"]["name"] == {"const": "get_weather"}
+    tag = json.loads(smol.engine.submits[-1].sampling.grammar.text)
+    assert reply.stop_reason == "tool_use" and tag["format"]["begin"] == '<tool_call>\n{"name": "get_weather", "arguments": '
+    assert tag["format"]["content"]["json_schema"] == {"type": "object"}
+    smol.engine.script(CALL)
+    await smol.anthropic().messages.create(model=smol.model, max_tokens=32, messages=ASK, tools=[{**WEATHER, "strict": True}], tool_choice={"type": "any"})
+    assert json.loads(smol.engine.submits[-1].sampling.grammar.text)["format"]["content"]["json_schema"] == WEATHER["input_schema"]
 
 
 async def test_count_tokens_matches_the_prompt(qwen: Api) -> None:

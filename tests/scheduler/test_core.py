@@ -7,7 +7,7 @@ import pytest
 from services.scheduler.core import AdmissionError, Scheduler
 from services.scheduler.kv_blocks import BlockPool
 from services.scheduler.state_slots import SlotPool
-from shared.frames import FinishReason, Sampled, SamplingParams, StepPlan, StepResult, Submit, TokenLogprobs
+from shared.frames import FinishReason, Grammar, GrammarKind, Sampled, SamplingParams, StepPlan, StepResult, Submit, TokenLogprobs
 
 
 def make(
@@ -205,7 +205,7 @@ def test_penalised_and_structured_requests_tell_the_worker_their_prompt_length_a
     answer(s, s.plan(0))  # its 8 leading prompt tokens (2 blocks) are now in the prefix cache
     submit(s, "plain", 9)
     submit(s, "pen", 9, sampling=penalised)
-    submit(s, "json", 9, sampling=SamplingParams(json_schema='{"type":"object"}'))  # its grammar resumes after recomputed outputs
+    submit(s, "json", 9, sampling=SamplingParams(grammar=Grammar(GrammarKind.JSON_SCHEMA, '{"type":"object"}')))  # its grammar resumes after recomputed outputs
     plan = s.plan(1)
     by_rid = {x.rid: x for x in plan.slices}
     assert (by_rid["plain"].start, by_rid["plain"].prompt_len, by_rid["plain"].prefix_ids) == (8, 0, [])  # frames stay small
@@ -214,6 +214,19 @@ def test_penalised_and_structured_requests_tell_the_worker_their_prompt_length_a
     out = s.on_result(StepResult(step=1, sampled=[Sampled("pen", 7, TokenLogprobs(-0.5, [7, 3], [-0.5, -1.0])), Sampled("plain", 7)]))
     logprobs = {d.rid: d.logprobs for d in out.deltas}
     assert logprobs == {"pen": [TokenLogprobs(-0.5, [7, 3], [-0.5, -1.0])], "plain": []}
+
+
+def test_a_request_whose_grammar_compiles_waits_while_the_requests_behind_it_are_admitted() -> None:
+    s = make(budget=64)
+    grammar = SamplingParams(grammar=Grammar(GrammarKind.REGEX, "[a-z]+"))
+    s.submit(Submit(rid="slow", prompt_ids=[1, 2, 3], max_tokens=4, stop_token_ids=[0], sampling=grammar), compiling=True)
+    submit(s, "plain", 3)
+    first = s.plan(0)
+    assert [x.rid for x in first.slices] == ["plain"] and [r.rid for r in s.waiting] == ["slow"]
+    answer(s, first)
+    s.compiled("slow")
+    assert [(x.rid, x.start, x.num_tokens) for x in s.plan(1).slices] == [("plain", 3, 1), ("slow", 0, 3)] and not s.waiting
+    s.compiled("gone")  # a request that ended meanwhile: nothing to do
 
 
 def test_hybrid_requests_hold_one_state_slot_from_admission_to_their_end() -> None:
