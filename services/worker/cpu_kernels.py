@@ -43,6 +43,7 @@ SOURCES = [
         "kv_store.cpp",
         "int8_linear.cpp",
         "block_quant_gemm.cpp",
+        "grouped_moe.cpp",
         "decoder_fusions.cpp",
         "dense_decoder.cpp",
         "sample_rows.cpp",

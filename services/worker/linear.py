@@ -31,16 +31,21 @@ Weight storage formats (``--weight-quant``), chosen per deployment:
   activations cost: logit error 6.8e-2, 94 % top-1 agreement with fp32 on the default model in many-row
   steps (``bench/quantization.py``).
 - ``none``: the checkpoint's dtype as loaded.
+
+A GGUF's Q4_0 / Q4_1 / Q8_0 weights arrive in their blocks (``block_quant.BlockQuantized``) and are
+multiplied in them whatever the format chosen here, which applies to the float weights beside them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from services.worker import block_quant
+from services.worker.block_quant import BlockQuantized
 from services.worker.cpu_kernels import cpu_kernels
 from shared.choices import WEIGHT_QUANTS
 
@@ -77,6 +82,32 @@ def fp16_packing_available() -> bool:
 
 
 BLOCK_QUANTS = ("int4", "int4-a8")  # the formats that keep q4_1 / q8_0 blocks
+KERNEL_BLOCK_FORMATS = ("q4_0", "q4_1", "q8_0")  # the block formats csrc/block_quant_gemm.cpp and grouped_moe.cpp multiply
+
+
+def block_formats(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+    """The block formats a linear or a stack of experts can hold and multiply on ``device`` in ``dtype`` (a
+    pre-quantized weight of another format is dequantized at load)."""
+    runs = device.type == "cpu" and dtype == torch.float32 and cpu_kernels()[0] is not None
+    return KERNEL_BLOCK_FORMATS if runs else ()
+
+
+def cat_rows(weights: list[torch.Tensor | BlockQuantized]) -> torch.Tensor | BlockQuantized:
+    """The weights' rows one after another (fusing projections that share their input): blocks stay blocks
+    where all are of one format, else every part is dequantized."""
+    if not any(isinstance(w, BlockQuantized) for w in weights):
+        return torch.cat(weights)
+    formats = {w.fmt if isinstance(w, BlockQuantized) else None for w in weights}
+    if len(formats) == 1:
+        return BlockQuantized(weights[0].fmt, torch.cat([w.data for w in weights]), weights[0].in_features)
+    return torch.cat([w.dequantize() if isinstance(w, BlockQuantized) else w.float() for w in weights])
+
+
+def map_rows(weight: torch.Tensor | BlockQuantized, reorder: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | BlockQuantized:
+    """``reorder`` ([rows, width] -> [rows', width], whole rows moved) applied to a weight, in blocks or not."""
+    if isinstance(weight, BlockQuantized):
+        return BlockQuantized(weight.fmt, reorder(weight.data), weight.in_features)
+    return reorder(weight)
 
 
 def resolve_weight_quant(weight_quant: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -111,12 +142,15 @@ class Linear:
     [out, in] values and per-row scales for ``_weight_int8pack_mm``. fp16: an fbgemm pack (bias inside).
     """
 
-    def __init__(self, weight: torch.Tensor, threads: int, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor | BlockQuantized, threads: int, bias: torch.Tensor | None = None) -> None:
         out_features, in_features = weight.shape
         self.bias = bias
         self.scales: torch.Tensor | None = None
         self.packed: Any = None
-        self.panels: torch.Tensor | None = None  # int4: q4_1 blocks regrouped in panels of 8 output channels
+        self.panels: torch.Tensor | None = None  # int4 or a GGUF's blocks, regrouped in panels of 8 output channels
+        if isinstance(weight, BlockQuantized):
+            self.hold_blocks(weight)
+            return
         self.split = weight.dtype == torch.float32
         if not self.split:
             self.weight, self.slices = weight.contiguous(), 1
@@ -149,9 +183,13 @@ class Linear:
         every step, with activations rounded to int16 or, with ``int8_activations``, to int8 in steps of
         more than ``BLOCK_QUANT_MAX_ROWS`` rows (the float weight and the rows are dropped)."""
         in_features = blocks.shape[1] // block_quant.BLOCK_BYTES["q4_1"] * block_quant.BLOCK
-        self.panels, self._gemm_kernel = block_quant.to_panels(blocks), cpu_kernels()[0].block_quant_gemm
-        self.activation_bits = 8 if int8_activations else 16  # in steps of more than BLOCK_QUANT_MAX_ROWS rows
-        self.weight, self.split, self._sliced = _packed_placeholder(blocks.shape[0], in_features), False, None
+        self.hold_blocks(BlockQuantized("q4_1", blocks, in_features), int8_activations)
+
+    def hold_blocks(self, blocks: BlockQuantized, int8_activations: bool = False) -> None:
+        """From now on the panels of ``blocks`` serve every step (``int8_activations``: q4_1 only, see ``quantize_int4``)."""
+        self.panels, self._gemm_kernel = blocks.panels(), cpu_kernels()[0].block_quant_gemm
+        self.activation_bits = 8 if int8_activations and blocks.fmt == "q4_1" else 16  # in steps of more than BLOCK_QUANT_MAX_ROWS rows
+        self.weight, self.split, self._sliced, self.slices = _packed_placeholder(*blocks.shape), False, None, 1
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
@@ -181,12 +219,16 @@ class RowSplitLinear:
     """``x @ weight.T`` for a weight kept as it is ([out, in], e.g. an embedding table shared with
     the input), split along ``out``: each slice computes its own columns of the result."""
 
-    def __init__(self, weight: torch.Tensor, threads: int) -> None:
+    def __init__(self, weight: torch.Tensor | BlockQuantized, threads: int) -> None:
         out_features, in_features = weight.shape
-        self.weight = weight
         self.scales: torch.Tensor | None = None
         self.packed: Any = None
-        self.panels: torch.Tensor | None = None  # int4: q8_0 blocks regrouped in panels of 8 output channels
+        self.panels: torch.Tensor | None = None  # int4's q8_0 blocks or a GGUF's, regrouped in panels of 8 output channels
+        if isinstance(weight, BlockQuantized):
+            self.panels, self._gemm_kernel = weight.panels(), cpu_kernels()[0].block_quant_gemm
+            self.weight, self.slices = _packed_placeholder(out_features, in_features), 1
+            return
+        self.weight = weight
         self.slices = _slices(out_features, threads) if weight.dtype == torch.float32 else 1
         self._sliced_t = weight.view(self.slices, out_features // self.slices, in_features).transpose(1, 2)
 
@@ -269,8 +311,12 @@ def convert_weights(model: object, weight_quant: str) -> tuple[str, int]:
     """Every linear of ``model`` switches to ``weight_quant``'s format; returns the format it took and
     how many. ``auto`` (as resolved on a CPU): int4 when every weight round-trips through its blocks
     exactly and the kernels are built, else fp16. A weight whose in_features do not split into
-    blocks of 32 keeps an fp16 pack under int4 and int4-a8."""
-    linears = linears_of(model)
+    blocks of 32 keeps an fp16 pack under int4 and int4-a8. Linears that already hold blocks (a GGUF's)
+    keep them. MoE experts convert first (``moe.convert_experts``)."""
+    from services.worker.moe import convert_experts  # moe imports this module
+
+    convert_experts(model, weight_quant)  # first: a shared expert that joins the experts' call leaves its linears behind
+    linears = [linear for linear in linears_of(model) if linear.panels is None]
     if weight_quant in ("auto", *BLOCK_QUANTS):
         blocks = [_int4_blocks(linear, check_exact=weight_quant == "auto") for linear in linears]
         if weight_quant in BLOCK_QUANTS or (all(b is not None and b[1] for b in blocks) and cpu_kernels()[0] is not None):
@@ -282,9 +328,9 @@ def convert_weights(model: object, weight_quant: str) -> tuple[str, int]:
                     linear.quantize_int4(b[0])
                 else:
                     linear.quantize_int4(b[0], int8_activations)
-            return "int4" if weight_quant == "auto" else weight_quant, len(linears)
+            return "int4" if weight_quant == "auto" else weight_quant, len(linears_of(model))
         weight_quant = "fp16"
     convert = {"fp16": "pack_fp16", "int8": "quantize_int8"}[weight_quant]
     for linear in linears:
         getattr(linear, convert)()
-    return weight_quant, len(linears)
+    return weight_quant, len(linears_of(model))

@@ -1,21 +1,41 @@
 """The sparse Mixture-of-Experts MLP: a softmax router sends each token to its top-k SwiGLU experts.
 
 Each layer's experts are stacked into one ``[E, 2I, H]`` gate_up and one ``[E, H, I]`` down tensor.
-The torch path (the CPU production path, and the reference of the Triton kernels) groups the
-(token, expert) pairs by expert: one sort, one pair of GEMMs per active expert, one weighted
-``index_add`` back. The fused Triton path (``services/worker/kernels``) is chosen once, at load,
-when the weights live on CUDA.
+The torch path (the reference of the other two) groups the (token, expert) pairs by expert: one sort,
+one pair of GEMMs per active expert, one weighted ``index_add`` back. The fused Triton path
+(``services/worker/kernels``) is chosen once, at load, when the weights live on CUDA.
+
+Experts in q4_0 / q4_1 / q8_0 blocks (``block_quant``: a GGUF's, or quantized at load by
+``--weight-quant``) run on a CPU as one C++ call per layer (``csrc/grouped_moe.cpp``): routing, every
+active expert's gate/up with the SwiGLU fused, down, and the weighted sum added into the residual in
+place, with a layer's shared expert (Qwen3-Next) as one more expert that every token takes. Activations
+are rounded to int16 per block of 32 (int8 beyond ``BLOCK_QUANT_MAX_ROWS`` rows under ``int4-a8``), as
+the dense block kernels round them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 
+from services.worker import block_quant
+from services.worker.block_quant import BlockQuantized
+from services.worker.cpu_kernels import cpu_kernels
+from services.worker.linear import BLOCK_QUANT_MAX_ROWS
+
+Weight = torch.Tensor | BlockQuantized
+
 # (x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], topk_weights [T, k], topk_ids [T, k], residual [T, H] | None) -> [T, H]
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+class MLP(Protocol):
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor: ...
+
+    def tensors(self) -> list[torch.Tensor]: ...
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,46 +90,260 @@ MOE_BACKENDS: dict[str, Callable[[], ExpertsFn]] = {"torch": lambda: experts_tor
 
 
 def select_moe_backend(device: torch.device) -> str:
-    """The fused Triton kernels where the weights are on CUDA, else the grouped torch path."""
+    """The fused Triton kernels where the weights are on CUDA, else the grouped torch path (experts in
+    blocks: ``grouped-cpp``, once ``SparseMoE.hold_blocks`` has them)."""
     return "triton" if device.type == "cuda" else "torch"
+
+
+def interleave_gate_up(rows: torch.Tensor) -> torch.Tensor:
+    """[..., 2I, X] rows [gate | up] → per group i of 8 channels, gate's 8i .. 8i+7 then up's: the order
+    in which ``csrc/grouped_moe.cpp`` finds both halves of a channel group in adjacent panels."""
+    *lead, two_inter, width = rows.shape
+    grouped = rows.reshape(*lead, 2, two_inter // 2 // block_quant.PANEL, block_quant.PANEL, width)
+    return grouped.transpose(-4, -3).reshape(rows.shape).contiguous()
+
+
+class ExpertPanels(NamedTuple):
+    """Experts in blocks as ``csrc/grouped_moe.cpp`` multiplies them."""
+
+    formats: tuple[str, str]  # gate_up's, down's
+    gate_up: torch.Tensor  # [E, 2I / 8, H / 32, record]: gate and up panels alternating (``interleave_gate_up``)
+    down: torch.Tensor  # [E, ceil(H / 8), I / 32, record]
+
+    @classmethod
+    def of(cls, gate_up: BlockQuantized, down: BlockQuantized) -> ExpertPanels:
+        interleaved = BlockQuantized(gate_up.fmt, interleave_gate_up(gate_up.data), gate_up.in_features)
+        return cls((gate_up.fmt, down.fmt), interleaved.panels(), down.panels())
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes + self.down.nbytes
+
+
+def _placeholder(shape: tuple[int, ...]) -> torch.Tensor:
+    """The shape of weights held only in blocks (their parameter count), with no storage."""
+    return torch.empty(shape, dtype=torch.float16, device="meta")
+
+
+def _cat_rows(a: torch.Tensor | BlockQuantized, b: torch.Tensor | BlockQuantized) -> torch.Tensor | BlockQuantized:
+    """Stacks [E, R1, X] and [E, R2, X] → [E, R1 + R2, X]: blocks stay blocks where both share a format."""
+    if isinstance(a, BlockQuantized) and isinstance(b, BlockQuantized) and a.fmt == b.fmt:
+        return BlockQuantized(a.fmt, torch.cat([a.data, b.data], dim=-2), a.in_features)
+    a, b = (t.dequantize() if isinstance(t, BlockQuantized) else t for t in (a, b))
+    return torch.cat([a, b.to(a.dtype)], dim=-2)
+
+
+def _stacked(w: dict, p: str, num_experts: int) -> tuple[torch.Tensor | BlockQuantized, torch.Tensor | BlockQuantized]:
+    """A layer's experts under ``p`` as ([E, 2I, H], [E, H, I]), stored fused (``gate_up_proj``, ``down_proj``:
+    transformers 5's layout in memory), stacked per projection (``{gate,up,down}_proj.weight`` [E, ...]:
+    a GGUF's, possibly in blocks) or one expert at a time (``{e}.{gate,up,down}_proj.weight``, as
+    transformers' ``save_pretrained`` and the published checkpoints write them; popped from ``w`` as they
+    are stacked, so loading holds at most one layer's experts twice)."""
+    if p + "gate_up_proj" in w:
+        return w[p + "gate_up_proj"], w[p + "down_proj"]
+    if p + "gate_up_proj.weight" in w:
+        return w[p + "gate_up_proj.weight"], w[p + "down_proj.weight"]
+    if p + "gate_proj.weight" in w:
+        return _cat_rows(w.pop(p + "gate_proj.weight"), w.pop(p + "up_proj.weight")), w[p + "down_proj.weight"]
+    first = w[p + "0.gate_proj.weight"]
+    inter, hidden = first.shape
+    gate_up = torch.empty(num_experts, 2 * inter, hidden, dtype=first.dtype, device=first.device)
+    down = torch.empty(num_experts, hidden, inter, dtype=first.dtype, device=first.device)
+    for e in range(num_experts):
+        gate_up[e, :inter] = w.pop(f"{p}{e}.gate_proj.weight")
+        gate_up[e, inter:] = w.pop(f"{p}{e}.up_proj.weight")
+        down[e] = w.pop(f"{p}{e}.down_proj.weight")
+    return gate_up, down
+
+
+def grouped_kernel_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether experts in blocks can run as ``csrc/grouped_moe.cpp`` here (fp32 on a CPU, kernels built)."""
+    return device.type == "cpu" and dtype == torch.float32 and cpu_kernels()[0] is not None
+
+
+class SharedExpert(NamedTuple):
+    """A shared SwiGLU expert in blocks and its gate's row (sigmoid(gate · x) scales it per token)."""
+
+    gate_up: BlockQuantized  # [2I, H]
+    down: BlockQuantized  # [H, I]
+    gate: torch.Tensor  # [1, H]
 
 
 class SparseMoE:
     """Post-attention-normed ``x`` → ``residual + moe(x)``; an ``MLP`` of the shared decoder."""
 
-    def __init__(self, router: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int, renormalize: bool, backend: str) -> None:
+    def __init__(
+        self,
+        router: torch.Tensor,
+        w_gate_up: torch.Tensor | BlockQuantized,
+        w_down: torch.Tensor | BlockQuantized,
+        top_k: int,
+        renormalize: bool,
+        backend: str,
+    ) -> None:
         num_experts, hidden = router.shape
-        if w_gate_up.shape[0] != num_experts or w_gate_up.shape[2] != hidden or w_down.shape != (num_experts, hidden, w_gate_up.shape[1] // 2):
+        if w_gate_up.shape[0] != num_experts or w_gate_up.shape[2] != hidden or tuple(w_down.shape) != (num_experts, hidden, w_gate_up.shape[1] // 2):
             raise ValueError(f"expert weights {tuple(w_gate_up.shape)} / {tuple(w_down.shape)} do not fit a router of {num_experts} experts × {hidden}")
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be in 1..{num_experts}")
-        self.router, self.w_gate_up, self.w_down = router, w_gate_up.contiguous(), w_down.contiguous()
-        self.top_k, self.renormalize, self.backend = top_k, renormalize, backend
+        self.router, self.top_k, self.renormalize, self.backend = router, top_k, renormalize, backend
+        self.panels: ExpertPanels | None = None
+        self.shared_panels: ExpertPanels | None = None
+        self.int8_activations = False
+        blocks = [isinstance(t, BlockQuantized) for t in (w_gate_up, w_down)]
+        if any(blocks) and all(blocks) and grouped_kernel_runs(router.device, router.dtype):
+            self.hold_blocks(w_gate_up, w_down)
+            return
+        # blocks that cannot run here (or only half of a layer in blocks): their float weights
+        w_gate_up, w_down = (t.dequantize().to(router.dtype) if isinstance(t, BlockQuantized) else t for t in (w_gate_up, w_down))
+        self.w_gate_up, self.w_down = w_gate_up.contiguous(), w_down.contiguous()
         self._experts = MOE_BACKENDS[backend]()
 
     @classmethod
-    def load(cls, w: dict[str, torch.Tensor], prefix: str, top_k: int, renormalize: bool, backend: str) -> SparseMoE:
-        """From ``{prefix}gate.weight`` (the router) and the experts under ``{prefix}experts.``, stored
-        either fused (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], as transformers 5 holds
-        them in memory) or one expert at a time (``{e}.{gate,up,down}_proj.weight``, as its
-        ``save_pretrained`` and the published checkpoints write them). Per-expert tensors are popped
-        from ``w`` as they are stacked, so loading holds at most one layer's experts twice."""
-        router, p = w[prefix + "gate.weight"], prefix + "experts."
-        if p + "gate_up_proj" in w:
-            return cls(router, w[p + "gate_up_proj"], w[p + "down_proj"], top_k, renormalize, backend)
-        num_experts = router.shape[0]
-        inter, hidden = w[p + "0.gate_proj.weight"].shape
-        gate_up = torch.empty(num_experts, 2 * inter, hidden, dtype=router.dtype, device=router.device)
-        down = torch.empty(num_experts, hidden, inter, dtype=router.dtype, device=router.device)
-        for e in range(num_experts):
-            gate_up[e, :inter] = w.pop(f"{p}{e}.gate_proj.weight")
-            gate_up[e, inter:] = w.pop(f"{p}{e}.up_proj.weight")
-            down[e] = w.pop(f"{p}{e}.down_proj.weight")
-        return cls(router, gate_up, down, top_k, renormalize, backend)
+    def load(cls, w: dict, prefix: str, top_k: int, renormalize: bool, backend: str) -> SparseMoE:
+        """From ``{prefix}gate.weight`` (the router) and the experts under ``{prefix}experts.`` (see ``_stacked``)."""
+        router = w[prefix + "gate.weight"]
+        return cls(router, *_stacked(w, prefix + "experts.", router.shape[0]), top_k, renormalize, backend)
+
+    @property
+    def formats(self) -> tuple[str, str]:
+        """The experts' storage (gate_up's, down's): block formats, or the float dtype."""
+        if self.panels is not None:
+            return self.panels.formats
+        dtype = str(self.w_gate_up.dtype).removeprefix("torch.")
+        return dtype, dtype
+
+    def float_experts(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The float experts (None once they are in blocks)."""
+        return None if self.panels is not None else (self.w_gate_up, self.w_down)
+
+    def hold_blocks(self, gate_up: BlockQuantized, down: BlockQuantized, int8_activations: bool = False) -> None:
+        """From now on the experts run from these blocks in one C++ call per layer (the float weights are
+        dropped); ``int8_activations``: steps of more than ``BLOCK_QUANT_MAX_ROWS`` rows round the
+        activations of 4-bit experts to int8."""
+        self.panels = ExpertPanels.of(gate_up, down)
+        self.w_gate_up, self.w_down = _placeholder(tuple(gate_up.shape)), _placeholder(tuple(down.shape))
+        self.int8_activations = int8_activations
+        self.backend = "grouped-cpp"
+        self._kernel = cpu_kernels()[0].grouped_moe
+        self._logits_weight = self.router
+
+    def add_shared_expert(self, shared: SharedExpert) -> None:
+        """A shared expert that every token takes, scaled by sigmoid(gate · x), in the same call (the experts
+        must be in blocks)."""
+        if self.panels is None:
+            raise ValueError("a shared expert joins the grouped call of experts in blocks only")
+        one = [BlockQuantized(t.fmt, t.data[None], t.in_features) for t in (shared.gate_up, shared.down)]  # a stack of one expert
+        self.shared_panels = ExpertPanels.of(*one)
+        self.shared_gate = shared.gate
+        self.shared_shapes = (tuple(shared.gate_up.shape), tuple(shared.down.shape))
+        self._logits_weight = torch.cat([self.router, shared.gate.reshape(1, -1).to(self.router.dtype)])
+
+    def describe(self) -> str:
+        """The experts' weight format and kernel, for /instrumentation."""
+        kernel = {"grouped-cpp": "grouped_moe (C++, one call per layer)", "torch": "grouped torch GEMMs", "triton": "fused_moe (Triton)"}[self.backend]
+        shared = ", shared expert in the call" if self.shared_panels is not None else ""
+        return f"{'/'.join(dict.fromkeys(self.formats))}: {kernel}{shared}"
+
+    def held_bytes(self) -> int:
+        """The bytes of the experts' blocks (panels), the shared expert's included."""
+        return sum(p.nbytes for p in (self.panels, self.shared_panels) if p is not None)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.router, self.w_gate_up, self.w_down]
+        shared = [] if self.shared_panels is None else [_placeholder(s) for s in self.shared_shapes] + [self.shared_gate]
+        return [self.router, self.w_gate_up, self.w_down, *shared]
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        if self.panels is not None:
+            logits = F.linear(x, self._logits_weight)
+            bits = 8 if self.int8_activations and x.shape[0] > BLOCK_QUANT_MAX_ROWS else 16
+            shared = self.shared_panels
+            return self._kernel(
+                x, logits, self.top_k, self.renormalize, self.panels.gate_up, self.panels.down,
+                None if shared is None else shared.gate_up[0], None if shared is None else shared.down[0],
+                None if residual is None else residual.contiguous(), bits,
+            )  # fmt: skip
         weights, ids = route(F.linear(x, self.router), self.top_k, self.renormalize)
         return self._experts(x, self.w_gate_up, self.w_down, weights, ids, residual)
+
+
+class SharedExpertMoE:
+    """The sparse MoE plus a shared SwiGLU expert scaled per token by ``sigmoid(shared_expert_gate(x))``
+    (Qwen3-Next). Where the experts and the shared expert are in blocks, it joins their grouped call."""
+
+    def __init__(self, moe: SparseMoE, shared: MLP, gate: torch.Tensor, weights: tuple[Weight, Weight]) -> None:
+        """``shared`` the shared expert as a dense MLP, ``weights`` its gate_up [2I, H] and down [H, I]."""
+        self.moe, self.shared, self.gate, self._weights = moe, shared, gate, weights
+        if moe.panels is not None and all(isinstance(t, BlockQuantized) for t in weights):  # a GGUF's
+            self._join(*weights)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.moe.tensors() if self.shared is None else [*self.moe.tensors(), *self.shared.tensors(), self.gate]
+
+    def hold_blocks(self, gate_up: BlockQuantized, down: BlockQuantized, int8_activations: bool = False) -> None:
+        """``SparseMoE.hold_blocks``, the shared expert joining in the routed experts' formats (or its own blocks)."""
+        self.moe.hold_blocks(gate_up, down, int8_activations)
+        if any(t.shape[-1] % block_quant.BLOCK for t in self._weights):  # stays a dense MLP beside the call
+            return
+        shared_gate_up, shared_down = (
+            t if isinstance(t, BlockQuantized) else BlockQuantized.of(t, fmt) for t, fmt in zip(self._weights, (gate_up.fmt, down.fmt))
+        )
+        self._join(shared_gate_up, shared_down)
+
+    def _join(self, gate_up: BlockQuantized, down: BlockQuantized) -> None:
+        self.moe.add_shared_expert(SharedExpert(gate_up, down, self.gate))
+        self.shared, self._weights = None, ()
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        if self.shared is None:
+            return self.moe(x, residual)
+        shared = self.shared(x, None).mul_(torch.sigmoid(F.linear(x, self.gate)))
+        return self.moe(x, shared if residual is None else shared.add_(residual))
+
+
+MoELayer = SparseMoE | SharedExpertMoE
+
+
+def moe_layers(model: object) -> list[MoELayer]:
+    """The MoE MLPs of ``model``'s layers."""
+    return [layer.mlp for layer in getattr(model, "layers", []) if isinstance(layer.mlp, SparseMoE | SharedExpertMoE)]
+
+
+EXPERT_FORMATS = {"int4": "q4_1", "int4-a8": "q4_1"}  # --weight-quant → the experts' block format
+
+
+def _exact_format(gate_up: torch.Tensor, down: torch.Tensor) -> str | None:
+    """The block format both stacks round-trip through exactly (a checkpoint dequantized from it), if any."""
+    for fmt in block_quant.BLOCK_BYTES:
+        if not block_quant.is_exact(gate_up[0], block_quant.quantize(gate_up[0], fmt), fmt):  # the first expert tells most
+            continue
+        if all(block_quant.is_exact(t.reshape(-1, t.shape[-1]), block_quant.quantize(t.reshape(-1, t.shape[-1]), fmt), fmt) for t in (gate_up, down)):
+            return fmt
+    return None
+
+
+def routed_experts(model: object) -> list[SparseMoE]:
+    """The ``SparseMoE`` of each MoE layer of ``model``."""
+    return [layer.moe if isinstance(layer, SharedExpertMoE) else layer for layer in moe_layers(model)]
+
+
+def describe_experts(model: object) -> dict[str, int]:
+    """How many MoE layers hold their experts in each format and kernel (``SparseMoE.describe``)."""
+    held: dict[str, int] = {}
+    for moe in routed_experts(model):
+        held[moe.describe()] = held.get(moe.describe(), 0) + 1
+    return held
+
+
+def convert_experts(model: object, weight_quant: str) -> dict[str, int]:
+    """The float experts of ``model`` switch to blocks where ``weight_quant`` says so (``int4``, ``int4-a8``:
+    q4_1; ``auto``: the format they round-trip through exactly, if any) and the grouped kernel runs;
+    returns ``describe_experts``."""
+    for layer, moe in zip(moe_layers(model), routed_experts(model)):
+        floats = moe.float_experts()
+        if floats is not None and grouped_kernel_runs(moe.router.device, moe.router.dtype):
+            gate_up, down = floats
+            fmt = EXPERT_FORMATS.get(weight_quant) or (_exact_format(gate_up, down) if weight_quant == "auto" else None)
+            if fmt is not None and gate_up.shape[-1] % block_quant.BLOCK == 0 and down.shape[-1] % block_quant.BLOCK == 0:
+                layer.hold_blocks(BlockQuantized.of(gate_up, fmt), BlockQuantized.of(down, fmt), weight_quant == "int4-a8")
+    return describe_experts(model)

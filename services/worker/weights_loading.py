@@ -1,5 +1,6 @@
 """A checkpoint → its family's model in the serving format: loaded in the serving dtype onto the device,
-sharded for tensor parallelism, its linears converted to the weight format."""
+sharded for tensor parallelism, its linears converted to the weight format. A GGUF file's Q4_0 / Q4_1 /
+Q8_0 matrices go to their linears in their blocks, as stored."""
 
 from __future__ import annotations
 
@@ -9,31 +10,40 @@ from typing import Any, NamedTuple
 
 import torch
 
-from services.worker.linear import convert_weights
+from services.worker.linear import block_formats, convert_weights, linears_of
 from services.worker.models import CausalLM, model_family
 from services.worker.tensor_parallel import TensorParallelGroup, parallelize, shard_config, shard_weights
-from services.worker.weights import load_weights
+from services.worker.weights import load_gguf, load_weights
+from shared.model_info import is_gguf
 
 
 class LoadedModel(NamedTuple):
-    config: dict[str, Any]  # config.json (this rank's shard of it under tensor parallelism)
+    config: dict[str, Any]  # config.json, or a GGUF's metadata as one (this rank's shard of it under tensor parallelism)
     model: CausalLM
-    weight_quant: str  # the format the linears hold ("none": as loaded)
-    quantized_linears: int
+    weight_quant: str  # the format the float linears took ("none": as loaded)
+    quantized_linears: int  # linears in blocks or another quantized format
 
 
-def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, weight_quant: str, tp: TensorParallelGroup | None) -> LoadedModel:
+def load_model(model_path: str, dtype: torch.dtype, device: torch.device, weight_quant: str, tp: TensorParallelGroup | None) -> LoadedModel:
     """``weight_quant`` resolved (``linear.resolve_weight_quant``); with ``tp``, this rank's shard, each layer's
     attention and MLP wrapped in their all_reduce."""
-    with open(os.path.join(model_dir, "config.json")) as f:
-        config = json.load(f)
-    family = model_family(config.get("model_type", "llama"))
     with torch.inference_mode():
-        weights = load_weights(model_dir, dtype, device)
+        if is_gguf(model_path):
+            if tp is not None:
+                raise ValueError("a GGUF model is served unsharded: leave --tensor-parallel-size at 1")
+            config, weights = load_gguf(model_path, dtype, device, block_formats(device, dtype))
+        else:
+            with open(os.path.join(model_path, "config.json")) as f:
+                config = json.load(f)
+            weights = load_weights(model_path, dtype, device)
         if tp is not None:
             config, weights = shard_config(config, tp.size), shard_weights(weights, tp.rank, tp.size)
+        family = model_family(config.get("model_type", "llama"))
         model = family(config, weights)
-        weight_quant, quantized = convert_weights(model, weight_quant) if weight_quant != "none" else ("none", 0)
+        if weight_quant != "none":
+            weight_quant, quantized = convert_weights(model, weight_quant)
+        else:  # a GGUF's linears hold their blocks whatever the format
+            quantized = sum(linear.panels is not None for linear in linears_of(model))
         if tp is not None:  # after quantization, which finds the layers' linears unwrapped
             parallelize(model, tp)
     return LoadedModel(config, model, weight_quant, quantized)

@@ -92,13 +92,13 @@ def test_block_quantized_stacks_experts_and_refuses_data_of_the_wrong_width(fmt:
 
 
 def _kernel_reference(x: torch.Tensor, packed: torch.Tensor, fmt: str, bits: int = 16) -> torch.Tensor:
-    """The kernel's arithmetic in torch: the codes times rounded ``x``, q4_1's minimums times the block
-    sums of ``x`` itself (the minimums alone are what the blocks hold with every code zeroed)."""
+    """The kernel's arithmetic in torch: the codes times rounded ``x``, q4_1's minimums (q4_0's -8 d) times
+    the block sums of ``x`` itself (the minimums alone are what the blocks hold with every code zeroed)."""
     dense, rounded = block_quant.dequantize(packed, fmt), kernel_rounded(x, 127 if bits == 8 else 32767)
     if fmt == "q8_0":
         return rounded @ dense.T
     minimums_only = packed.clone()
-    minimums_only[:, : packed.shape[1] // 20 * 16] = 0
+    minimums_only[:, : packed.shape[1] // block_quant.BLOCK_BYTES[fmt] * 16] = 0
     minimums = block_quant.dequantize(minimums_only, fmt)
     return rounded @ (dense - minimums).T + x @ minimums.T
 
@@ -139,7 +139,7 @@ def test_q8_0_panels_regroup_the_rows_codes_and_scales_by_eight_channels() -> No
 @kernels
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 70])  # 70: past one chunk of rows a panel meets at a time
 @pytest.mark.parametrize("out_features", [24, 30])  # 30: a last panel of 6 channels
-@pytest.mark.parametrize("fmt, bits", [("q4_1", 8), ("q4_1", 16), ("q8_0", 16)])
+@pytest.mark.parametrize("fmt, bits", [("q4_0", 8), ("q4_0", 16), ("q4_1", 8), ("q4_1", 16), ("q8_0", 16)])
 def test_gemm_kernel_equals_rounded_activations_times_the_dequantized_weight(rows: int, out_features: int, fmt: str, bits: int) -> None:
     generator = torch.Generator().manual_seed(rows * 100 + out_features)
     w, bias, residual = (torch.randn(*shape, generator=generator) for shape in ((out_features, 288), (out_features,), (rows, out_features)))
@@ -195,7 +195,7 @@ def test_vnni_block_products_equal_the_avx2_ones_to_the_bit(tmp_path: Path) -> N
     second process computes the same cases with it."""
     generator = torch.Generator().manual_seed(7)
     cases = []
-    for fmt, bits in (("q4_1", 8), ("q4_1", 16), ("q8_0", 16)):
+    for fmt, bits in (("q4_0", 8), ("q4_0", 16), ("q4_1", 8), ("q4_1", 16), ("q8_0", 16)):
         for n in (30, 40):  # 4 panels, the last of 6 channels (two pairs); 5 (two pairs and one alone)
             panels = block_quant.to_panels(block_quant.quantize(torch.randn(n, 288, generator=generator) * 3, fmt), fmt)
             cases += [(torch.randn(rows, 288, generator=generator) * 5, panels, n, bits) for rows in (1, 3, 4, 5, 8, 33)]

@@ -19,7 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("logprobs_rows", &logprobs_rows,
         "(chosen, top values, top ids, ok): each row's log_softmax at its token and its k largest, best first; ok false: a row with NaN or "
         "no finite logit, left unwritten (CPU)", no_gil);
-  m.def("block_quant_gemm", &block_quant_gemm, "x @ dequantized(q4_1 or q8_0 panels).T (+ bias) (+ residual), x rounded to int16 or int8 per block of 32 (CPU)", no_gil);
+  m.def("block_quant_gemm", &block_quant_gemm, "x @ dequantized(q4_0, q4_1 or q8_0 panels).T (+ bias) (+ residual), x rounded to int16 or int8 per block of 32 (CPU)", no_gil);
   m.def("block_quant_gemm_isa", &block_quant_gemm_isa,
         "the instructions of block_quant_gemm's integer block products: avx512-vnni, avx2 (also where TOKENYARD_CPU_VNNI=0) or portable");
   m.def("set_block_quant_pair_tiles", &set_block_quant_pair_tiles,
@@ -28,6 +28,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "block_quant_gemm prefetches the weights into every cache level (true: where the last-level cache holds them) or non-temporally "
         "(false, the default: they stream from memory past the caches)");
   m.def("weight_prefetch_keep", &weight_prefetch_keep, "whether block_quant_gemm's weight prefetch keeps the weights in the caches");
+  m.def("grouped_moe", &grouped_moe,
+        "a MoE layer over q4_0 / q4_1 / q8_0 expert panels in one call: route (softmax, top-k), every active expert's SwiGLU and the weighted "
+        "sum added into residual in place (or a new tensor), with a shared expert gated by the router logits' last column (fp32, CPU)",
+        py::arg("x"), py::arg("router_logits"), py::arg("top_k"), py::arg("renormalize"), py::arg("gate_up"), py::arg("down"),
+        py::arg("shared_gate_up") = py::none(), py::arg("shared_down") = py::none(), py::arg("residual") = py::none(), py::arg("activation_bits") = 16,
+        no_gil);
   m.def("int8_linear", &int8_linear, "x @ (int8 weight * per-channel scale).T (+ bias), fp32 arithmetic (CPU)", no_gil);
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(h) * weight, h) with h = x + residual written over x (fp32, CPU)", no_gil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] rows (fp32, CPU)", no_gil);

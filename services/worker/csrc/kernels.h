@@ -21,6 +21,9 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& weight, c
 torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& panels, int64_t out_features, const std::optional<torch::Tensor>& bias,
                                const std::optional<torch::Tensor>& residual, int64_t activation_bits);
 std::string block_quant_gemm_isa();
+torch::Tensor grouped_moe(const torch::Tensor& x, const torch::Tensor& router_logits, int64_t top_k, bool renormalize, const torch::Tensor& gate_up,
+                          const torch::Tensor& down, const std::optional<torch::Tensor>& shared_gate_up, const std::optional<torch::Tensor>& shared_down,
+                          const std::optional<torch::Tensor>& residual, int64_t activation_bits);
 void set_block_quant_pair_tiles(bool on);
 void set_weight_prefetch_keep(bool keep);
 bool weight_prefetch_keep();

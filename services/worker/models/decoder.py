@@ -16,13 +16,14 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.attention import ATTENTION_BACKENDS, AttentionFn, AttentionMetadata, KVCache, paged_attention, select_attention_backend
+from services.worker.block_quant import BlockQuantized
 from services.worker.fusions import select_fusion_kernels
 from services.worker.gdn_state import GDNShape, SlotMetadata
-from services.worker.linear import Linear, RowSplitLinear
+from services.worker.linear import Linear, RowSplitLinear, cat_rows
 from services.worker.rmsnorm import RMSNorm
 from services.worker.rotary import RotaryEmbedding, apply_rotary_, rope_config
 
-Weights = dict[str, torch.Tensor]
+Weights = dict[str, torch.Tensor | BlockQuantized]  # a projection may come in its blocks (a GGUF's); other tensors are float
 RotateFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # apply_rotary_ or its fusion: (q/k heads, cos, sin), in place
 
 
@@ -77,7 +78,7 @@ class Attention:
         self.attend, self.rotate = attend, rotate
         self.heads, self.kv_heads, self.dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv_bias = torch.cat([w[f"{p}{x}_proj.bias"] for x in "qkv"]) if cfg.attention_bias else None
-        self.qkv = Linear(torch.cat([w[f"{p}{x}_proj.weight"] for x in "qkv"]), cfg.threads, qkv_bias)  # hidden -> (heads + 2 kv_heads) * dim
+        self.qkv = Linear(cat_rows([w[f"{p}{x}_proj.weight"] for x in "qkv"]), cfg.threads, qkv_bias)  # hidden -> (heads + 2 kv_heads) * dim
         self.o_proj = Linear(w[p + "o_proj.weight"], cfg.threads, w[p + "o_proj.bias"] if cfg.attention_bias else None)
         self.qk_norm, self._norm_weights = None, []
         if qk_norm:
@@ -118,7 +119,7 @@ class DenseMLP:
     def __init__(self, w: Weights, prefix: str, threads: int) -> None:
         p = prefix
         self.intermediate = w[p + "gate_proj.weight"].shape[0]
-        self.gate_up = Linear(torch.cat([w[p + "gate_proj.weight"], w[p + "up_proj.weight"]]), threads)
+        self.gate_up = Linear(cat_rows([w[p + "gate_proj.weight"], w[p + "up_proj.weight"]]), threads)
         self.down = Linear(w[p + "down_proj.weight"], threads)
 
     def tensors(self) -> list[torch.Tensor]:

@@ -1,7 +1,8 @@
 """The Qwen3 Mixture-of-Experts decoder: Qwen3's attention, and a sparse MoE MLP in the layers that
 ``decoder_sparse_step`` selects and ``mlp_only_layers`` does not exclude (a dense SwiGLU elsewhere).
 
-The MoE kernel backend (grouped torch GEMMs, or fused Triton on CUDA) is chosen once at load.
+The MoE kernel backend (grouped torch GEMMs, or fused Triton on CUDA) is chosen once at load; experts
+in blocks (a GGUF's, or ``--weight-quant``'s) run as one grouped C++ call per layer on a CPU.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 import torch
 
 from services.worker.models.decoder import MLP, DecoderForCausalLM
-from services.worker.moe import SparseMoE, select_moe_backend
+from services.worker.moe import SparseMoE, describe_experts, routed_experts, select_moe_backend
 
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
@@ -42,7 +43,8 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
 
     def describe(self) -> dict[str, Any]:
         return {
-            "moe_backend": self.moe_backend,
+            "moe_backend": "/".join(sorted({moe.backend for moe in routed_experts(self)})) or self.moe_backend,
+            "expert_weights": describe_experts(self),  # "<format>: <kernel>" -> how many layers
             "num_experts": self.num_experts,
             "num_experts_per_tok": self.top_k,
             "moe_layers": sum(map(self.is_sparse, range(self.num_layers))),

@@ -19,12 +19,13 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.attention import ATTENTION_BACKENDS, AttentionFn, AttentionMetadata, KVCache, paged_attention
+from services.worker.block_quant import BlockQuantized
 from services.worker.gdn import GDNKernels, select_gdn_kernels
 from services.worker.gdn_state import GDNShape, SlotMetadata
-from services.worker.linear import Linear
-from services.worker.models.decoder import MLP, DecoderConfig, DecoderLayer, DenseMLP, RotateFn, Weights
+from services.worker.linear import Linear, cat_rows, map_rows
+from services.worker.models.decoder import MLP, DecoderConfig, DecoderLayer, RotateFn, Weights
 from services.worker.models.qwen3_moe import Qwen3MoeForCausalLM
-from services.worker.moe import SparseMoE
+from services.worker.moe import SharedExpertMoE, SparseMoE
 from services.worker.rmsnorm import RMSNorm
 from services.worker.rotary import apply_rotary_
 from shared.model_info import FULL_ATTENTION, LINEAR_ATTENTION, layer_types
@@ -45,22 +46,26 @@ class GatedAttention:
         heads, kv_heads, dim = self.heads, self.kv_heads, self.dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.rotary_dim = rotary_dim
 
-        def regroup(name: str) -> torch.Tensor:  # q_proj holds per head [query; gate]: → [queries | k | v | gates]
-            q_proj = w[f"{p}q_proj.{name}"]
-            rest = q_proj.shape[1:]  # (hidden,) for the weight, () for the bias
-            q_gate = q_proj.view(heads, 2, dim, *rest)
-            queries, gates = (q_gate[:, i].reshape(heads * dim, *rest) for i in (0, 1))
-            return torch.cat([queries, w[f"{p}k_proj.{name}"], w[f"{p}v_proj.{name}"], gates])
+        def split(rows: torch.Tensor) -> torch.Tensor:  # q_proj's rows per head [query; gate] → [queries | gates]
+            return rows.reshape(heads, 2, dim, -1).transpose(0, 1).reshape(rows.shape)
 
-        self._originals = [w[f"{p}{x}_proj.weight"] for x in "qkvo"] + ([w[f"{p}{x}_proj.bias"] for x in "qkvo"] if cfg.attention_bias else [])
+        def regroup(name: str) -> torch.Tensor | BlockQuantized:  # → [queries | k | v | gates]
+            q_proj = w[f"{p}q_proj.{name}"]
+            if name == "bias":
+                q_gate = split(q_proj[:, None])[:, 0]
+                return torch.cat([q_gate[: heads * dim], w[f"{p}k_proj.bias"], w[f"{p}v_proj.bias"], q_gate[heads * dim :]])
+            queries, gates = map_rows(q_proj, lambda rows: split(rows)[: heads * dim]), map_rows(q_proj, lambda rows: split(rows)[heads * dim :])
+            return cat_rows([queries, w[f"{p}k_proj.weight"], w[f"{p}v_proj.weight"], gates])
+
         self.proj = Linear(regroup("weight"), cfg.threads, regroup("bias") if cfg.attention_bias else None)  # hidden -> (2 heads + 2 kv_heads) * dim
         self.o_proj = Linear(w[p + "o_proj.weight"], cfg.threads, w[p + "o_proj.bias"] if cfg.attention_bias else None)
         q_norm, k_norm = 1 + w[p + "q_norm.weight"], 1 + w[p + "k_norm.weight"]
         self.qk_norm = RMSNorm(torch.cat([q_norm.expand(heads, -1), k_norm.expand(kv_heads, -1)]), cfg.eps)
-        self._originals += [q_norm, k_norm]
+        self._norm_weights = [q_norm, k_norm]
 
     def tensors(self) -> list[torch.Tensor]:
-        return self._originals
+        parts = [self.proj.weight, self.proj.bias, self.o_proj.weight, self.o_proj.bias, *self._norm_weights]
+        return [t for t in parts if t is not None]
 
     def __call__(
         self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor
@@ -96,11 +101,16 @@ class GatedDeltaNet:
         self.key_dim, self.value_dim = hk * dk, hv * dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
         group = hv // hk
+
         # The checkpoint groups rows by key head: per head [q, k, v of its group, z of its group], and
         # [b of its group, a of its group]. Regrouped to [q | k | v | z | b | a], all in head order.
-        qkvz = w[p + "in_proj_qkvz.weight"].view(hk, 2 * dk + 2 * group * dv, -1).split([dk, dk, group * dv, group * dv], dim=1)
-        ba = w[p + "in_proj_ba.weight"].view(hk, 2 * group, -1).split([group, group], dim=1)
-        self.in_proj = Linear(torch.cat([x.reshape(-1, x.shape[-1]) for x in (*qkvz, *ba)]), cfg.threads)
+        def regroup(rows: torch.Tensor, sizes: list[int]) -> torch.Tensor:  # per key head [parts...] → [part (all heads) | ...]
+            by_head = rows.reshape(hk, sum(sizes), -1).split(sizes, dim=1)
+            return torch.cat([x.reshape(-1, rows.shape[-1]) for x in by_head])
+
+        qkvz = map_rows(w[p + "in_proj_qkvz.weight"], lambda rows: regroup(rows, [dk, dk, group * dv, group * dv]))
+        ba = map_rows(w[p + "in_proj_ba.weight"], lambda rows: regroup(rows, [group, group]))
+        self.in_proj = Linear(cat_rows([qkvz, ba]), cfg.threads)
         self.conv_weight = w[p + "conv1d.weight"].squeeze(1).contiguous()  # [C, K]
         self.conv_bias = w.get(p + "conv1d.bias")
         self.a_log, self.dt_bias = w[p + "A_log"], w[p + "dt_bias"]
@@ -108,20 +118,10 @@ class GatedDeltaNet:
         self.dt_bias32 = self.dt_bias.float()
         self.norm = RMSNorm(w[p + "norm.weight"], cfg.eps)  # plain weight here, not zero-centred
         self.out_proj = Linear(w[p + "out_proj.weight"], cfg.threads)
-        self._originals = [
-            w[p + "in_proj_qkvz.weight"],
-            w[p + "in_proj_ba.weight"],
-            self.conv_weight,
-            self.a_log,
-            self.dt_bias,
-            self.norm.weight,
-            w[p + "out_proj.weight"],
-        ]
-        if self.conv_bias is not None:
-            self._originals.append(self.conv_bias)
 
     def tensors(self) -> list[torch.Tensor]:
-        return self._originals
+        parts = [self.in_proj.weight, self.conv_weight, self.conv_bias, self.a_log, self.dt_bias, self.norm.weight, self.out_proj.weight]
+        return [t for t in parts if t is not None]
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, slots: SlotMetadata, layer: int) -> torch.Tensor:
         total, kernels, decodes = x.shape[0], self.kernels, slots.num_decodes
@@ -162,20 +162,6 @@ class GatedDeltaNet:
         o = outs[0] if len(outs) == 1 else torch.cat(outs)
         o = self.norm(o).mul_(F.silu(z.reshape(total, self.hv, self.dv)))
         return self.out_proj(o.view(total, self.value_dim), residual=residual)
-
-
-class SharedExpertMoE:
-    """The sparse MoE plus a shared SwiGLU expert scaled per token by ``sigmoid(shared_expert_gate(x))``."""
-
-    def __init__(self, moe: SparseMoE, shared: DenseMLP, gate: torch.Tensor) -> None:
-        self.moe, self.shared, self.gate = moe, shared, gate
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [*self.moe.tensors(), *self.shared.tensors(), self.gate]
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        shared = self.shared(x, None).mul_(torch.sigmoid(F.linear(x, self.gate)))
-        return self.moe(x, shared if residual is None else shared.add_(residual))
 
 
 class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
@@ -228,7 +214,9 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
         routed = super().mlp(w, prefix, index)
         if not isinstance(routed, SparseMoE) or prefix + "mlp.shared_expert_gate.weight" not in w:
             return routed
-        return SharedExpertMoE(routed, self.dense_mlp(w, prefix + "mlp.shared_expert."), w[prefix + "mlp.shared_expert_gate.weight"])
+        p = prefix + "mlp.shared_expert."
+        weights = (cat_rows([w[p + "gate_proj.weight"], w[p + "up_proj.weight"]]), w[p + "down_proj.weight"])
+        return SharedExpertMoE(routed, self.dense_mlp(w, p), w[prefix + "mlp.shared_expert_gate.weight"], weights)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache, slots: SlotMetadata | None = None

@@ -1,0 +1,373 @@
+// grouped_moe: a Mixture-of-Experts layer over block-quantized experts in one call (services/worker/moe.py).
+//
+//   out[t] = residual[t] + sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = the j-th of t's top-k
+//            (+ sigmoid(g_t) * shared(x_t), the shared expert where the layer has one)
+//
+// from the router's logits [T, E] (softmax over the experts, top-k, optionally renormalised, as
+// moe.route); with a shared expert the logits have one more column, its gate's logit g.
+//
+// 1. The (token, expert) pairs are sorted by expert (counting sort, stable: token order within an expert);
+//    x is rounded once per token (activation_quant.h) and gathered into that order.
+// 2. gate/up: work items (expert, range of column panels). An expert's gate_up panels alternate gate and
+//    up (panel 2i: gate channels 8i .. 8i+7, panel 2i+1: up's, as moe.py lays them out), so an item holds
+//    both halves of its channels and writes silu(gate) * up straight into the activations [pairs, I].
+// 3. The activations are rounded per row.
+// 4. down: work items (range of hidden panels) over every active expert, each row's product times its
+//    routing weight added into a per-item accumulator [panels, T, 8], committed as out[t, cols] += acc:
+//    items own disjoint columns, so the weighted sum lands in place with no reduction pass.
+// Items run on the takeover pool for decode steps of up to its MAX_ROWS tokens (few rows: no per-expert
+// dispatch at all), else on OpenMP's threads, sharing items as shared_items.h does. Which thread
+// computes an item does not change its arithmetic: the same bits at every thread count.
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include "avx2_exp.h"
+#include "block_panels.h"
+#include "kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using namespace block_panels;
+
+constexpr int64_t MAX_PANELS_PER_ITEM = 16;
+
+// A weight set that rows are routed to: a routed expert, or the shared expert.
+struct Expert {
+  const uint8_t* gate_up;  // [2 * inter / 8, hidden / 32, gate_up_record]
+  const uint8_t* down;     // [ceil(hidden / 8), inter / 32, down_record]
+  int64_t gate_up_record, down_record, inter;
+  int set;              // its rows' set: 0 the routed pairs, 1 the tokens (the shared expert)
+  int64_t first, count;  // its rows within that set
+};
+
+// What every item of a call reads; owned by the jobs (a helper that was taken over may still read it
+// after the call has returned).
+template <typename T1, typename T2>
+struct Call {
+  int64_t tokens, hidden, top_k;
+  std::vector<Expert> experts;        // the active ones, in expert order, then the shared expert
+  std::vector<int64_t> pair_token;    // routed row -> its token
+  std::vector<float> pair_weight;     // routed row -> its routing weight
+  std::vector<float> shared_weight;   // token -> sigmoid(shared gate logit)
+  QuantizedRows<T1> x_rows[2];        // x rounded: [0] in routed row order, [1] per token
+  std::vector<float> act[2];          // silu(gate) * up: [routed rows, I], [tokens, shared I]
+  QuantizedRows<T2> act_rows[2];      // act rounded
+  float* out;                         // [T, hidden]
+
+  int64_t token_of(const Expert& e, int64_t row) const { return e.set == 0 ? pair_token[e.first + row] : row; }
+  float weight_of(const Expert& e, int64_t row) const { return e.set == 0 ? pair_weight[e.first + row] : shared_weight[row]; }
+};
+
+// silu(g) * u over 8 channels.
+inline void silu_mul8(const float* g, const float* u, float* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 gate = _mm256_loadu_ps(g), one = _mm256_set1_ps(1.f);
+  const __m256 e = exp8(_mm256_or_ps(gate, _mm256_set1_ps(-0.f)));  // exp(-|g|): no overflow
+  const __m256 negative = _mm256_cmp_ps(gate, _mm256_setzero_ps(), _CMP_LT_OQ);
+  const __m256 sigmoid = _mm256_div_ps(_mm256_blendv_ps(one, e, negative), _mm256_add_ps(one, e));
+  _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_mul_ps(gate, sigmoid), _mm256_loadu_ps(u)));
+#else
+  for (int c = 0; c < PANEL; ++c) {
+    const float e = std::exp(-std::fabs(g[c]));
+    out[c] = g[c] * ((g[c] >= 0.f ? 1.f : e) / (1.f + e)) * u[c];
+  }
+#endif
+}
+
+// `rows` rows (from m0) of `a` times `span` panels from `panel`, by the record format's tiles.
+template <typename T>
+void tile_of(int64_t record, const uint8_t* panel, int64_t panel_bytes, int64_t span, const QuantizedRows<T>& a, int64_t m0, int64_t rows, float* sums) {
+  if (record == Q4_0Panels::RECORD) return run_tile<Q4_0Panels, T>(panel, panel_bytes, span, a, m0, rows, sums);
+  if (record == Q4_1Panels::RECORD) return run_tile<Q4_1Panels, T>(panel, panel_bytes, span, a, m0, rows, sums);
+  if constexpr (std::is_same_v<T, int16_t>) run_tile<Q8_0Panels, T>(panel, panel_bytes, span, a, m0, rows, sums);
+}
+
+// Items that run as takeover_pool jobs or on OpenMP's threads: compute into scratch, commit into the output.
+template <typename T1, typename T2>
+struct Phase : takeover_pool::Job {
+  std::shared_ptr<Call<T1, T2>> call;
+  int64_t scratch = 0;
+  int64_t scratch_floats() const override { return scratch; }
+};
+
+// gate/up: item i is (expert, pairs [first, last) of its channel groups of 8).
+template <typename T1, typename T2>
+struct GateUp : Phase<T1, T2> {
+  struct Item {
+    int64_t expert, first, last;
+  };
+  std::vector<Item> items;
+
+  void compute(int64_t i, float* scratch) const override {
+    const auto& c = *this->call;
+    const Item item = items[i];
+    const Expert& e = c.experts[item.expert];
+    const QuantizedRows<T1>& a = c.x_rows[e.set];
+    const int64_t panel_bytes = a.blocks * e.gate_up_record;
+    float sums[2 * MAX_ROW_TILE * PANEL];
+    for (int64_t chunk = 0; chunk < e.count; chunk += ROW_CHUNK)
+      for (int64_t q = item.first; q < item.last; ++q) {
+        const uint8_t* gate = e.gate_up + 2 * q * panel_bytes;
+        const bool pair = tile_span(2 * q, 2 * q + 2, e.count) == 2;
+        for (int64_t m0 = chunk; m0 < std::min(e.count, chunk + ROW_CHUNK); m0 += row_tile()) {
+          const int64_t rows = std::min(row_tile(), e.count - m0);
+          if (pair) {
+            tile_of<T1>(e.gate_up_record, gate, panel_bytes, 2, a, e.first + m0, rows, sums);
+          } else {
+            tile_of<T1>(e.gate_up_record, gate, panel_bytes, 1, a, e.first + m0, rows, sums);
+            tile_of<T1>(e.gate_up_record, gate + panel_bytes, panel_bytes, 1, a, e.first + m0, rows, sums + MAX_ROW_TILE * PANEL);
+          }
+          for (int64_t r = 0; r < rows; ++r)
+            silu_mul8(sums + r * PANEL, sums + MAX_ROW_TILE * PANEL + r * PANEL, scratch + ((q - item.first) * e.count + m0 + r) * PANEL);
+        }
+      }
+  }
+  void commit(int64_t i, const float* scratch) const override {
+    auto& c = *this->call;
+    const Item item = items[i];
+    const Expert& e = c.experts[item.expert];
+    float* act = c.act[e.set].data();
+    for (int64_t q = item.first; q < item.last; ++q)
+      for (int64_t r = 0; r < e.count; ++r)
+        std::memcpy(act + (e.first + r) * e.inter + q * PANEL, scratch + ((q - item.first) * e.count + r) * PANEL, PANEL * sizeof(float));
+  }
+};
+
+// down: item i is hidden panels [i * per_item, ...) over every active expert, weighted, summed per token.
+template <typename T1, typename T2>
+struct Down : Phase<T1, T2> {
+  int64_t per_item = 1, panel_count = 0;
+
+  void compute(int64_t i, float* scratch) const override {
+    const auto& c = *this->call;
+    const int64_t begin = i * per_item, end = std::min(panel_count, begin + per_item);
+    std::fill(scratch, scratch + (end - begin) * c.tokens * PANEL, 0.f);
+    float sums[2 * MAX_ROW_TILE * PANEL];
+    for (const Expert& e : c.experts) {
+      const QuantizedRows<T2>& a = c.act_rows[e.set];
+      const int64_t panel_bytes = a.blocks * e.down_record;
+      for (int64_t chunk = 0; chunk < e.count; chunk += ROW_CHUNK)
+        for (int64_t p = begin, span; p < end; p += span) {
+          span = tile_span(p, end, e.count);
+          for (int64_t m0 = chunk; m0 < std::min(e.count, chunk + ROW_CHUNK); m0 += row_tile()) {
+            const int64_t rows = std::min(row_tile(), e.count - m0);
+            tile_of<T2>(e.down_record, e.down + p * panel_bytes, panel_bytes, span, a, e.first + m0, rows, sums);
+            for (int64_t q = 0; q < span; ++q)
+              for (int64_t r = 0; r < rows; ++r) {
+                const float w = c.weight_of(e, m0 + r), *tile = sums + q * MAX_ROW_TILE * PANEL + r * PANEL;
+                float* acc = scratch + ((p + q - begin) * c.tokens + c.token_of(e, m0 + r)) * PANEL;
+                for (int64_t ch = 0; ch < PANEL; ++ch) acc[ch] += w * tile[ch];
+              }
+          }
+        }
+    }
+  }
+  void commit(int64_t i, const float* scratch) const override {
+    const auto& c = *this->call;
+    const int64_t begin = i * per_item, end = std::min(panel_count, begin + per_item);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * PANEL, cols = std::min(PANEL, c.hidden - n0);
+      for (int64_t t = 0; t < c.tokens; ++t) {
+        float* to = c.out + t * c.hidden + n0;
+        const float* from = scratch + ((p - begin) * c.tokens + t) * PANEL;
+        for (int64_t ch = 0; ch < cols; ++ch) to[ch] += from[ch];
+      }
+    }
+  }
+};
+
+// Runs a phase's items on the takeover pool (few tokens) or on OpenMP's threads.
+void run_items(const std::shared_ptr<takeover_pool::Job>& job, int64_t items, bool on_pool) {
+  if (on_pool) return takeover_pool::run(job, items);
+  share_items(items, [&](int64_t item) {
+    thread_local std::vector<float> scratch;
+    if (static_cast<int64_t>(scratch.size()) < job->scratch_floats()) scratch.resize(job->scratch_floats());
+    job->compute(item, scratch.data());
+    job->commit(item, scratch.data());
+  });
+}
+
+// Rows rounded per block of 32 (gathered: row i is source row `from[i]`); on the caller's thread in a
+// step whose calls run on the pool.
+template <typename T>
+QuantizedRows<T> round_rows(const float* x, int64_t rows, int64_t k, bool on_caller, const int64_t* from = nullptr) {
+  const int64_t blocks = k / BLOCK;
+  QuantizedRows<T> a{std::vector<T>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks), k, blocks};
+  at::parallel_for(0, rows, on_caller ? std::max<int64_t>(rows, 1) : 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = x + (from ? from[r] : r) * k;
+      for (int64_t b = 0; b < blocks; ++b)
+        activation_quant::quantize_block<T>(row + b * BLOCK, a.q.data() + r * k + b * BLOCK, a.d.data() + r * blocks + b, a.s.data() + r * blocks + b);
+    }
+  });
+  return a;
+}
+
+// Each token's top-k experts and weights from its router logits: softmax in fp32, the k largest (ties:
+// the lower expert first), optionally renormalised to sum to 1.
+void route(const float* logits, int64_t tokens, int64_t stride, int64_t experts, int64_t top_k, bool renormalize, std::vector<int64_t>& ids,
+           std::vector<float>& weights) {
+  ids.resize(tokens * top_k);
+  weights.resize(tokens * top_k);
+  std::vector<float> probs(experts);
+  std::vector<int64_t> order(experts);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* l = logits + t * stride;
+    const float top = *std::max_element(l, l + experts);
+    float total = 0.f;
+    for (int64_t e = 0; e < experts; ++e) total += (probs[e] = std::exp(l[e] - top));
+    for (int64_t e = 0; e < experts; ++e) probs[e] /= total;
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int64_t a, int64_t b) { return probs[a] > probs[b] || (probs[a] == probs[b] && a < b); });
+    float kept = 0.f;
+    for (int64_t j = 0; j < top_k; ++j) kept += probs[order[j]];
+    for (int64_t j = 0; j < top_k; ++j) {
+      ids[t * top_k + j] = order[j];
+      weights[t * top_k + j] = renormalize ? probs[order[j]] / kept : probs[order[j]];
+    }
+  }
+}
+
+struct Weights {
+  const uint8_t *gate_up, *down;
+  int64_t gate_up_record, down_record, inter, gate_up_stride, down_stride;  // per expert, in bytes
+};
+
+Weights check_weights(const torch::Tensor& gate_up, const torch::Tensor& down, int64_t hidden, int64_t experts, const char* what) {
+  TORCH_CHECK(gate_up.dim() == 4 && down.dim() == 4 && gate_up.scalar_type() == torch::kUInt8 && down.scalar_type() == torch::kUInt8 &&
+                  gate_up.is_contiguous() && down.is_contiguous(),
+              what, " panels must be contiguous uint8 [experts, panels, blocks, record]");
+  const int64_t gu_record = gate_up.size(3), down_record = down.size(3);
+  for (int64_t record : {gu_record, down_record})
+    TORCH_CHECK(record == Q4_0Panels::RECORD || record == Q4_1Panels::RECORD || record == Q8_0Panels::RECORD, "a panel record is ", RECORD_SIZES, ", got ",
+                record);
+  const int64_t inter = down.size(2) * BLOCK;
+  TORCH_CHECK(gate_up.size(0) == experts && down.size(0) == experts, what, ": ", experts, " experts expected, got ", gate_up.size(0), " and ", down.size(0));
+  TORCH_CHECK(gate_up.size(1) == 2 * inter / PANEL && gate_up.size(2) == hidden / BLOCK, what, " gate_up panels of ", inter, " x ", hidden,
+              " must be [experts, ", 2 * inter / PANEL, ", ", hidden / BLOCK, ", record], got ", gate_up.sizes());
+  TORCH_CHECK(down.size(1) == (hidden + PANEL - 1) / PANEL, what, " down panels must be [experts, ", (hidden + PANEL - 1) / PANEL, ", ", inter / BLOCK,
+              ", record], got ", down.sizes());
+  return {gate_up.data_ptr<uint8_t>(), down.data_ptr<uint8_t>(), gu_record, down_record, inter, gate_up[0].numel(), down[0].numel()};
+}
+
+template <typename T1, typename T2>
+void run_layer(const float* x, const float* logits, int64_t tokens, int64_t hidden, int64_t experts, int64_t top_k, bool renormalize, const Weights& routed,
+               const std::optional<Weights>& shared, float* out) {
+  const bool on_pool = takeover_pool::runs_on_pool(tokens), on_caller = takeover_pool::keeps_to_caller(tokens);
+  auto call = std::make_shared<Call<T1, T2>>();
+  call->tokens = tokens;
+  call->hidden = hidden;
+  call->top_k = top_k;
+  call->out = out;
+  const int64_t stride = experts + (shared ? 1 : 0);
+  std::vector<int64_t> ids;
+  std::vector<float> weights;
+  route(logits, tokens, stride, experts, top_k, renormalize, ids, weights);
+
+  // Pairs sorted by expert (stable).
+  std::vector<int64_t> counts(experts + 1, 0);
+  for (int64_t id : ids) ++counts[id + 1];
+  std::partial_sum(counts.begin(), counts.end(), counts.begin());
+  const int64_t pairs = tokens * top_k;
+  std::vector<int64_t> next(counts.begin(), counts.end() - 1);
+  call->pair_token.resize(pairs);
+  call->pair_weight.resize(pairs);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t row = next[ids[p]]++;
+    call->pair_token[row] = p / top_k;
+    call->pair_weight[row] = weights[p];
+  }
+  for (int64_t e = 0; e < experts; ++e)
+    if (const int64_t n = counts[e + 1] - counts[e]; n > 0)
+      call->experts.push_back({routed.gate_up + e * routed.gate_up_stride, routed.down + e * routed.down_stride, routed.gate_up_record, routed.down_record,
+                               routed.inter, 0, counts[e], n});
+  call->x_rows[0] = round_rows<T1>(x, pairs, hidden, on_caller, call->pair_token.data());
+  call->act[0].resize(pairs * routed.inter);
+  if (shared) {
+    call->shared_weight.resize(tokens);
+    for (int64_t t = 0; t < tokens; ++t) call->shared_weight[t] = 1.f / (1.f + std::exp(-logits[t * stride + experts]));
+    call->experts.push_back({shared->gate_up, shared->down, shared->gate_up_record, shared->down_record, shared->inter, 1, 0, tokens});
+    call->x_rows[1] = round_rows<T1>(x, tokens, hidden, on_caller);
+    call->act[1].resize(tokens * shared->inter);
+  }
+
+  const int64_t threads = at::get_num_threads();
+  auto gate_up = std::make_shared<GateUp<T1, T2>>();
+  gate_up->call = call;
+  int64_t groups = 0;
+  for (const Expert& e : call->experts) groups += e.inter / PANEL;
+  const int64_t per_item = shared_items::range_size(groups, threads, 1, MAX_PANELS_PER_ITEM / 2);
+  for (int64_t i = 0; i < static_cast<int64_t>(call->experts.size()); ++i) {
+    const Expert& e = call->experts[i];
+    for (int64_t q = 0; q < e.inter / PANEL; q += per_item) gate_up->items.push_back({i, q, std::min(e.inter / PANEL, q + per_item)});
+    gate_up->scratch = std::max(gate_up->scratch, per_item * e.count * PANEL);
+  }
+  run_items(gate_up, static_cast<int64_t>(gate_up->items.size()), on_pool);
+
+  call->act_rows[0] = round_rows<T2>(call->act[0].data(), pairs, routed.inter, on_caller);
+  if (shared) call->act_rows[1] = round_rows<T2>(call->act[1].data(), tokens, shared->inter, on_caller);
+
+  auto down = std::make_shared<Down<T1, T2>>();
+  down->call = call;
+  down->panel_count = (hidden + PANEL - 1) / PANEL;
+  down->per_item = shared_items::range_size(down->panel_count, threads, 1, MAX_PANELS_PER_ITEM);
+  down->scratch = down->per_item * tokens * PANEL;
+  run_items(down, (down->panel_count + down->per_item - 1) / down->per_item, on_pool);
+}
+
+bool nibbles(int64_t record) { return record != Q8_0Panels::RECORD; }
+
+}  // namespace
+
+torch::Tensor grouped_moe(const torch::Tensor& x, const torch::Tensor& router_logits, int64_t top_k, bool renormalize, const torch::Tensor& gate_up,
+                          const torch::Tensor& down, const std::optional<torch::Tensor>& shared_gate_up, const std::optional<torch::Tensor>& shared_down,
+                          const std::optional<torch::Tensor>& residual, int64_t activation_bits) {
+  TORCH_CHECK(activation_bits == 8 || activation_bits == 16, "activation_bits must be 8 or 16, got ", activation_bits);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [tokens, hidden] float32");
+  const int64_t tokens = x.size(0), hidden = x.size(1), experts = gate_up.size(0);
+  TORCH_CHECK(hidden % BLOCK == 0, "hidden must be a multiple of ", BLOCK, ", got ", hidden);
+  TORCH_CHECK(shared_gate_up.has_value() == shared_down.has_value(), "a shared expert needs both its gate_up and its down panels");
+  const bool has_shared = shared_gate_up.has_value();
+  TORCH_CHECK(router_logits.dim() == 2 && router_logits.scalar_type() == torch::kFloat32 && router_logits.size(0) == tokens &&
+                  router_logits.size(1) == experts + (has_shared ? 1 : 0),
+              "router_logits must be [tokens, experts", has_shared ? " + 1 (the shared expert's gate)" : "", "] float32, got ", router_logits.sizes());
+  TORCH_CHECK(top_k >= 1 && top_k <= experts, "top_k must be in 1..", experts, ", got ", top_k);
+  const Weights routed = check_weights(gate_up, down, hidden, experts, "experts'");
+  std::optional<Weights> shared;
+  if (has_shared) {
+    TORCH_CHECK(shared_gate_up->dim() == 3 && shared_down->dim() == 3, "the shared expert's panels must be [panels, blocks, record]");
+    shared = check_weights(shared_gate_up->unsqueeze(0), shared_down->unsqueeze(0), hidden, 1, "the shared expert's");
+  }
+  torch::Tensor out;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == torch::kFloat32 && residual->is_contiguous(),
+                "residual must be contiguous [tokens, hidden] float32, as x");
+    out = *residual;  // the weighted sum lands in it
+  } else {
+    out = torch::zeros_like(x);
+  }
+  if (tokens == 0) return out;
+  const auto xc = x.contiguous(), logits = router_logits.contiguous();
+  const bool int8_first = activation_bits == 8 && nibbles(routed.gate_up_record) && (!shared || nibbles(shared->gate_up_record));
+  const bool int8_second = activation_bits == 8 && nibbles(routed.down_record) && (!shared || nibbles(shared->down_record));
+  const float *x_ptr = xc.data_ptr<float>(), *l_ptr = logits.data_ptr<float>();
+  float* o_ptr = out.data_ptr<float>();
+  auto run_as = [&](auto first, auto second) {
+    run_layer<decltype(first), decltype(second)>(x_ptr, l_ptr, tokens, hidden, experts, top_k, renormalize, routed, shared, o_ptr);
+  };
+  if (int8_first)
+    int8_second ? run_as(int8_t{}, int8_t{}) : run_as(int8_t{}, int16_t{});
+  else
+    int8_second ? run_as(int16_t{}, int8_t{}) : run_as(int16_t{}, int16_t{});
+  return out;
+}
