@@ -1,8 +1,10 @@
-"""CPU MoE benchmark: the grouped torch path of the worker (``services.worker.moe.experts_torch``:
-pairs sorted by expert, two GEMMs per active expert, one weighted index_add) against a naive loop
-over each token's experts, on synthetic Qwen3-MoE-shaped weights, both measured in the same run.
+"""CPU MoE benchmark: one MoE layer's experts on synthetic Qwen3-MoE-shaped weights, the worker's fp32
+grouped torch path (``services.worker.moe.experts_torch``: pairs sorted by expert, two GEMMs per active
+expert, one weighted index_add) against the grouped C++ call over experts in blocks
+(``csrc/grouped_moe.cpp``) per format, routing included in both, all measured in the same run in
+alternating rounds (the machine may be shared: the spread across rounds is reported).
 
-    .venv/bin/python -m bench.moe_cpu [--hidden 512] [--inter 256] [--experts 64] [--top-k 8] [--tokens 1,8,64,256]
+    .venv/bin/python -m bench.moe_cpu [--hidden 576] [--inter 192] [--experts 64] [--top-k 8] [--tokens 1,8,32] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -15,21 +17,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from services.worker.moe import experts_torch, route
+from services.worker.block_quant import BLOCK_BYTES, BlockQuantized
+from services.worker.cpu_kernels import cpu_kernels
+from services.worker.moe import SparseMoE, experts_torch, route
 
 
-def per_token_loop(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The baseline: every (token, expert) pair as its own three matrix-vector products."""
-    out = torch.zeros_like(x)
-    inter = w_down.shape[2]
-    for t in range(x.shape[0]):
-        for w, e in zip(weights[t].tolist(), ids[t].tolist()):
-            gate_up = w_gate_up[e] @ x[t]
-            out[t] += w * (w_down[e] @ (F.silu(gate_up[:inter]) * gate_up[inter:]))
-    return out
-
-
-def median_seconds(fn: Callable[[], object], min_time: float = 0.3, min_runs: int = 3) -> float:
+def median_seconds(fn: Callable[[], object], min_time: float = 0.2, min_runs: int = 5) -> float:
     fn()  # warm-up
     times: list[float] = []
     began = time.perf_counter()
@@ -42,34 +35,50 @@ def median_seconds(fn: Callable[[], object], min_time: float = 0.3, min_runs: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--inter", type=int, default=256, help="moe_intermediate_size")
+    parser.add_argument("--hidden", type=int, default=576)
+    parser.add_argument("--inter", type=int, default=192, help="moe_intermediate_size")
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--tokens", default="1,8,64,256", help="comma-separated token counts")
+    parser.add_argument("--tokens", default="1,8,32", help="comma-separated token counts")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of every variant")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument(
+        "--takeover-pool", action=argparse.BooleanOptionalAction, default=True, help="few-row calls on the takeover pool, as the worker runs them"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    kernels = cpu_kernels()[0]
+    if kernels is None:
+        raise SystemExit(f"the CPU kernels are unavailable: {cpu_kernels()[1]}")
+    kernels.set_takeover_pool(args.takeover_pool)
     torch.manual_seed(0)
     h, i, e, k = args.hidden, args.inter, args.experts, args.top_k
-    w_gate_up = torch.randn(e, 2 * i, h) / h**0.5
-    w_down = torch.randn(e, h, i) / i**0.5
+    w_gate_up, w_down = torch.randn(e, 2 * i, h) / h**0.5, torch.randn(e, h, i) / i**0.5
     router = torch.randn(e, h) / h**0.5
-    print(f"moe_cpu: hidden {h}, {e} experts of {i}, top-{k}, fp32, {args.threads} threads")
-    print(f"{'tokens':>7} {'active':>7} {'grouped ms':>11} {'loop ms':>9} {'loop/grouped':>13}")
-    ratios = []
+    layers = {fmt: SparseMoE(router, BlockQuantized.of(w_gate_up, fmt), BlockQuantized.of(w_down, fmt), k, True, "torch") for fmt in BLOCK_BYTES}
+
+    def torch_path(x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(F.linear(x, router), k, renormalize=True)
+        return experts_torch(x, w_gate_up, w_down, weights, ids)
+
+    print(f"moe_cpu: hidden {h}, {e} experts of {i}, top-{k}, {args.threads} threads, block ISA {kernels.block_quant_gemm_isa()}, {args.rounds} rounds")
+    print(f"{'tokens':>6} {'variant':>9} {'median ms':>10} {'min..max ms':>15} {'vs fp32 torch':>14} {'rel. error':>11}")
     with torch.inference_mode():
         for tokens in map(int, args.tokens.split(",")):
             x = torch.randn(tokens, h)
-            weights, ids = route(F.linear(x, router), k, renormalize=True)
-            grouped = experts_torch(x, w_gate_up, w_down, weights, ids)
-            loop = per_token_loop(x, w_gate_up, w_down, weights, ids)
-            assert ((grouped - loop).norm() / loop.norm()).item() < 1e-5, "the two paths disagree"
-            t_grouped = median_seconds(lambda: experts_torch(x, w_gate_up, w_down, weights, ids))  # noqa: B023
-            t_loop = median_seconds(lambda: per_token_loop(x, w_gate_up, w_down, weights, ids))  # noqa: B023
-            ratios.append(t_loop / t_grouped)
-            print(f"{tokens:>7} {ids.unique().numel():>7} {t_grouped * 1e3:>11.3f} {t_loop * 1e3:>9.3f} {ratios[-1]:>12.1f}x")
-    print(f"grouped torch MoE is {statistics.geometric_mean(ratios):.1f}x the per-token loop (geometric mean over token counts)")
+            variants: dict[str, Callable[[], torch.Tensor]] = {"fp32": lambda x=x: torch_path(x)}
+            variants |= {fmt: lambda x=x, moe=moe: moe(x, None) for fmt, moe in layers.items()}
+            reference = torch_path(x)
+            errors = {name: float((fn() - reference).norm() / reference.norm()) for name, fn in variants.items()}
+            times: dict[str, list[float]] = {name: [] for name in variants}
+            for _ in range(args.rounds):
+                for name, fn in variants.items():
+                    times[name].append(median_seconds(fn))
+            base = statistics.median(times["fp32"])
+            for name, ts in times.items():
+                mid = statistics.median(ts)
+                spread = f"{min(ts) * 1e3:.3f}..{max(ts) * 1e3:.3f}"
+                print(f"{tokens:>6} {name:>9} {mid * 1e3:>10.3f} {spread:>15} {base / mid:>13.2f}x {errors[name]:>11.1e}")
 
 
 if __name__ == "__main__":
