@@ -67,8 +67,11 @@ class CheckpointPool:
     A checkpoint lives only while every block of its prefix is cached (``dropped_with`` hears each hash that
     leaves the KV cache); a restore copies it into the request's own slot, so running requests never share
     one. When the pool is full the least recently saved or restored checkpoint not saved by the current plan
-    makes room; the KV blocks that no checkpoint covers any more go to the front of the KV cache's LRU
-    (``on_uncovered``), as a hybrid prefix without a checkpoint at its end cannot be resumed.
+    makes room, an interior one first (a longer checkpoint extends its prefix): a follow-up turn resumes at a
+    conversation's deepest checkpoint, so concurrent conversations keep their ends rather than their interval
+    checkpoints, and a shared system prompt's stays while its hits keep it recent. The KV blocks that no
+    checkpoint covers any more go to the front of the KV cache's LRU (``on_uncovered``), as a hybrid prefix
+    without a checkpoint at its end cannot be resumed.
     """
 
     def __init__(self, num_slots: int) -> None:
@@ -111,16 +114,28 @@ class CheckpointPool:
         if key in self._by_key:
             return None
         if not self._free:
-            oldest = next(iter(self._by_key.values()))
-            if oldest.step >= step:
+            victim = self._victim(step)
+            if victim is None:
                 return None
-            self._drop(oldest)
+            self._drop(victim)
         slot = self._free.pop()
         self._by_key[key] = Checkpoint(slot, position, chain, step, owner)
         for h in chain:
             self._covering.setdefault(h, set()).add(key)
         self.saved += 1
         return slot
+
+    def _victim(self, step: int) -> Checkpoint | None:
+        """The checkpoint that makes room for a save by a plan of ``step``: the least recently used interior one
+        (another checkpoint's prefix holds its last block), else the least recently used; never one of this plan's."""
+        oldest = None
+        for key, checkpoint in self._by_key.items():
+            if checkpoint.step >= step:
+                continue
+            if len(self._covering[key]) > 1:
+                return checkpoint
+            oldest = oldest or checkpoint
+        return oldest
 
     def dropped_with(self, key: int) -> None:
         """The block hashed ``key`` left the KV cache: every checkpoint whose prefix holds it goes."""

@@ -159,3 +159,18 @@ def test_a_failed_request_takes_the_checkpoints_it_saved_with_it() -> None:
     s.fail(["a"])
     assert len(s.checkpoints) == 0
     s.checkpoints.check()
+
+
+def test_a_full_pool_evicts_a_checkpoint_that_a_longer_one_extends_before_a_conversations_end() -> None:
+    s = make(checkpoints=3, interval=4)
+    submit(s, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])  # checkpoints at 4 (interior) and 8 (a's end)
+    step = run(s, 0)
+    submit(s, "c", [1, 2, 3, 4, 50, 51, 52, 53, 54])  # resumes at 4 (now the most recent) and saves c's end at 8
+    step = run(s, step)
+    submit(s, "b", [11, 12, 13, 14, 15])  # the pool is full: the interior 4 goes, not a's older end
+    step = run(s, step)
+    s.checkpoints.check()
+    assert sorted((c.position, c.owner) for c in s.checkpoints) == [(4, "b"), (8, "a"), (8, "c")]
+    submit(s, "a2", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])  # a's follow-up resumes at a's end
+    (chunk,) = s.plan(step).slices
+    assert chunk.start == 8
