@@ -16,7 +16,7 @@ from services.scheduler.core import Scheduler
 from services.scheduler.kv_blocks import BlockPool
 from services.scheduler.speculation import Speculation
 from services.worker.runner import ModelRunner, RunnerConfig
-from shared.config import DEFAULT_MODEL_DIR
+from shared.config import DEFAULT_MODEL_DIR, StackConfig
 from shared.devtools.inprocess_engine import InProcessEngine
 from shared.frames import SamplingParams, Submit
 from shared.tokenizer import load_tokenizer
@@ -40,15 +40,15 @@ def main() -> None:
     tokenizer = load_tokenizer(args.model)
     messages = [{"role": "user", "content": f"Repeat this text word for word:\n\n{TEXT}"}]
     prompt = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
-    runners = {
-        k: ModelRunner(RunnerConfig(args.model, num_blocks=256, block_size=16, speculative_method="ngram" if k else "", ngram=(2, 4))) for k in (0, args.k)
-    }
+    # The stack's own worker settings (int4 weights and an fp16 KV cache on the CPU), as the launcher gives them.
+    configs = {k: StackConfig(model=args.model, speculative_method="ngram" if k else "", num_speculative_tokens=max(k, 1)) for k in (0, args.k)}
+    runners = {k: ModelRunner(RunnerConfig.of(config, num_blocks=256)) for k, config in configs.items()}
     for runner in runners.values():
         runner.warmup()
     outputs = {}
     for repeat in range(args.repeats):
         for k, runner in runners.items():
-            scheduler = Scheduler(BlockPool(256, 16), 8, 512, 100, decode_plan_s=0.02, speculation=Speculation(k, 4) if k else None)
+            scheduler = Scheduler(BlockPool(256, configs[k].block_size), 8, 512, 100, decode_plan_s=0.02, speculation=Speculation(k, 4) if k else None)
             submit = Submit(rid=f"r{repeat}", prompt_ids=prompt, max_tokens=args.tokens, sampling=SamplingParams(temperature=0), ignore_eos=True)
             before = (runner.speculator.draft_tokens, runner.speculator.accepted_tokens) if k else (0, 0)
             began = time.perf_counter()
