@@ -242,3 +242,16 @@ def test_seeded_sampled_requests_verify_by_rejection_sampling_and_repeat_themsel
         assert runner.speculator.accepted_tokens > 0 and scheduler.pool.num_used == 0
     assert outputs[0] == outputs[1]
     assert all(len(tokens) == NEW_TOKENS for tokens in outputs[0].values())
+
+
+def test_penalised_and_biased_greedy_requests_are_the_same_with_speculation(model) -> None:
+    """Each verified row is processed as the sampler would at its position: the penalties count the tokens
+    accepted before it in the same verify, and logit bias applies."""
+    path, expected = model
+    params = SamplingParams(temperature=0, frequency_penalty=0.7, presence_penalty=0.3, repetition_penalty=1.2, logit_bias={LOOP[0]: 2.0})
+    work = [msgspec.structs.replace(s, sampling=params) for s in submits()]
+    plain, _, _ = engine(path, 64, 7, 2, 0)
+    speculative, scheduler, runner = engine(path, 64, 7, 2, 3, proposer=ReferenceProposer(expected, 4))
+    off, on = plain.run(work), speculative.run(work)
+    assert on.outputs == off.outputs
+    assert runner.speculator.accepted_tokens > 0 and scheduler.pool.num_used == 0
