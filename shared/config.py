@@ -105,6 +105,7 @@ class SchedulerConfig:
     max_waiting: int = _opt(1024, "most requests waiting for admission before 429", minimum=0)
     enable_prefix_cache: bool = _opt(True, "reuse the KV of full blocks shared with earlier prompts")
     gdn_checkpoint_slots: int = _opt(64, "GDN state checkpoints a hybrid model's prefix cache keeps (0: no prefix cache for hybrid models)", minimum=0)
+    gdn_checkpoint_bytes: int = _opt(0, "GDN state checkpoints' size in bytes (0: use gdn_checkpoint_slots)", minimum=0)
     gdn_checkpoint_interval: int = _opt(512, "tokens between GDN state checkpoints of a prefill, rounded up to whole blocks", minimum=1)
     pipeline_depth: int = _opt(2, "step plans in flight at once (1: strictly alternate plan and result)", minimum=1)
     speculative_method: str = _opt("", "proposer of the tokens a decode step verifies (default: none, no speculation)", choices=("", "ngram"))

@@ -68,6 +68,7 @@ READERS: dict[str, tuple[str, ...]] = {
     "max_waiting": ("api", "scheduler"),
     "enable_prefix_cache": ("scheduler",),
     "gdn_checkpoint_slots": ("api", "scheduler", "worker"),
+    "gdn_checkpoint_bytes": ("api", "scheduler", "worker"),
     "gdn_checkpoint_interval": ("scheduler",),
     "pipeline_depth": ("scheduler",),
     "speculative_method": ("scheduler", "worker"),

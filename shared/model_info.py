@@ -13,6 +13,10 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shared.config import StackConfig
 
 # "auto" counts as float32, its CPU meaning; on CUDA the worker sizes the cache itself and reports the count.
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "auto": 4}
@@ -58,6 +62,7 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     layer_types: tuple[str, ...] = ()
+    gdn_dims: tuple[int, ...] = ()  # Gated DeltaNet: key heads, key dim, value heads, value dim, conv kernel
 
     @property
     def num_kv_layers(self) -> int:
@@ -85,6 +90,15 @@ class ModelInfo:
         if dtype == "int8":
             return max(self.num_kv_layers, 1) * 2 * self.num_kv_heads * q8_row_width(self.head_dim)
         return max(self.num_kv_layers, 1) * 2 * self.num_kv_heads * self.head_dim * _DTYPE_BYTES[dtype]
+
+    def gdn_state_bytes(self, dtype: str) -> int:
+        """One request's GDN state (a running slot or a checkpoint): per GDN layer its conv history in the model's
+        dtype and its recurrent state in fp32, as ``services/worker/gdn_state.GDNStateCache`` holds them."""
+        if not self.uses_state_slots:
+            return 0
+        key_heads, key_dim, value_heads, value_dim, kernel = self.gdn_dims
+        conv = (2 * key_heads * key_dim + value_heads * value_dim) * (kernel - 1) * _DTYPE_BYTES[dtype]
+        return self.num_gdn_layers * (conv + value_heads * key_dim * value_dim * 4)
 
     def revision(self) -> str:
         """A short hash of config.json and the weight files' names and sizes (a GGUF: its name, size and metadata's config)."""
@@ -150,7 +164,26 @@ def load_model_info(path: str) -> ModelInfo:
         eos_token_ids=eos,
         bos_token_id=generation.get("bos_token_id", config.get("bos_token_id")),
         layer_types=layer_types(config),
+        gdn_dims=gdn_dims(config),
     )
+
+
+def gdn_dims(config: dict) -> tuple[int, ...]:
+    """``ModelInfo.gdn_dims`` of a hybrid model's config (empty for a model without Gated DeltaNet layers)."""
+    if LINEAR_ATTENTION not in layer_types(config):
+        return ()
+    defaults = {"linear_num_key_heads": 16, "linear_key_head_dim": 128, "linear_num_value_heads": 32, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
+    return tuple(config.get(key, default) for key, default in defaults.items())  # transformers' Qwen3NextConfig defaults
+
+
+def gdn_checkpoints(info: ModelInfo, config: StackConfig) -> int:
+    """GDN state checkpoints of a hybrid model's prefix cache: from ``--gdn-checkpoint-bytes`` when given, else
+    ``--gdn-checkpoint-slots`` (0 for a model without GDN layers); every process computes it alike."""
+    if not info.uses_state_slots:
+        return 0
+    if config.gdn_checkpoint_bytes:
+        return config.gdn_checkpoint_bytes // info.gdn_state_bytes(config.dtype)
+    return config.gdn_checkpoint_slots
 
 
 KV_CACHE_DTYPES = ("auto", "model", "float16", "int8")

@@ -30,7 +30,7 @@ from services.api.tracing import ApiTracing
 from shared.config import StackConfig
 from shared.cpu_placement import keep_off_worker_core
 from shared.metrics import PROCESS_UP, exposition
-from shared.model_info import load_model_info
+from shared.model_info import gdn_checkpoints, load_model_info
 from shared.tracing import tracer_for
 
 log = structlog.get_logger()
@@ -141,7 +141,7 @@ def create_app(config: StackConfig, engine_factory: Callable[[StackConfig], Engi
 
     async def on_startup(app: web.Application) -> None:
         # A hybrid model's prefix cache checkpoints its GDN state where the rendered chat messages end: the api finds them.
-        prompts = PromptBuilder(config.model, anchors=model.uses_state_slots and config.enable_prefix_cache and config.gdn_checkpoint_slots > 0)
+        prompts = PromptBuilder(config.model, anchors=config.enable_prefix_cache and gdn_checkpoints(model, config) > 0)
         # tool_call_parser / reasoning_parser: "" chooses by chat template and model family (see services.api.chat).
         chat_format = ChatFormat.for_model(model.family, prompts.chat_template, config.tool_call_parser, config.reasoning_parser)
         engine = engine_factory(config)

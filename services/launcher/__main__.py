@@ -83,6 +83,18 @@ def check_tensor_parallel(config: StackConfig) -> None:
         raise SystemExit(f"tokenyard: {exc}") from None
 
 
+def check_speculative(config: StackConfig) -> None:
+    """Refuses at once speculative decoding where the engine cannot verify (instead of a scheduler failing to start)."""
+    if not config.speculative_method:
+        return
+    if config.tensor_parallel_size > 1:
+        raise SystemExit("tokenyard: speculative decoding does not run with tensor parallelism: leave --tensor-parallel-size at 1")
+    if load_model_info(config.model).uses_state_slots:
+        raise SystemExit(
+            "tokenyard: speculative decoding does not yet run hybrid (Gated DeltaNet) models: their state cannot be rolled back past rejected tokens"
+        )
+
+
 def _engine_argvs(config: StackConfig, suffix: str) -> dict[str, list[str]]:
     """An engine replica's processes: scheduler, detokenizer (unless the api detokenizes), and the worker's ranks
     (rank 0 named ``worker``)."""
@@ -99,6 +111,7 @@ def child_argvs(config: StackConfig) -> dict[str, list[str]]:
     if config.replicas < 1:
         raise SystemExit(f"--replicas must be at least 1, got {config.replicas}")
     check_tensor_parallel(config)
+    check_speculative(config)
     if config.replicas == 1:
         return {**_engine_argvs(config, ""), "api": [sys.executable, "-m", "services.api", *config.to_argv()]}
     argvs: dict[str, list[str]] = {}

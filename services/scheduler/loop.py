@@ -41,7 +41,7 @@ from shared.frames import (
     TokenDelta,
 )
 from shared.metrics import FRAMES_UNEXPECTED, PREFIX, PROCESS_UP, start_metrics_server
-from shared.model_info import kv_cache_blocks, load_model_info
+from shared.model_info import gdn_checkpoints, kv_cache_blocks, load_model_info
 from shared.tracing import tracer_for
 from shared.transport import Curve, Inbox, Outbox, ReplyOutboxes
 
@@ -97,11 +97,13 @@ class SchedulerLoop:
         hybrid = self.model.uses_state_slots
         self.prefix_cache_off_reason = "disabled by --enable-prefix-cache false"
         if config.enable_prefix_cache:
-            off = hybrid and not config.gdn_checkpoint_slots
-            self.prefix_cache_off_reason = f"{self.model.prefix_cache_unsupported} (--gdn-checkpoint-slots 0)" if off else ""
+            off = hybrid and not gdn_checkpoints(self.model, config)
+            budget = config.gdn_checkpoint_bytes
+            why = f"--gdn-checkpoint-bytes {budget} holds no checkpoint" if budget else "--gdn-checkpoint-slots 0"
+            self.prefix_cache_off_reason = f"{self.model.prefix_cache_unsupported} ({why})" if off else ""
         pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_cache and not self.prefix_cache_off_reason)
         slots = SlotPool(config.max_num_seqs) if hybrid else None
-        checkpoints = CheckpointPool(config.gdn_checkpoint_slots) if hybrid and pool.enable_prefix_cache else None
+        checkpoints = CheckpointPool(gdn_checkpoints(self.model, config)) if hybrid and pool.enable_prefix_cache else None
         speculation = None
         if config.speculative_method:
             if self.model.uses_state_slots:

@@ -39,7 +39,7 @@ from services.worker.weights_loading import load_model
 from shared.choices import DTYPE_NAMES, keyed_by
 from shared.config import StackConfig
 from shared.frames import Release, Sampled, SamplingParams, Slice, StepPlan, StepResult
-from shared.model_info import HYBRID_PREFIX_CACHE_OFF, KV_Q8_BLOCK, resolve_kv_cache_dtype
+from shared.model_info import HYBRID_PREFIX_CACHE_OFF, KV_Q8_BLOCK, gdn_checkpoints, load_model_info, resolve_kv_cache_dtype
 
 DTYPES = keyed_by(DTYPE_NAMES, {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16})
 KV_DTYPES = {**DTYPES, "int8": torch.int8}  # int8: codes and fp16 scales per head vector (csrc/kv_q8.h)
@@ -73,7 +73,7 @@ class RunnerConfig:
         return cls(
             config.model, num_blocks, config.block_size, config.dtype, config.max_num_seqs, config.weight_quant, config.kv_cache_dtype, device,
             config.cuda_graph_max_batch if torch.device(device).type == "cuda" else 0, config.max_model_len, config.weight_prefetch,
-            gdn_checkpoint_slots=config.gdn_checkpoint_slots, speculative_method=config.speculative_method, ngram=(config.ngram_min, config.ngram_max),
+            gdn_checkpoint_slots=gdn_checkpoints(load_model_info(config.model), config), speculative_method=config.speculative_method, ngram=(config.ngram_min, config.ngram_max),
         )  # fmt: skip
 
 

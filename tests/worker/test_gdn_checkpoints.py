@@ -12,8 +12,10 @@ from services.scheduler.core import Scheduler
 from services.scheduler.kv_blocks import BlockPool
 from services.scheduler.state_slots import CheckpointPool, SlotPool
 from services.worker.runner import ModelRunner, RunnerConfig
+from shared.config import StackConfig
 from shared.devtools.inprocess_engine import InProcessEngine
 from shared.frames import Slice, StepPlan, Submit
+from shared.model_info import gdn_checkpoints, load_model_info
 
 from .harness import GREEDY, Checkpoint, prompt_of, reference_greedy
 
@@ -141,3 +143,13 @@ def test_a_request_preempted_after_its_checkpoints_resumes_from_them_with_the_sa
     assert outputs[True] == outputs[False]
     for rid, prompt in prompts.items():
         assert outputs[True][rid] == reference_greedy(tiny_qwen3_next.reference, prompt, 12), rid
+
+
+def test_every_process_counts_a_checkpoints_bytes_as_the_worker_holds_them(tiny_qwen3_next: Checkpoint) -> None:
+    runner = runner_for(tiny_qwen3_next, checkpoints=5)
+    info = load_model_info(tiny_qwen3_next.path)
+    assert info.gdn_state_bytes("float32") == runner.states.bytes_per_slot
+    assert runner.states.checkpoint_bytes == 5 * info.gdn_state_bytes("float32")
+    budget = 7 * info.gdn_state_bytes("float32") + 1  # a byte budget: the whole checkpoints it holds
+    assert gdn_checkpoints(info, StackConfig(dtype="float32", gdn_checkpoint_bytes=budget)) == 7
+    assert gdn_checkpoints(info, StackConfig(gdn_checkpoint_slots=9)) == 9
