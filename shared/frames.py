@@ -153,7 +153,10 @@ class Slice(_Part):
     """One request's share of a step: ``num_tokens`` positions starting at ``start``.
 
     A prefill chunk carries its ``token_ids``; a decode slice carries none and the worker
-    feeds back the token it sampled last for this request. For a hybrid (GDN) model every slice
+    feeds back the token it sampled last for this request. A decode slice of ``num_tokens > 1`` is a
+    speculative verify: the worker proposes up to ``num_tokens - 1`` tokens after the fed-back one, checks them in
+    the same forward, and its ``StepResult`` holds one ``Sampled`` per token kept (the accepted proposals
+    and the target's own next token), in order. For a hybrid (GDN) model every slice
     names the request's state ``slot``, held from admission to finish or preemption; a slice at
     ``start == 0`` starts from a zero state. Models without GDN layers leave it at -1 (not sent).
     A traced request's prefill chunks carry the parent of the worker's span of their forward pass in ``trace``.
