@@ -215,3 +215,39 @@ def test_experts_on_a_block_grid_are_served_in_their_blocks_at_the_fp32_models_l
     relative.append(float((ours - theirs).norm() / theirs.norm()))
     bound = 1e-3 if family == "qwen3_moe" else 5e-3
     assert all(0 < r < bound for r in relative), relative
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 33, 70])
+def test_a_bank_of_slots_and_a_precomputed_routing_give_the_all_resident_bits(tokens: int, pool: bool) -> None:
+    gate_up, down = _experts("q4_1", "q8_0", seed=tokens)
+    panels, kernel = ExpertPanels.of(gate_up, down), cpu_kernels()[0]
+    generator = torch.Generator().manual_seed(tokens)
+    x, logits = torch.randn(tokens, HIDDEN, generator=generator), _logits(tokens, tokens)
+    resident = kernel.grouped_moe(x, logits, TOP_K, True, panels.gate_up, panels.down)
+    weights, ids = kernel.route_experts(logits, TOP_K, True)
+    assert torch.equal(ids.long(), route(logits, TOP_K, True)[1])  # the kernel's routing is moe.route's
+    slots = torch.full((EXPERTS,), -1, dtype=torch.int32)
+    routed = ids.unique()
+    slots[routed] = torch.randperm(len(routed), generator=generator, dtype=torch.int32) + 1  # slot 0 holds garbage
+    bank_gate_up = torch.randint(0, 255, (len(routed) + 1, *panels.gate_up.shape[1:]), dtype=torch.uint8, generator=generator)
+    bank_down = torch.randint(0, 255, (len(routed) + 1, *panels.down.shape[1:]), dtype=torch.uint8, generator=generator)
+    bank_gate_up[slots[routed].long()], bank_down[slots[routed].long()] = panels.gate_up[routed], panels.down[routed]
+    banked = kernel.grouped_moe(x, logits, TOP_K, True, bank_gate_up, bank_down, topk_weights=weights, topk_ids=ids, expert_slots=slots)
+    assert torch.equal(banked, resident)
+    assert torch.equal(kernel.grouped_moe(x, logits, TOP_K, True, bank_gate_up, bank_down, expert_slots=slots), resident)
+    one_by_one = torch.cat([kernel.grouped_moe(x[t : t + 1], logits[t : t + 1], TOP_K, True, panels.gate_up, panels.down) for t in range(tokens)])
+    assert torch.equal(one_by_one, resident)  # a token's bits do not depend on the others in its call: a step may run in groups of tokens
+
+
+def test_a_routed_expert_outside_the_bank_is_refused() -> None:
+    gate_up, down = _experts("q4_0", "q4_0", seed=2)
+    panels, kernel, x, logits = ExpertPanels.of(gate_up, down), cpu_kernels()[0], torch.randn(4, HIDDEN), _logits(4, 2)
+    weights, ids = kernel.route_experts(logits, TOP_K, False)
+    slots = torch.arange(EXPERTS, dtype=torch.int32)
+    slots[int(ids[2, 1])] = -1
+    with pytest.raises(RuntimeError, match=f"expert {int(ids[2, 1])} is routed but its slot is -1"):
+        kernel.grouped_moe(x, logits, TOP_K, False, panels.gate_up, panels.down, topk_weights=weights, topk_ids=ids, expert_slots=slots)
+    with pytest.raises(RuntimeError, match="topk_ids must be in 0..11"):
+        kernel.grouped_moe(x, logits, TOP_K, False, panels.gate_up, panels.down, topk_weights=weights, topk_ids=ids + EXPERTS, expert_slots=slots)
+    with pytest.raises(RuntimeError, match="needs both topk_weights and topk_ids"):
+        kernel.grouped_moe(x, logits, TOP_K, False, panels.gate_up, panels.down, topk_ids=ids)

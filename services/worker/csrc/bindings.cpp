@@ -33,7 +33,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "sum added into residual in place (or a new tensor), with a shared expert gated by the router logits' last column (fp32, CPU)",
         py::arg("x"), py::arg("router_logits"), py::arg("top_k"), py::arg("renormalize"), py::arg("gate_up"), py::arg("down"),
         py::arg("shared_gate_up") = py::none(), py::arg("shared_down") = py::none(), py::arg("residual") = py::none(), py::arg("activation_bits") = 16,
-        no_gil);
+        py::arg("topk_weights") = py::none(), py::arg("topk_ids") = py::none(), py::arg("expert_slots") = py::none(), no_gil);
+  m.def("route_experts", &route_experts,
+        "(weights [T, k] float32, ids [T, k] int32): grouped_moe's own routing of the first num_experts columns (-1: all) of [T, E] float32 "
+        "router logits (softmax, top-k, ties to the lower expert, optionally renormalised)",
+        py::arg("router_logits"), py::arg("top_k"), py::arg("renormalize"), py::arg("num_experts") = -1, no_gil);
   m.def("int8_linear", &int8_linear, "x @ (int8 weight * per-channel scale).T (+ bias), fp32 arithmetic (CPU)", no_gil);
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(h) * weight, h) with h = x + residual written over x (fp32, CPU)", no_gil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] rows (fp32, CPU)", no_gil);

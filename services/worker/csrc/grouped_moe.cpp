@@ -4,7 +4,10 @@
 //            (+ sigmoid(g_t) * shared(x_t), the shared expert where the layer has one)
 //
 // from the router's logits [T, E] (softmax over the experts, top-k, optionally renormalised, as
-// moe.route); with a shared expert the logits have one more column, its gate's logit g.
+// moe.route); with a shared expert the logits have one more column, its gate's logit g. The routing may
+// come precomputed (route_experts: the same arithmetic, so the caller learns the routed ids first), and the
+// experts' panels may be a bank of slots (expert_slots[e]: the row of expert e, -1 where it is not held,
+// which a routed expert must never be; services/worker/expert_cache.py): the same bits either way.
 //
 // 1. The (token, expert) pairs are sorted by expert (counting sort, stable: token order within an expert);
 //    x is rounded once per token (activation_quant.h) and gathered into that order.
@@ -260,9 +263,26 @@ Weights check_weights(const torch::Tensor& gate_up, const torch::Tensor& down, i
   return {gate_up.data_ptr<uint8_t>(), down.data_ptr<uint8_t>(), gu_record, down_record, inter, gate_up[0].numel(), down[0].numel()};
 }
 
+// Where each expert's panels are: row e of the weights (all resident), or row slots[e] of a bank of `rows`.
+struct Rows {
+  const int32_t* slots;  // nullptr: all resident
+  int64_t rows;
+  int64_t of(int64_t expert) const {
+    if (!slots) return expert;
+    TORCH_CHECK(slots[expert] >= 0 && slots[expert] < rows, "expert ", expert, " is routed but its slot is ", slots[expert], " (a bank of ", rows, " slots)");
+    return slots[expert];
+  }
+};
+
+// A precomputed routing (route_experts'), or none: the call routes.
+struct Routing {
+  const int32_t* ids;
+  const float* weights;
+};
+
 template <typename T1, typename T2>
 void run_layer(const float* x, const float* logits, int64_t tokens, int64_t hidden, int64_t experts, int64_t top_k, bool renormalize, const Weights& routed,
-               const std::optional<Weights>& shared, float* out) {
+               const std::optional<Weights>& shared, const Routing& given, const Rows& rows, float* out) {
   const bool on_pool = takeover_pool::runs_on_pool(tokens), on_caller = takeover_pool::keeps_to_caller(tokens);
   auto call = std::make_shared<Call<T1, T2>>();
   call->tokens = tokens;
@@ -272,7 +292,12 @@ void run_layer(const float* x, const float* logits, int64_t tokens, int64_t hidd
   const int64_t stride = experts + (shared ? 1 : 0);
   std::vector<int64_t> ids;
   std::vector<float> weights;
-  route(logits, tokens, stride, experts, top_k, renormalize, ids, weights);
+  if (given.ids) {
+    ids.assign(given.ids, given.ids + tokens * top_k);
+    weights.assign(given.weights, given.weights + tokens * top_k);
+  } else {
+    route(logits, tokens, stride, experts, top_k, renormalize, ids, weights);
+  }
 
   // Pairs sorted by expert (stable).
   std::vector<int64_t> counts(experts + 1, 0);
@@ -288,9 +313,11 @@ void run_layer(const float* x, const float* logits, int64_t tokens, int64_t hidd
     call->pair_weight[row] = weights[p];
   }
   for (int64_t e = 0; e < experts; ++e)
-    if (const int64_t n = counts[e + 1] - counts[e]; n > 0)
-      call->experts.push_back({routed.gate_up + e * routed.gate_up_stride, routed.down + e * routed.down_stride, routed.gate_up_record, routed.down_record,
+    if (const int64_t n = counts[e + 1] - counts[e]; n > 0) {
+      const int64_t row = rows.of(e);
+      call->experts.push_back({routed.gate_up + row * routed.gate_up_stride, routed.down + row * routed.down_stride, routed.gate_up_record, routed.down_record,
                                routed.inter, 0, counts[e], n});
+    }
   call->x_rows[0] = round_rows<T1>(x, pairs, hidden, on_caller, call->pair_token.data());
   call->act[0].resize(pairs * routed.inter);
   if (shared) {
@@ -327,14 +354,39 @@ void run_layer(const float* x, const float* logits, int64_t tokens, int64_t hidd
 
 bool nibbles(int64_t record) { return record != Q8_0Panels::RECORD; }
 
+int64_t routed_experts(const torch::Tensor& router_logits, int64_t num_experts) {
+  TORCH_CHECK(router_logits.dim() == 2 && router_logits.scalar_type() == torch::kFloat32, "router_logits must be [tokens, experts] float32, got ",
+              router_logits.sizes());
+  const int64_t experts = num_experts < 0 ? router_logits.size(1) : num_experts;
+  TORCH_CHECK(experts >= 1 && experts <= router_logits.size(1), "num_experts must be in 1..", router_logits.size(1), ", got ", num_experts);
+  return experts;
+}
+
 }  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> route_experts(const torch::Tensor& router_logits, int64_t top_k, bool renormalize, int64_t num_experts) {
+  const int64_t experts = routed_experts(router_logits, num_experts), tokens = router_logits.size(0);
+  TORCH_CHECK(top_k >= 1 && top_k <= experts, "top_k must be in 1..", experts, ", got ", top_k);
+  const auto logits = router_logits.contiguous();
+  std::vector<int64_t> ids;
+  std::vector<float> weights;
+  route(logits.data_ptr<float>(), tokens, logits.size(1), experts, top_k, renormalize, ids, weights);
+  auto out_weights = torch::empty({tokens, top_k}, torch::kFloat32);
+  auto out_ids = torch::empty({tokens, top_k}, torch::kInt32);
+  std::copy(weights.begin(), weights.end(), out_weights.data_ptr<float>());
+  std::copy(ids.begin(), ids.end(), out_ids.data_ptr<int32_t>());
+  return {out_weights, out_ids};
+}
 
 torch::Tensor grouped_moe(const torch::Tensor& x, const torch::Tensor& router_logits, int64_t top_k, bool renormalize, const torch::Tensor& gate_up,
                           const torch::Tensor& down, const std::optional<torch::Tensor>& shared_gate_up, const std::optional<torch::Tensor>& shared_down,
-                          const std::optional<torch::Tensor>& residual, int64_t activation_bits) {
+                          const std::optional<torch::Tensor>& residual, int64_t activation_bits, const std::optional<torch::Tensor>& topk_weights,
+                          const std::optional<torch::Tensor>& topk_ids, const std::optional<torch::Tensor>& expert_slots) {
   TORCH_CHECK(activation_bits == 8 || activation_bits == 16, "activation_bits must be 8 or 16, got ", activation_bits);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [tokens, hidden] float32");
-  const int64_t tokens = x.size(0), hidden = x.size(1), experts = gate_up.size(0);
+  TORCH_CHECK(!expert_slots.has_value() || (expert_slots->dim() == 1 && expert_slots->scalar_type() == torch::kInt32 && expert_slots->is_contiguous()),
+              "expert_slots must be contiguous int32 [experts]");
+  const int64_t tokens = x.size(0), hidden = x.size(1), bank = gate_up.size(0), experts = expert_slots ? expert_slots->size(0) : bank;
   TORCH_CHECK(hidden % BLOCK == 0, "hidden must be a multiple of ", BLOCK, ", got ", hidden);
   TORCH_CHECK(shared_gate_up.has_value() == shared_down.has_value(), "a shared expert needs both its gate_up and its down panels");
   const bool has_shared = shared_gate_up.has_value();
@@ -342,7 +394,18 @@ torch::Tensor grouped_moe(const torch::Tensor& x, const torch::Tensor& router_lo
                   router_logits.size(1) == experts + (has_shared ? 1 : 0),
               "router_logits must be [tokens, experts", has_shared ? " + 1 (the shared expert's gate)" : "", "] float32, got ", router_logits.sizes());
   TORCH_CHECK(top_k >= 1 && top_k <= experts, "top_k must be in 1..", experts, ", got ", top_k);
-  const Weights routed = check_weights(gate_up, down, hidden, experts, "experts'");
+  TORCH_CHECK(topk_weights.has_value() == topk_ids.has_value(), "a precomputed routing needs both topk_weights and topk_ids");
+  if (topk_ids) {
+    TORCH_CHECK(topk_ids->sizes() == torch::IntArrayRef({tokens, top_k}) && topk_ids->scalar_type() == torch::kInt32 && topk_ids->is_contiguous() &&
+                    topk_weights->sizes() == topk_ids->sizes() && topk_weights->scalar_type() == torch::kFloat32 && topk_weights->is_contiguous(),
+                "topk_weights / topk_ids must be contiguous [tokens, top_k] float32 / int32 (route_experts'), got ", topk_weights->sizes(), " / ",
+                topk_ids->sizes());
+    if (tokens > 0) {
+      const auto [low, high] = std::minmax_element(topk_ids->data_ptr<int32_t>(), topk_ids->data_ptr<int32_t>() + tokens * top_k);
+      TORCH_CHECK(*low >= 0 && *high < experts, "topk_ids must be in 0..", experts - 1, ", got ", *low, "..", *high);
+    }
+  }
+  const Weights routed = check_weights(gate_up, down, hidden, bank, "experts'");
   std::optional<Weights> shared;
   if (has_shared) {
     TORCH_CHECK(shared_gate_up->dim() == 3 && shared_down->dim() == 3, "the shared expert's panels must be [panels, blocks, record]");
@@ -362,8 +425,10 @@ torch::Tensor grouped_moe(const torch::Tensor& x, const torch::Tensor& router_lo
   const bool int8_second = activation_bits == 8 && nibbles(routed.down_record) && (!shared || nibbles(shared->down_record));
   const float *x_ptr = xc.data_ptr<float>(), *l_ptr = logits.data_ptr<float>();
   float* o_ptr = out.data_ptr<float>();
+  const Routing given{topk_ids ? topk_ids->data_ptr<int32_t>() : nullptr, topk_weights ? topk_weights->data_ptr<float>() : nullptr};
+  const Rows rows{expert_slots ? expert_slots->data_ptr<int32_t>() : nullptr, bank};
   auto run_as = [&](auto first, auto second) {
-    run_layer<decltype(first), decltype(second)>(x_ptr, l_ptr, tokens, hidden, experts, top_k, renormalize, routed, shared, o_ptr);
+    run_layer<decltype(first), decltype(second)>(x_ptr, l_ptr, tokens, hidden, experts, top_k, renormalize, routed, shared, given, rows, o_ptr);
   };
   if (int8_first)
     int8_second ? run_as(int8_t{}, int8_t{}) : run_as(int8_t{}, int16_t{});

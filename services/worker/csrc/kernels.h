@@ -23,7 +23,9 @@ torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& pane
 std::string block_quant_gemm_isa();
 torch::Tensor grouped_moe(const torch::Tensor& x, const torch::Tensor& router_logits, int64_t top_k, bool renormalize, const torch::Tensor& gate_up,
                           const torch::Tensor& down, const std::optional<torch::Tensor>& shared_gate_up, const std::optional<torch::Tensor>& shared_down,
-                          const std::optional<torch::Tensor>& residual, int64_t activation_bits);
+                          const std::optional<torch::Tensor>& residual, int64_t activation_bits, const std::optional<torch::Tensor>& topk_weights,
+                          const std::optional<torch::Tensor>& topk_ids, const std::optional<torch::Tensor>& expert_slots);
+std::tuple<torch::Tensor, torch::Tensor> route_experts(const torch::Tensor& router_logits, int64_t top_k, bool renormalize, int64_t num_experts);
 void set_block_quant_pair_tiles(bool on);
 void set_weight_prefetch_keep(bool keep);
 bool weight_prefetch_keep();
