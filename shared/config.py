@@ -117,7 +117,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """Worker: device, dtypes and weight storage, threads and placement, tensor parallelism, streaming."""
+    """Worker: device, dtypes and weight storage, the expert cache, threads and placement, tensor parallelism, streaming."""
 
     dtype: str = _opt("auto", "weight and activation dtype (auto: bfloat16 on CUDA, float32 on the CPU)", choices=("auto", *DTYPE_NAMES))
     weight_quant: str = _opt("auto", "weight storage of the dense projections and lm_head (auto: by device and checkpoint)", choices=WEIGHT_QUANTS)
@@ -134,6 +134,8 @@ class WorkerConfig:
     tensor_parallel_rank: int = _opt(0, "this worker process's rank (rank 0 talks to the scheduler)", minimum=0)
     tensor_parallel_addr: str = _opt("", "rendezvous of the worker ranks (default: tcp://127.0.0.1:<port + 90>)")
     stream_interval: int = _opt(1, "steps whose tokens the worker sends as one chunk", minimum=1)
+    expert_cache_bytes: str = _opt("0", "MoE experts held in RAM, in bytes or a percentage such as 25% (0: all resident; CPU, experts in blocks)")
+    expert_cache_dir: str = _opt("", "directory of the expert cache's spill file (default: ~/.cache/tokenyard/experts)")
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,8 @@ READERS: dict[str, tuple[str, ...]] = {
     "tensor_parallel_rank": ("worker",),
     "tensor_parallel_addr": ("worker", "launcher"),
     "stream_interval": ("worker",),
+    "expert_cache_bytes": ("worker", "launcher"),
+    "expert_cache_dir": ("worker",),
     # Processes
     "replicas": (*EVERY, "launcher"),
     "engine_name": ENGINE,

@@ -95,6 +95,23 @@ def check_speculative(config: StackConfig) -> None:
         )
 
 
+def check_expert_cache(config: StackConfig) -> None:
+    """Refuses at once an expert cache the worker would refuse for its size's spelling, the model's family or tensor parallelism."""
+    if config.expert_cache_bytes.strip() in ("0", "0%"):
+        return
+    from services.worker.expert_cache import FAMILIES, cache_bytes
+
+    try:
+        cache_bytes(config.expert_cache_bytes, 1)
+    except ValueError as exc:
+        raise SystemExit(f"tokenyard: {exc}") from None
+    family = load_model_info(config.model).family
+    if family not in FAMILIES:
+        raise SystemExit(f"tokenyard: --expert-cache-bytes serves {' and '.join(FAMILIES)} models, not {family}")
+    if config.tensor_parallel_size > 1:
+        raise SystemExit("tokenyard: --expert-cache-bytes does not run with tensor parallelism: leave --tensor-parallel-size at 1")
+
+
 def _engine_argvs(config: StackConfig, suffix: str) -> dict[str, list[str]]:
     """An engine replica's processes: scheduler, detokenizer (unless the api detokenizes), and the worker's ranks
     (rank 0 named ``worker``)."""
@@ -112,6 +129,7 @@ def child_argvs(config: StackConfig) -> dict[str, list[str]]:
         raise SystemExit(f"--replicas must be at least 1, got {config.replicas}")
     check_tensor_parallel(config)
     check_speculative(config)
+    check_expert_cache(config)
     if config.replicas == 1:
         return {**_engine_argvs(config, ""), "api": [sys.executable, "-m", "services.api", *config.to_argv()]}
     argvs: dict[str, list[str]] = {}

@@ -10,13 +10,14 @@ Experts in q4_0 / q4_1 / q8_0 blocks (``block_quant``: a GGUF's, or quantized at
 active expert's gate/up with the SwiGLU fused, down, and the weighted sum added into the residual in
 place, with a layer's shared expert (Qwen3-Next) as one more expert that every token takes. Activations
 are rounded to int16 per block of 32 (int8 beyond ``BLOCK_QUANT_MAX_ROWS`` rows under ``int4-a8``), as
-the dense block kernels round them.
+the dense block kernels round them. With an expert cache (``expert_cache.py``) the call runs over its bank
+of slots, the layer's misses filled once the kernel's own routing has named them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,9 @@ from services.worker import block_quant
 from services.worker.block_quant import BlockQuantized
 from services.worker.cpu_kernels import cpu_kernels
 from services.worker.linear import BLOCK_QUANT_MAX_ROWS
+
+if TYPE_CHECKING:
+    from services.worker.expert_cache import ExpertCache
 
 Weight = torch.Tensor | BlockQuantized
 
@@ -120,9 +124,9 @@ class ExpertPanels(NamedTuple):
         return self.gate_up.nbytes + self.down.nbytes
 
 
-def _placeholder(shape: tuple[int, ...]) -> torch.Tensor:
+def _placeholder(shape: tuple[int, ...], dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """The shape of weights held only in blocks (their parameter count), with no storage."""
-    return torch.empty(shape, dtype=torch.float16, device="meta")
+    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 def _cat_rows(a: torch.Tensor | BlockQuantized, b: torch.Tensor | BlockQuantized) -> torch.Tensor | BlockQuantized:
@@ -189,6 +193,7 @@ class SparseMoE:
         self.router, self.top_k, self.renormalize, self.backend = router, top_k, renormalize, backend
         self.panels: ExpertPanels | None = None
         self.shared_panels: ExpertPanels | None = None
+        self.cache: ExpertCache | None = None
         self.int8_activations = False
         blocks = [isinstance(t, BlockQuantized) for t in (w_gate_up, w_down)]
         if any(blocks) and all(blocks) and grouped_kernel_runs(router.device, router.dtype):
@@ -227,6 +232,15 @@ class SparseMoE:
         self.backend = "grouped-cpp"
         self._kernel = cpu_kernels()[0].grouped_moe
         self._logits_weight = self.router
+        self._grouped = self._resident
+
+    def stream_from(self, cache: ExpertCache, layer: int) -> None:
+        """From now on the experts run from ``cache``'s bank as its MoE layer ``layer``; their panels (in the
+        cache's store) are dropped from memory."""
+        self.panels = ExpertPanels(self.panels.formats, *(_placeholder(tuple(t.shape), torch.uint8) for t in self.panels[1:]))
+        self.cache, self.cache_layer = cache, layer
+        self._route = cpu_kernels()[0].route_experts
+        self._grouped = self._from_cache
 
     def add_shared_expert(self, shared: SharedExpert) -> None:
         """A shared expert that every token takes, scaled by sigmoid(gate · x), in the same call (the experts
@@ -243,11 +257,12 @@ class SparseMoE:
         """The experts' weight format and kernel, for /instrumentation."""
         kernel = {"grouped-cpp": "grouped_moe (C++, one call per layer)", "torch": "grouped torch GEMMs", "triton": "fused_moe (Triton)"}[self.backend]
         shared = ", shared expert in the call" if self.shared_panels is not None else ""
-        return f"{'/'.join(dict.fromkeys(self.formats))}: {kernel}{shared}"
+        cached = ", from the expert cache" if self.cache is not None else ""
+        return f"{'/'.join(dict.fromkeys(self.formats))}: {kernel}{shared}{cached}"
 
     def held_bytes(self) -> int:
-        """The bytes of the experts' blocks (panels), the shared expert's included."""
-        return sum(p.nbytes for p in (self.panels, self.shared_panels) if p is not None)
+        """The bytes of the experts' blocks (panels) in memory, the shared expert's included (an expert cache's bank apart)."""
+        return sum(t.nbytes for p in (self.panels, self.shared_panels) if p is not None for t in p[1:] if not t.is_meta)
 
     def tensors(self) -> list[torch.Tensor]:
         shared = [] if self.shared_panels is None else [_placeholder(s) for s in self.shared_shapes] + [self.shared_gate]
@@ -255,16 +270,32 @@ class SparseMoE:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         if self.panels is not None:
-            logits = F.linear(x, self._logits_weight)
             bits = 8 if self.int8_activations and x.shape[0] > BLOCK_QUANT_MAX_ROWS else 16
-            shared = self.shared_panels
-            return self._kernel(
-                x, logits, self.top_k, self.renormalize, self.panels.gate_up, self.panels.down,
-                None if shared is None else shared.gate_up[0], None if shared is None else shared.down[0],
-                None if residual is None else residual.contiguous(), bits,
-            )  # fmt: skip
+            return self._grouped(x, F.linear(x, self._logits_weight), bits, residual)
         weights, ids = route(F.linear(x, self.router), self.top_k, self.renormalize)
         return self._experts(x, self.w_gate_up, self.w_down, weights, ids, residual)
+
+    def _shared(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        shared = self.shared_panels
+        return (None, None) if shared is None else (shared.gate_up[0], shared.down[0])
+
+    def _resident(self, x: torch.Tensor, logits: torch.Tensor, bits: int, residual: torch.Tensor | None) -> torch.Tensor:
+        return self._kernel(
+            x, logits, self.top_k, self.renormalize, self.panels.gate_up, self.panels.down, *self._shared(),
+            None if residual is None else residual.contiguous(), bits,
+        )  # fmt: skip
+
+    def _from_cache(self, x: torch.Tensor, logits: torch.Tensor, bits: int, residual: torch.Tensor | None) -> torch.Tensor:
+        """The grouped call over the cache's bank, once per group of tokens whose experts it holds at once."""
+        weights, ids = self._route(logits, self.top_k, self.renormalize, self.router.shape[0])
+        out = torch.zeros_like(x) if residual is None else residual.contiguous()
+        x, shared, cache = x.contiguous(), self._shared(), self.cache
+        for rows, slots in cache.passes(self.cache_layer, ids):
+            self._kernel(
+                x[rows], logits[rows], self.top_k, self.renormalize, cache.gate_up, cache.down, *shared, out[rows], bits,
+                topk_weights=weights[rows], topk_ids=ids[rows], expert_slots=slots,
+            )  # fmt: skip
+        return out
 
 
 class SharedExpertMoE:

@@ -27,6 +27,7 @@ from services.worker.cuda_graphs import Capture, CudaGraphCapture, DecodeGraphs
 from services.worker.decoder_backends import select_decoder_backend
 from services.worker.device import resolve_dtype
 from services.worker.device_memory import ActivationProfile, CudaMemoryProbe, KVBudget, MemoryProbe, profile_step
+from services.worker.expert_cache import attach_expert_cache, default_store_dir
 from services.worker.gdn_state import GDNStateCache, SlotMetadata
 from services.worker.kernel_settings import CpuKernelSettings
 from services.worker.linear import held_bytes, linears_of, resolve_weight_quant
@@ -66,6 +67,8 @@ class RunnerConfig:
     gdn_checkpoint_slots: int = 0  # a hybrid model's prefix cache: GDN state checkpoints past the running slots
     speculative_method: str = ""  # "": decode slices verify nothing (services/worker/speculative/)
     ngram: tuple[int, int] = (2, 4)  # the n-gram lengths prompt lookup matches
+    expert_cache_bytes: str = "0"  # a MoE model's experts in a bank of slots over a spill file (expert_cache.py); "0": all resident
+    expert_cache_dir: str = ""  # where the spill file goes ("": expert_cache.default_store_dir())
 
     @classmethod
     def of(cls, config: StackConfig, num_blocks: int, device: str = "cpu") -> RunnerConfig:
@@ -74,6 +77,7 @@ class RunnerConfig:
             config.model, num_blocks, config.block_size, config.dtype, config.max_num_seqs, config.weight_quant, config.kv_cache_dtype, device,
             config.cuda_graph_max_batch if torch.device(device).type == "cuda" else 0, config.max_model_len, config.weight_prefetch,
             gdn_checkpoint_slots=gdn_checkpoints(load_model_info(config.model), config), speculative_method=config.speculative_method, ngram=(config.ngram_min, config.ngram_max),
+            expert_cache_bytes=config.expert_cache_bytes, expert_cache_dir=config.expert_cache_dir,
         )  # fmt: skip
 
 
@@ -107,6 +111,8 @@ class ModelRunner:
 
         model_config, self.model, self.weight_quant, self.quantized_linears = load_model(config.model, DTYPES[dtype], self.device, weight_quant, tp)
         self.family = model_config.get("model_type", "llama")
+        store_dir = config.expert_cache_dir or default_store_dir()
+        self.expert_cache = attach_expert_cache(self.model, self.family, config.expert_cache_bytes, store_dir, self.device, tp is not None)
         if self.speculator is not None and self.model.gdn_shape is not None:
             raise ValueError(f"speculative decoding does not yet run {self.family}: its GDN state cannot be rolled back past rejected tokens")
         self.sampler = Sampler(self.device, config.model, self.model.vocab_size)
@@ -408,6 +414,7 @@ class ModelRunner:
             "quantized_linears": self.quantized_linears,
             "block_quant_bytes": sum(h["panels"] for h in held),  # int4's panels beside any fp16 packs
             "requests": len(self.requests),
+            "expert_cache": None if self.expert_cache is None else self.expert_cache.describe(),
             **self.model.describe(),
             **self._describe_slots(),
         }

@@ -1,0 +1,307 @@
+"""The bounded expert cache of a CPU worker (``--expert-cache-bytes``): a MoE model's experts in blocks are
+written once, at load, to a spill file (``ExpertStore``), and one bank of slots in RAM, shared by every MoE
+layer under one LRU (``SlotLRU``), holds the experts that the steps route to.
+
+A layer-step learns its routed ids from the grouped kernel's own routing (``route_experts``), fills all of
+its misses from the store, then runs its grouped call over the bank (``csrc/grouped_moe.cpp`` with
+``expert_slots``): the same bits as with every expert resident. A step whose tokens route to more experts
+than the bank holds runs in groups of consecutive tokens that fit (a token's bits do not depend on the
+other tokens of its call), so any bank of at least one layer's top-k slots serves any step.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.worker.moe import ExpertPanels, routed_experts
+from shared.metrics import PREFIX
+
+FAMILIES = ("qwen3_moe", "qwen3_next")
+FILL_POLICY = "on-demand"  # a layer-step reads its misses once its router has run (no prefetch, no streamed prefill yet)
+ALIGN = 4096  # records and slots start on page boundaries, so that O_DIRECT reads land straight in a slot
+
+HITS = Counter(f"{PREFIX}expert_cache_hits", "Routed experts a layer-step found in the expert cache's slots")
+MISSES = Counter(f"{PREFIX}expert_cache_misses", "Routed experts a layer-step read from the expert store into a slot")
+EVICTIONS = Counter(f"{PREFIX}expert_cache_evictions", "Experts evicted from the expert cache's slots")
+BYTES_READ = Counter(f"{PREFIX}expert_cache_bytes_read", "Bytes read from the expert store into the expert cache's slots")
+FILL_TIME = Histogram(
+    f"{PREFIX}expert_cache_fill_seconds",
+    "Time a layer-step spent filling its misses from the expert store",
+    buckets=(1e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0),
+)
+SLOTS_USED = Gauge(f"{PREFIX}expert_cache_slots_used", "Expert cache slots holding an expert")
+SLOTS_TOTAL = Gauge(f"{PREFIX}expert_cache_slots_total", "Expert cache slots")
+
+
+def cache_bytes(spec: str, experts_bytes: int) -> int:
+    """``--expert-cache-bytes``: a byte count, or a percentage of the experts' size (``25%``)."""
+    text = spec.strip()
+    try:
+        value = float(text[:-1]) * experts_bytes / 100 if text.endswith("%") else int(text)
+    except ValueError:
+        value = -1
+    if value < 0 or (text.endswith("%") and float(text[:-1]) > 100):
+        raise ValueError(f"--expert-cache-bytes takes bytes or a percentage (0% to 100%) of the experts' size, such as 25%; got {spec!r}")
+    return int(value)
+
+
+def default_store_dir() -> str:
+    """Where a worker writes its expert store unless ``--expert-cache-dir`` says: the user's cache directory
+    (a disk, where the temporary directory may be memory)."""
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tokenyard", "experts")
+
+
+def _buffer(nbytes: int) -> mmap.mmap:
+    """Anonymous, page-aligned memory (O_DIRECT's buffers must be aligned), touched only when written."""
+    return mmap.mmap(-1, max(nbytes, 1))
+
+
+class ExpertStore:
+    """Every MoE layer's experts as fixed-size records of one spill file, record ``layer * E + expert`` at
+    ``record`` bytes times that: its gate_up panels, then its down panels, zero-padded to ``ALIGN``.
+
+    The file is unlinked once open (it lives as long as the worker); reads bypass the page cache (O_DIRECT)
+    where the filesystem and the records' sizes allow, else each read is followed by ``POSIX_FADV_DONTNEED``
+    so that the page cache does not quietly keep the whole model."""
+
+    def __init__(self, directory: str, layers: list[ExpertPanels]) -> None:
+        first = layers[0]
+        self.formats = first.formats
+        self.num_layers, self.num_experts = len(layers), first.gate_up.shape[0]
+        self.gate_up_shape, self.down_shape = tuple(first.gate_up.shape[1:]), tuple(first.down.shape[1:])
+        self.gate_up_bytes, self.down_bytes = first.gate_up[0].nbytes, first.down[0].nbytes
+        self.record = -(-(self.gate_up_bytes + self.down_bytes) // ALIGN) * ALIGN
+        os.makedirs(directory, exist_ok=True)
+        fd, self.path = tempfile.mkstemp(prefix="experts-", suffix=".bin", dir=directory)
+        try:
+            pad = bytes(self.record - self.gate_up_bytes - self.down_bytes)
+            for layer, panels in enumerate(layers):
+                for expert in range(self.num_experts):
+                    parts = [memoryview(t[expert].numpy()).cast("B") for t in (panels.gate_up, panels.down)]
+                    os.pwritev(fd, [*parts, pad], self.offset(layer, expert))
+            os.fsync(fd)  # dirty pages would stay in the page cache whatever DONTNEED says
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            self.fd, self.read_mode = self._open_for_reads(fd)
+        finally:
+            os.unlink(self.path)
+        weakref.finalize(self, os.close, self.fd)
+
+    @property
+    def nbytes(self) -> int:
+        return self.record * self.num_layers * self.num_experts
+
+    def offset(self, layer: int, expert: int) -> int:
+        return (layer * self.num_experts + expert) * self.record
+
+    def _open_for_reads(self, fd: int) -> tuple[int, str]:
+        """An O_DIRECT descriptor where one read of a record into page-aligned slots succeeds, else ``fd``."""
+        if self.gate_up_bytes % ALIGN or self.down_bytes % ALIGN:
+            return fd, f"buffered + DONTNEED (O_DIRECT needs records in multiples of {ALIGN} bytes: {self.gate_up_bytes} + {self.down_bytes})"
+        try:
+            direct = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
+        except (OSError, AttributeError) as exc:
+            return fd, f"buffered + DONTNEED (this filesystem refuses O_DIRECT: {exc})"
+        probe = [_buffer(self.gate_up_bytes), _buffer(self.down_bytes)]
+        try:
+            if os.preadv(direct, probe, 0) != self.gate_up_bytes + self.down_bytes:
+                raise OSError("a short read")
+        except OSError as exc:
+            os.close(direct)
+            return fd, f"buffered + DONTNEED (O_DIRECT reads fail here: {exc})"
+        os.close(fd)
+        return direct, "O_DIRECT"
+
+    def read_into(self, layer: int, expert: int, gate_up: memoryview, down: memoryview) -> int:
+        """Reads (layer, expert)'s record into a slot's two buffers; returns the bytes read."""
+        offset, size = self.offset(layer, expert), self.gate_up_bytes + self.down_bytes
+        read = os.preadv(self.fd, [gate_up, down], offset)
+        if read != size:
+            raise OSError(f"the expert store {self.path} gave {read} of {size} bytes of layer {layer}'s expert {expert}")
+        os.posix_fadvise(self.fd, offset, size, os.POSIX_FADV_DONTNEED)
+        return read
+
+
+class Fill(NamedTuple):
+    expert: int
+    slot: int
+    evicted: tuple[int, int] | None  # the (layer, expert) the slot held
+
+
+class SlotLRU:
+    """Which (layer, expert) each of ``slots`` slots holds, least recently used first.
+
+    ``take`` gives one layer-step's experts their slots: hits keep theirs, misses take a free slot or evict
+    the least recently used expert; it never evicts an expert of the same call, so no slot that a layer-step
+    reads is refilled before the step has run (at most ``slots`` experts per call)."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.held: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self.free = list(range(slots - 1, -1, -1))
+
+    def take(self, layer: int, experts: Iterable[int]) -> tuple[dict[int, int], list[Fill]]:
+        """(the hits' slots, the misses' fills) of ``layer``'s ``experts``."""
+        wanted = list(dict.fromkeys(experts))
+        if len(wanted) > self.slots:
+            raise ValueError(f"a layer-step of {len(wanted)} experts does not fit {self.slots} slots")
+        hits = {}
+        for expert in wanted:
+            if (slot := self.held.get((layer, expert))) is not None:
+                self.held.move_to_end((layer, expert))
+                hits[expert] = slot
+        fills = []
+        for expert in wanted:
+            if expert in hits:
+                continue
+            evicted, slot = (None, self.free.pop()) if self.free else self.held.popitem(last=False)
+            self.held[(layer, expert)] = slot
+            fills.append(Fill(expert, slot, evicted))
+        return hits, fills
+
+    def drop(self, key: tuple[int, int]) -> None:
+        """Frees ``key``'s slot (a fill that failed)."""
+        self.free.append(self.held.pop(key))
+
+
+class ExpertCache:
+    """A bank of ``slots`` experts' panels (``gate_up`` [S, ...], ``down`` [S, ...]) over ``store``, and each
+    layer's slot map (``slot_of[layer]``: int32 [E], -1 where the expert is not held) that the kernel reads."""
+
+    def __init__(self, store: ExpertStore, slots: int, top_k: int, budget: int) -> None:
+        if slots < top_k:
+            raise ValueError(f"the expert cache holds {slots} experts, fewer than one layer's top-k ({top_k})")
+        self.store, self.budget, self.lru = store, budget, SlotLRU(slots)
+        self._memory = [_buffer(slots * store.gate_up_bytes), _buffer(slots * store.down_bytes)]
+        self.gate_up = torch.frombuffer(self._memory[0], dtype=torch.uint8, count=slots * store.gate_up_bytes).view(slots, *store.gate_up_shape)
+        self.down = torch.frombuffer(self._memory[1], dtype=torch.uint8, count=slots * store.down_bytes).view(slots, *store.down_shape)
+        self._slot_buffers = [tuple(memoryview(t[s].numpy()).cast("B") for t in (self.gate_up, self.down)) for s in range(slots)]
+        self.slot_of = [torch.full((store.num_experts,), -1, dtype=torch.int32) for _ in range(store.num_layers)]
+        self.hits = self.misses = self.evictions = self.bytes_read = 0
+        SLOTS_TOTAL.set(slots)
+        SLOTS_USED.set(0)
+
+    @property
+    def slots(self) -> int:
+        return self.lru.slots
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes + self.down.nbytes
+
+    def passes(self, layer: int, ids: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]]:
+        """Groups of consecutive tokens (rows of the routed ``ids`` [T, k]) whose experts fit the bank at once,
+        each with ``layer``'s slot map once the group's misses are filled: one group when the step fits. The
+        caller runs a group before asking for the next, whose fills may evict the previous group's experts."""
+        experts = ids.unique().tolist()
+        if len(experts) <= self.slots:
+            self.fill(layer, experts)
+            yield slice(0, ids.shape[0]), self.slot_of[layer]
+            return
+        start, group = 0, set()
+        for t, row in enumerate(ids.tolist()):
+            if len(group.union(row)) > self.slots:
+                self.fill(layer, sorted(group))
+                yield slice(start, t), self.slot_of[layer]
+                start, group = t, set()
+            group.update(row)
+        self.fill(layer, sorted(group))
+        yield slice(start, ids.shape[0]), self.slot_of[layer]
+
+    def fill(self, layer: int, experts: list[int]) -> None:
+        """Makes ``layer``'s ``experts`` resident: hits stay, misses are read from the store (in file order)."""
+        started = time.perf_counter()
+        hits, fills = self.lru.take(layer, experts)
+        read = 0
+        for i, (expert, slot, evicted) in enumerate(fills):
+            if evicted is not None:
+                self.slot_of[evicted[0]][evicted[1]] = -1
+            try:
+                read += self.store.read_into(layer, expert, *self._slot_buffers[slot])
+            except BaseException:
+                for failed in fills[i:]:  # their slots hold nothing: free again
+                    self.lru.drop((layer, failed.expert))
+                raise
+            self.slot_of[layer][expert] = slot
+        evictions = sum(f.evicted is not None for f in fills)
+        self.hits, self.misses, self.evictions, self.bytes_read = (
+            self.hits + len(hits),
+            self.misses + len(fills),
+            self.evictions + evictions,
+            self.bytes_read + read,
+        )
+        HITS.inc(len(hits))
+        if fills:
+            MISSES.inc(len(fills))
+            EVICTIONS.inc(evictions)
+            BYTES_READ.inc(read)
+            SLOTS_USED.set(len(self.lru.held))
+        FILL_TIME.observe(time.perf_counter() - started)
+
+    def describe(self) -> dict[str, Any]:
+        """The cache's configuration and hit rate, for /instrumentation."""
+        lookups = self.hits + self.misses
+        return {
+            "bytes": self.budget,
+            "slots": self.slots,
+            "slots_used": len(self.lru.held),
+            "slot_bytes": self.store.gate_up_bytes + self.store.down_bytes,
+            "experts": self.store.num_layers * self.store.num_experts,
+            "formats": "/".join(dict.fromkeys(self.store.formats)),
+            "store": self.store.path,
+            "store_bytes": self.store.nbytes,
+            "store_reads": self.store.read_mode,
+            "fill_policy": FILL_POLICY,
+            "hits": self.hits,
+            "misses": self.misses,
+            "evictions": self.evictions,
+            "bytes_read": self.bytes_read,
+            "hit_rate": round(self.hits / lookups, 4) if lookups else None,
+        }
+
+
+def attach_expert_cache(model: object, family: str, spec: str, directory: str, device: torch.device, sharded: bool) -> ExpertCache | None:
+    """``model``'s MoE layers run from an expert cache of ``spec`` (``cache_bytes``) whose store is written
+    under ``directory``, their panels dropped from memory; None where ``spec`` is 0 (all resident).
+    Refuses (ValueError, naming why) what the cache cannot serve."""
+    if cache_bytes(spec, 1 << 60) == 0:  # 0 or 0%
+        return None
+    if family not in FAMILIES:
+        raise ValueError(f"--expert-cache-bytes serves {' and '.join(FAMILIES)} models, not {family}")
+    if device.type != "cpu":
+        raise ValueError("--expert-cache-bytes runs on a CPU worker only (there is no GPU expert cache yet)")
+    if sharded:
+        raise ValueError("--expert-cache-bytes does not run with tensor parallelism: leave --tensor-parallel-size at 1")
+    layers = routed_experts(model)
+    if not layers or any(moe.panels is None for moe in layers):
+        raise ValueError(
+            "--expert-cache-bytes needs every MoE layer's experts in q4_0 / q4_1 / q8_0 blocks on the grouped C++ kernel "
+            "(--weight-quant int4 or int4-a8, or a GGUF's blocks, with the CPU kernels built)"
+        )
+    shapes = {(moe.panels.formats, tuple(moe.panels.gate_up.shape), tuple(moe.panels.down.shape)) for moe in layers}
+    if len(shapes) > 1:
+        raise ValueError(f"--expert-cache-bytes needs every MoE layer's experts in one format and shape, got {sorted(shapes)}")
+    panels = layers[0].panels
+    num_experts, top_k = panels.gate_up.shape[0], layers[0].top_k
+    slot_bytes = panels.gate_up[0].nbytes + panels.down[0].nbytes
+    budget = cache_bytes(spec, slot_bytes * num_experts * len(layers))
+    if budget == 0:
+        return None
+    slots = min(budget // slot_bytes, num_experts * len(layers))
+    if slots < top_k:
+        raise ValueError(
+            f"--expert-cache-bytes {spec} holds {slots} experts of {slot_bytes} bytes, fewer than one layer's top-k ({top_k}): give at least {top_k * slot_bytes}"
+        )
+    cache = ExpertCache(ExpertStore(directory, [moe.panels for moe in layers]), slots, top_k, budget)
+    for layer, moe in enumerate(layers):
+        moe.stream_from(cache, layer)
+    return cache
