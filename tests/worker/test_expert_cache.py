@@ -1,0 +1,227 @@
+"""The bounded expert cache (services/worker/expert_cache.py): the LRU over one bank of slots never refills
+a slot that its own layer-step reads, never leaks a slot and never holds more than its bound; the store gives
+back every byte it was given; tiny qwen3_moe and qwen3_next models with int4 experts give the same greedy
+tokens (and the same logits, bit for bit) at every cache size from one layer's top-k to all resident; and
+what the cache cannot serve is refused at start, naming why."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.launcher.__main__ import check_expert_cache
+from services.worker.block_quant import BlockQuantized
+from services.worker.cpu_kernels import cpu_kernels
+from services.worker.expert_cache import ALIGN, ExpertCache, ExpertStore, SlotLRU, cache_bytes
+from services.worker.moe import ExpertPanels, SharedExpert, SparseMoE
+from services.worker.runner import ModelRunner, RunnerConfig
+from shared.config import StackConfig
+from shared.frames import Slice, StepPlan
+from shared.metrics import exposition
+
+from .harness import GREEDY, Checkpoint, drive, prompt_of
+
+needs_kernels = pytest.mark.skipif(cpu_kernels()[0] is None, reason=f"CPU kernels unavailable: {cpu_kernels()[1]}")
+
+LAYERS, EXPERTS = 3, 6
+
+# A layer-step: (layer, the experts it routes to).
+steps = st.lists(st.tuples(st.integers(0, LAYERS - 1), st.lists(st.integers(0, EXPERTS - 1), min_size=1, max_size=EXPERTS)), max_size=40)
+
+
+@given(slots=st.integers(1, LAYERS * EXPERTS), steps=steps)
+def test_the_lru_keeps_hits_in_place_refills_no_slot_its_step_reads_and_leaks_none(slots: int, steps: list[tuple[int, list[int]]]) -> None:
+    lru = SlotLRU(slots)
+    holds: dict[int, tuple[int, int]] = {}  # slot -> (layer, expert), as the bank's memory would
+    for layer, experts in steps:
+        experts = experts[:slots]
+        held_before = {key: slot for slot, key in holds.items()}
+        hits, fills = lru.take(layer, experts)
+        assert hits == {e: held_before[(layer, e)] for e in experts if (layer, e) in held_before}  # a hit reads nothing and stays where it is
+        filled = [f.slot for f in fills]
+        assert len(set(filled)) == len(filled) and not set(filled) & set(hits.values())  # no slot the step reads is refilled
+        assert sorted([*hits, *(f.expert for f in fills)]) == sorted(set(experts))
+        for fill in fills:
+            assert fill.evicted == holds.get(fill.slot) and (fill.evicted is None or fill.evicted[0] != layer or fill.evicted[1] not in experts)
+            holds[fill.slot] = (layer, fill.expert)
+        assert all(holds[slot] == (layer, e) for e, slot in [*hits.items(), *((f.expert, f.slot) for f in fills)])
+        assert {slot: key for key, slot in lru.held.items()} == holds  # the LRU's view is the bank's
+        assert sorted([*lru.held.values(), *lru.free]) == list(range(slots))  # bound respected, no slot leaked
+
+
+def test_the_least_recently_used_expert_is_evicted_first() -> None:
+    lru = SlotLRU(3)
+    lru.take(0, [0, 1])
+    lru.take(1, [0])
+    lru.take(0, [0])  # (0, 1) is now the oldest
+    _, fills = lru.take(1, [5])
+    assert fills[0].evicted == (0, 1)
+    with pytest.raises(ValueError, match="4 experts does not fit 3 slots"):
+        lru.take(0, [0, 1, 2, 3])
+
+
+def _random_panels(experts: int, gate_up_shape: tuple[int, ...], down_shape: tuple[int, ...], seed: int) -> ExpertPanels:
+    generator = torch.Generator().manual_seed(seed)
+    gate_up = torch.randint(0, 256, (experts, *gate_up_shape), dtype=torch.uint8, generator=generator)
+    return ExpertPanels(("q4_1", "q4_1"), gate_up, torch.randint(0, 256, (experts, *down_shape), dtype=torch.uint8, generator=generator))
+
+
+@pytest.mark.parametrize("shapes", [((8, 2, 20), (8, 1, 20)), ((2, 2, 1024), (4, 1, 1024))], ids=["unaligned", "page-sized"])
+def test_the_store_gives_back_every_byte_of_every_layers_experts(tmp_path: Path, shapes: tuple[tuple[int, ...], tuple[int, ...]]) -> None:
+    layers = [_random_panels(EXPERTS, *shapes, seed=layer) for layer in range(LAYERS)]
+    store = ExpertStore(str(tmp_path), layers)
+    assert os.listdir(tmp_path) == []  # unlinked once open: nothing is left behind by a worker that dies
+    aligned = all(t[0].nbytes % ALIGN == 0 for t in layers[0][1:])
+    assert store.read_mode == "O_DIRECT" or not aligned or "refuses O_DIRECT" in store.read_mode, store.read_mode
+    assert store.nbytes == LAYERS * EXPERTS * -(-(layers[0].gate_up[0].nbytes + layers[0].down[0].nbytes) // ALIGN) * ALIGN
+    cache = ExpertCache(store, 2, 1, 0)
+    for layer in range(LAYERS):
+        for expert in range(EXPERTS):
+            buffers = [memoryview(t[1].numpy()).cast("B") for t in (cache.gate_up, cache.down)]
+            assert store.read_into(layer, expert, *buffers) == layers[0].gate_up[0].nbytes + layers[0].down[0].nbytes
+            assert torch.equal(cache.gate_up[1], layers[layer].gate_up[expert]) and torch.equal(cache.down[1], layers[layer].down[expert])
+
+
+@given(
+    slots=st.integers(2, 2 * EXPERTS), steps=st.lists(st.tuples(st.integers(0, 1), st.lists(st.integers(0, EXPERTS - 1), min_size=2, max_size=8)), max_size=25)
+)
+@settings(max_examples=30, deadline=None)
+def test_a_layer_step_reads_its_misses_only_and_the_bank_holds_what_the_slot_maps_say(slots: int, steps: list[tuple[int, list[int]]]) -> None:
+    layers = [_random_panels(EXPERTS, (8, 2, 20), (8, 1, 20), seed=10 + layer) for layer in range(2)]
+    with tempfile.TemporaryDirectory() as directory:
+        cache = ExpertCache(ExpertStore(directory, layers), slots, 2, 0)  # top-2: at least two slots
+    distinct = 0
+    for layer, routed in steps:
+        ids = torch.tensor(routed[: len(routed) // 2 * 2], dtype=torch.int32).reshape(-1, 2)  # tokens of top-2
+        covered = []
+        for rows, slot_map in cache.passes(layer, ids):
+            covered += range(ids.shape[0])[rows]
+            experts = ids[rows].unique().tolist()
+            distinct += len(experts)
+            assert len(experts) <= slots
+            for expert in experts:  # what the kernel reads through the slot map is that expert's panels
+                slot = int(slot_map[expert])
+                assert torch.equal(cache.gate_up[slot], layers[layer].gate_up[expert]) and torch.equal(cache.down[slot], layers[layer].down[expert])
+        assert covered == list(range(ids.shape[0]))  # consecutive groups, every token once
+        mapped = [s for slot_of in cache.slot_of for s in slot_of.tolist() if s >= 0]
+        assert sorted(mapped) == sorted(cache.lru.held.values())  # one slot per held expert, -1 elsewhere
+    assert cache.hits + cache.misses == distinct
+    assert cache.bytes_read == cache.misses * (layers[0].gate_up[0].nbytes + layers[0].down[0].nbytes)  # hits read nothing
+
+
+def test_misses_are_read_once_and_hits_are_not_read(tmp_path: Path) -> None:
+    layers = [_random_panels(EXPERTS, (8, 2, 20), (8, 1, 20), seed=layer) for layer in range(2)]
+    cache = ExpertCache(ExpertStore(str(tmp_path), layers), 4, 2, 0)
+    slot_bytes = layers[0].gate_up[0].nbytes + layers[0].down[0].nbytes
+    ids = torch.tensor([[0, 1], [1, 2]], dtype=torch.int32)
+    assert [r for r, _ in cache.passes(0, ids)] == [slice(0, 2)]
+    assert (cache.hits, cache.misses, cache.bytes_read) == (0, 3, 3 * slot_bytes)
+    list(cache.passes(0, ids))
+    assert (cache.hits, cache.misses, cache.bytes_read) == (3, 3, 3 * slot_bytes)
+    list(cache.passes(1, torch.tensor([[4, 5]], dtype=torch.int32)))  # evicts layer 0's two least recently used
+    assert (cache.misses, cache.evictions) == (5, 1) and int(cache.slot_of[0][0]) == -1 and cache.describe()["slots_used"] == 4
+    wide = torch.tensor([[0, 1], [2, 3], [4, 5], [0, 5]], dtype=torch.int32)  # six experts over four slots: two groups of tokens
+    assert [r for r, _ in cache.passes(1, wide)] == [slice(0, 2), slice(2, 4)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("tokens", [1, 7, 40])
+def test_a_layer_with_its_shared_expert_gives_the_resident_bits_from_a_bank_of_top_k_slots(tmp_path: Path, tokens: int) -> None:
+    hidden, inter, experts, top_k = 64, 32, 8, 3
+    generator = torch.Generator().manual_seed(tokens)
+
+    def layer() -> SparseMoE:
+        torch.manual_seed(0)
+        gate_up, down = torch.randn(experts, 2 * inter, hidden) / 8, torch.randn(experts, hidden, inter) / 6
+        moe = SparseMoE(torch.randn(experts, hidden), BlockQuantized.of(gate_up, "q4_1"), BlockQuantized.of(down, "q4_1"), top_k, True, "torch")
+        shared = [BlockQuantized.of(torch.randn(2 * 64, hidden) / 8, "q8_0"), BlockQuantized.of(torch.randn(hidden, 64) / 8, "q4_0")]
+        moe.add_shared_expert(SharedExpert(*shared, torch.randn(1, hidden)))
+        return moe
+
+    resident, cached = layer(), layer()
+    cache = ExpertCache(ExpertStore(str(tmp_path), [cached.panels]), top_k, top_k, 0)
+    cached.stream_from(cache, 0)
+    assert cached.panels.gate_up.is_meta and "from the expert cache" in cached.describe()
+    for _ in range(3):
+        x, residual = torch.randn(tokens, hidden, generator=generator), torch.randn(tokens, hidden, generator=generator)
+        assert torch.equal(cached(x, residual.clone()), resident(x, residual.clone()))
+        assert torch.equal(cached(x, None), resident(x, None))
+    assert cache.misses > 0 and cache.describe()["slots_used"] == top_k
+
+
+def _greedy_and_logits(path: str, spec: str, store: str) -> tuple[dict[str, list[int]], torch.Tensor, ModelRunner]:
+    runner = ModelRunner(RunnerConfig(path, num_blocks=64, block_size=4, weight_quant="int4", expert_cache_bytes=spec, expert_cache_dir=store))
+    prompts = {f"r{i}": prompt_of(10 + i, n) for i, n in enumerate((3, 9, 14, 22))}
+    out, stats = drive(runner, prompts, 10, chunk=6, seed=3, arrivals={"r0": 0, "r1": 0, "r2": 2, "r3": 5})
+    assert stats.mixed_steps >= 2 and stats.multi_prefill_steps >= 1  # chunked prefills beside decode batches
+    slot = 0 if runner.model.gdn_shape is not None else -1
+    prompt = prompt_of(99, 17)
+    logits = runner.logits(StepPlan(0, [Slice("l", 0, len(prompt), prompt, list(range(5)), sampling=GREEDY, slot=slot)]))["l"]
+    return out, logits, runner
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+def test_greedy_tokens_and_logits_are_the_resident_ones_at_every_cache_size(
+    family: str, tiny_qwen3_moes: dict[str, Checkpoint], tiny_qwen3_nexts: dict[str, Checkpoint], tmp_path: Path
+) -> None:
+    tiny = tiny_qwen3_moes["renorm-dense-middle"] if family == "qwen3_moe" else tiny_qwen3_nexts["interval-tied-bias"]
+    resident_out, resident_logits, resident = _greedy_and_logits(tiny.path, "0", str(tmp_path))
+    assert resident.expert_cache is None and resident.describe()["expert_cache"] is None
+    top_k, experts = tiny.reference.config.num_experts_per_tok, tiny.reference.config.num_experts
+    slot_bytes = 2 * 32 * 64 // 32 * 20 + 64 * 32 // 32 * 20  # q4_1 gate_up [64, 64] + down [64, 32]: 20 bytes per block of 32
+    layers = resident.describe()["moe_layers"]
+    for spec in [str(top_k * slot_bytes), str((top_k + 1) * slot_bytes), str((experts - 1) * slot_bytes), "50%", "100%"]:
+        out, logits, runner = _greedy_and_logits(tiny.path, spec, str(tmp_path))
+        facts = runner.describe()["expert_cache"]
+        assert facts["slots"] == min(cache_bytes(spec, slot_bytes * experts * layers) // slot_bytes, experts * layers) and facts["slot_bytes"] == slot_bytes
+        assert facts["misses"] > 0 and facts["bytes_read"] == facts["misses"] * slot_bytes and facts["fill_policy"] == "on-demand"
+        assert (facts["evictions"] > 0) == (facts["slots"] < experts * layers)
+        assert out == resident_out, spec
+        assert torch.equal(logits, resident_logits), spec
+    assert "buffered + DONTNEED" in facts["store_reads"]  # the tiny records are not multiples of a page
+    assert facts["hit_rate"] > 0.5  # 100 %: only the first touch of each expert misses
+
+
+@needs_kernels
+def test_metrics_count_the_caches_hits_misses_and_bytes(tiny_qwen3_moes: dict[str, Checkpoint], tmp_path: Path) -> None:
+    _, _, runner = _greedy_and_logits(tiny_qwen3_moes["renorm-dense-middle"].path, "25%", str(tmp_path))
+    text = exposition({}).decode()
+    for name in ("hits_total", "misses_total", "evictions_total", "bytes_read_total", "fill_seconds_count", "slots_used", "slots_total"):
+        assert f"tokenyard:expert_cache_{name} " in text, name
+    assert f"tokenyard:expert_cache_slots_total {float(runner.expert_cache.slots)}" in text
+
+
+@needs_kernels
+def test_what_the_cache_cannot_serve_is_refused_at_start_naming_why(
+    tiny_qwen3_moes: dict[str, Checkpoint], tiny_llamas: dict[str, Checkpoint], tmp_path: Path
+) -> None:
+    moe = tiny_qwen3_moes["renorm-dense-middle"].path
+
+    def start(path: str, spec: str, weight_quant: str = "int4") -> None:
+        ModelRunner(RunnerConfig(path, num_blocks=8, block_size=4, weight_quant=weight_quant, expert_cache_bytes=spec, expert_cache_dir=str(tmp_path)))
+
+    with pytest.raises(ValueError, match="serves qwen3_moe and qwen3_next models, not llama"):
+        start(tiny_llamas["untied"].path, "50%")
+    with pytest.raises(ValueError, match="experts in q4_0 / q4_1 / q8_0 blocks"):
+        start(moe, "50%", weight_quant="none")
+    with pytest.raises(ValueError, match=r"holds 1 experts of 3840 bytes, fewer than one layer's top-k \(2\): give at least 7680"):
+        start(moe, "7679")
+    with pytest.raises(ValueError, match="bytes or a percentage"):
+        start(moe, "half")
+    with pytest.raises(ValueError, match="bytes or a percentage"):
+        start(moe, "150%")
+    start(moe, "0%")  # all resident, as 0
+    with pytest.raises(SystemExit, match="not llama"):
+        check_expert_cache(StackConfig(model=tiny_llamas["untied"].path, expert_cache_bytes="25%"))
+    with pytest.raises(SystemExit, match="tensor parallelism"):
+        check_expert_cache(StackConfig(model=moe, expert_cache_bytes="25%", tensor_parallel_size=2))
+    with pytest.raises(SystemExit, match="bytes or a percentage"):
+        check_expert_cache(StackConfig(model=moe, expert_cache_bytes="-5"))
+    assert os.listdir(tmp_path) == []  # no store was left behind
