@@ -255,6 +255,7 @@ class ExpertCache:
             "slots": self.slots,
             "slots_used": len(self.lru.held),
             "slot_bytes": self.store.gate_up_bytes + self.store.down_bytes,
+            "bank_bytes": self.nbytes,
             "experts": self.store.num_layers * self.store.num_experts,
             "formats": "/".join(dict.fromkeys(self.store.formats)),
             "store": self.store.path,

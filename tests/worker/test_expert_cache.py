@@ -6,8 +6,10 @@ what the cache cannot serve is refused at start, naming why."""
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
+import weakref
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ from services.launcher.__main__ import check_expert_cache
 from services.worker.block_quant import BlockQuantized
 from services.worker.cpu_kernels import cpu_kernels
 from services.worker.expert_cache import ALIGN, ExpertCache, ExpertStore, SlotLRU, cache_bytes
-from services.worker.moe import ExpertPanels, SharedExpert, SparseMoE
+from services.worker.moe import ExpertPanels, SharedExpert, SparseMoE, routed_experts
 from services.worker.runner import ModelRunner, RunnerConfig
 from shared.config import StackConfig
 from shared.frames import Slice, StepPlan
@@ -146,7 +148,10 @@ def test_a_layer_with_its_shared_expert_gives_the_resident_bits_from_a_bank_of_t
 
     resident, cached = layer(), layer()
     cache = ExpertCache(ExpertStore(str(tmp_path), [cached.panels]), top_k, top_k, 0)
+    dropped = [weakref.ref(t) for t in cached.panels[1:]]
     cached.stream_from(cache, 0)
+    gc.collect()
+    assert [ref() for ref in dropped] == [None, None]  # the panels live in the store alone
     assert cached.panels.gate_up.is_meta and "from the expert cache" in cached.describe()
     for _ in range(3):
         x, residual = torch.randn(tokens, hidden, generator=generator), torch.randn(tokens, hidden, generator=generator)
@@ -180,6 +185,8 @@ def test_greedy_tokens_and_logits_are_the_resident_ones_at_every_cache_size(
     for spec in [str(top_k * slot_bytes), str((top_k + 1) * slot_bytes), str((experts - 1) * slot_bytes), "50%", "100%"]:
         out, logits, runner = _greedy_and_logits(tiny.path, spec, str(tmp_path))
         facts = runner.describe()["expert_cache"]
+        assert all(moe.held_bytes() == 0 for moe in routed_experts(runner.model))  # the bank alone holds experts
+        assert facts["bank_bytes"] == facts["slots"] * slot_bytes
         assert facts["slots"] == min(cache_bytes(spec, slot_bytes * experts * layers) // slot_bytes, experts * layers) and facts["slot_bytes"] == slot_bytes
         assert facts["misses"] > 0 and facts["bytes_read"] == facts["misses"] * slot_bytes and facts["fill_policy"] == "on-demand"
         assert (facts["evictions"] > 0) == (facts["slots"] < experts * layers)
