@@ -47,12 +47,14 @@ def cache_bytes(spec: str, experts_bytes: int) -> int:
     """``--expert-cache-bytes``: a byte count, or a percentage of the experts' size (``25%``)."""
     text = spec.strip()
     try:
-        value = float(text[:-1]) * experts_bytes / 100 if text.endswith("%") else int(text)
+        if text.endswith("%"):
+            if 0 <= (percent := float(text[:-1])) <= 100:
+                return int(experts_bytes * percent / 100)
+        elif int(text) >= 0:
+            return int(text)
     except ValueError:
-        value = -1
-    if value < 0 or (text.endswith("%") and float(text[:-1]) > 100):
-        raise ValueError(f"--expert-cache-bytes takes bytes or a percentage (0% to 100%) of the experts' size, such as 25%; got {spec!r}")
-    return int(value)
+        pass
+    raise ValueError(f"--expert-cache-bytes takes bytes or a percentage (0% to 100%) of the experts' size, such as 25%; got {spec!r}")
 
 
 def default_store_dir() -> str:
@@ -92,6 +94,9 @@ class ExpertStore:
             os.fsync(fd)  # dirty pages would stay in the page cache whatever DONTNEED says
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             self.fd, self.read_mode = self._open_for_reads(fd)
+        except BaseException:
+            os.close(fd)
+            raise
         finally:
             os.unlink(self.path)
         weakref.finalize(self, os.close, self.fd)
