@@ -11,6 +11,9 @@ other tokens of its call), so any bank of at least one layer's top-k slots serve
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import mmap
 import os
 import tempfile
@@ -310,4 +313,13 @@ def attach_expert_cache(model: object, family: str, spec: str, directory: str, d
     cache = ExpertCache(ExpertStore(directory, [moe.panels for moe in layers]), slots, top_k, budget)
     for layer, moe in enumerate(layers):
         moe.stream_from(cache, layer)
+    _return_freed_memory()
     return cache
+
+
+def _return_freed_memory() -> None:
+    """Hands the heap's free pages back to the system (glibc keeps freed tensors' memory otherwise, and the
+    dropped panels would still count in the worker's RSS)."""
+    gc.collect()
+    if (libc := ctypes.util.find_library("c")) is not None and hasattr(lib := ctypes.CDLL(libc), "malloc_trim"):
+        lib.malloc_trim(0)
