@@ -86,6 +86,7 @@ class ExpertStore:
         self.gate_up_shape, self.down_shape = tuple(first.gate_up.shape[1:]), tuple(first.down.shape[1:])
         self.gate_up_bytes, self.down_bytes = first.gate_up[0].nbytes, first.down[0].nbytes
         self.record = -(-(self.gate_up_bytes + self.down_bytes) // ALIGN) * ALIGN
+        self._pad = _buffer(self.record - self.gate_up_bytes - self.down_bytes)  # where the padding between adjacent records lands
         os.makedirs(directory, exist_ok=True)
         fd, self.path = tempfile.mkstemp(prefix="experts-", suffix=".bin", dir=directory)
         try:
@@ -129,14 +130,17 @@ class ExpertStore:
         os.close(fd)
         return direct, "O_DIRECT"
 
-    def read_into(self, layer: int, expert: int, gate_up: memoryview, down: memoryview) -> int:
-        """Reads (layer, expert)'s record into a slot's two buffers; returns the bytes read."""
-        offset, size = self.offset(layer, expert), self.gate_up_bytes + self.down_bytes
-        read = os.preadv(self.fd, [gate_up, down], offset)
+    def read_into(self, layer: int, first: int, slots: list[tuple[memoryview, memoryview]]) -> int:
+        """Reads the records of ``layer``'s experts ``first``, ``first + 1``, ... into their slots' (gate_up, down)
+        buffers, in one call: adjacent records are one contiguous read. Returns the bytes that land in slots."""
+        pad = self.record - self.gate_up_bytes - self.down_bytes
+        buffers = [b for i, pair in enumerate(slots) for b in ([self._pad, *pair] if i and pad else pair)]
+        offset, size = self.offset(layer, first), len(slots) * self.record - pad
+        read = os.preadv(self.fd, buffers, offset)
         if read != size:
-            raise OSError(f"the expert store {self.path} gave {read} of {size} bytes of layer {layer}'s expert {expert}")
+            raise OSError(f"the expert store {self.path} gave {read} of {size} bytes of layer {layer}'s experts {first}..{first + len(slots) - 1}")
         os.posix_fadvise(self.fd, offset, size, os.POSIX_FADV_DONTNEED)
-        return read
+        return len(slots) * (self.gate_up_bytes + self.down_bytes)
 
 
 class Fill(NamedTuple):
@@ -179,6 +183,19 @@ class SlotLRU:
     def drop(self, key: tuple[int, int]) -> None:
         """Frees ``key``'s slot (a fill that failed)."""
         self.free.append(self.held.pop(key))
+
+
+def _runs(fills: list[Fill], most: int = 256) -> Iterator[list[Fill]]:
+    """``fills`` (in expert order) cut into runs of consecutive experts, each one read of adjacent records
+    (at most ``most``: a read takes up to three buffers per record, IOV_MAX 1024)."""
+    run: list[Fill] = []
+    for fill in fills:
+        if run and (fill.expert != run[-1].expert + 1 or len(run) == most):
+            yield run
+            run = []
+        run.append(fill)
+    if run:
+        yield run
 
 
 class ExpertCache:
@@ -226,20 +243,24 @@ class ExpertCache:
         yield slice(start, ids.shape[0]), self.slot_of[layer]
 
     def fill(self, layer: int, experts: list[int]) -> None:
-        """Makes ``layer``'s ``experts`` resident: hits stay, misses are read from the store (in file order)."""
+        """Makes ``layer``'s ``experts`` (ascending) resident: hits stay, misses are read from the store, a run of
+        consecutive experts in one read."""
         started = time.perf_counter()
         hits, fills = self.lru.take(layer, experts)
-        read = 0
-        for i, (expert, slot, evicted) in enumerate(fills):
-            if evicted is not None:
-                self.slot_of[evicted[0]][evicted[1]] = -1
+        for fill in fills:
+            if fill.evicted is not None:
+                self.slot_of[fill.evicted[0]][fill.evicted[1]] = -1
+        read, done = 0, 0
+        for run in _runs(fills):
             try:
-                read += self.store.read_into(layer, expert, *self._slot_buffers[slot])
+                read += self.store.read_into(layer, run[0].expert, [self._slot_buffers[f.slot] for f in run])
             except BaseException:
-                for failed in fills[i:]:  # their slots hold nothing: free again
+                for failed in fills[done:]:  # their slots hold nothing: free again
                     self.lru.drop((layer, failed.expert))
                 raise
-            self.slot_of[layer][expert] = slot
+            for expert, slot, _ in run:
+                self.slot_of[layer][expert] = slot
+            done += len(run)
         evictions = sum(f.evicted is not None for f in fills)
         self.hits, self.misses, self.evictions, self.bytes_read = (
             self.hits + len(hits),

@@ -11,6 +11,7 @@ import os
 import tempfile
 import weakref
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -82,12 +83,15 @@ def test_the_store_gives_back_every_byte_of_every_layers_experts(tmp_path: Path,
     aligned = all(t[0].nbytes % ALIGN == 0 for t in layers[0][1:])
     assert store.read_mode == "O_DIRECT" or not aligned or "refuses O_DIRECT" in store.read_mode, store.read_mode
     assert store.nbytes == LAYERS * EXPERTS * -(-(layers[0].gate_up[0].nbytes + layers[0].down[0].nbytes) // ALIGN) * ALIGN
-    cache = ExpertCache(store, 2, 1, 0)
+    cache = ExpertCache(store, EXPERTS, 1, 0)
+    slot_bytes = layers[0].gate_up[0].nbytes + layers[0].down[0].nbytes
+    buffers = [tuple(memoryview(t[s].numpy()).cast("B") for t in (cache.gate_up, cache.down)) for s in range(EXPERTS)]
     for layer in range(LAYERS):
-        for expert in range(EXPERTS):
-            buffers = [memoryview(t[1].numpy()).cast("B") for t in (cache.gate_up, cache.down)]
-            assert store.read_into(layer, expert, *buffers) == layers[0].gate_up[0].nbytes + layers[0].down[0].nbytes
-            assert torch.equal(cache.gate_up[1], layers[layer].gate_up[expert]) and torch.equal(cache.down[1], layers[layer].down[expert])
+        for first, count in [(0, 1), (EXPERTS - 1, 1), (1, 3), (0, EXPERTS)]:  # adjacent records are one read
+            order = torch.randperm(EXPERTS, generator=torch.Generator().manual_seed(first))[:count].tolist()  # into slots in any order
+            assert store.read_into(layer, first, [buffers[s] for s in order]) == count * slot_bytes
+            for expert, slot in zip(range(first, first + count), order):
+                assert torch.equal(cache.gate_up[slot], layers[layer].gate_up[expert]) and torch.equal(cache.down[slot], layers[layer].down[expert])
 
 
 @given(
@@ -122,8 +126,10 @@ def test_misses_are_read_once_and_hits_are_not_read(tmp_path: Path) -> None:
     cache = ExpertCache(ExpertStore(str(tmp_path), layers), 4, 2, 0)
     slot_bytes = layers[0].gate_up[0].nbytes + layers[0].down[0].nbytes
     ids = torch.tensor([[0, 1], [1, 2]], dtype=torch.int32)
-    assert [r for r, _ in cache.passes(0, ids)] == [slice(0, 2)]
+    with mock.patch("os.preadv", wraps=os.preadv) as preadv:
+        assert [r for r, _ in cache.passes(0, ids)] == [slice(0, 2)]
     assert (cache.hits, cache.misses, cache.bytes_read) == (0, 3, 3 * slot_bytes)
+    assert preadv.call_count == 1  # three adjacent records: one read
     list(cache.passes(0, ids))
     assert (cache.hits, cache.misses, cache.bytes_read) == (3, 3, 3 * slot_bytes)
     list(cache.passes(1, torch.tensor([[4, 5]], dtype=torch.int32)))  # evicts layer 0's two least recently used
