@@ -161,6 +161,9 @@ class WorkerLoop:
         budget = KVBudget(size_kv, profile_tokens=self.config.max_num_batched_tokens) if size_kv else None
         self.runner = ModelRunner(RunnerConfig.of(self.config, self.num_blocks, str(device)), tp=tp, budget=budget)
         self.num_blocks = self.runner.num_blocks  # the scheduler adopts it from the heartbeats
+        if self.runner.expert_cache is not None:
+            facts = self.runner.expert_cache.describe()
+            self.log.info("expert_cache", **{key: facts[key] for key in ("bytes", "slots", "experts", "store", "store_reads", "fill_policy")})
         if cuda:
             DEVICE_MEMORY_USED.set_function(lambda: torch.cuda.memory_allocated(device))
             DEVICE_MEMORY_RESERVED.set_function(lambda: torch.cuda.memory_reserved(device))
