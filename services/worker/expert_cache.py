@@ -16,6 +16,7 @@ import ctypes.util
 import gc
 import mmap
 import os
+import shutil
 import tempfile
 import time
 import weakref
@@ -88,6 +89,8 @@ class ExpertStore:
         self.record = -(-(self.gate_up_bytes + self.down_bytes) // ALIGN) * ALIGN
         self._pad = _buffer(self.record - self.gate_up_bytes - self.down_bytes)  # where the padding between adjacent records lands
         os.makedirs(directory, exist_ok=True)
+        if (free := shutil.disk_usage(directory).free) < self.nbytes:
+            raise ValueError(f"the expert store needs {self.nbytes} bytes in {directory}, which has {free} free: give --expert-cache-dir a larger disk")
         fd, self.path = tempfile.mkstemp(prefix="experts-", suffix=".bin", dir=directory)
         try:
             pad = bytes(self.record - self.gate_up_bytes - self.down_bytes)

@@ -237,4 +237,7 @@ def test_what_the_cache_cannot_serve_is_refused_at_start_naming_why(
         check_expert_cache(StackConfig(model=moe, expert_cache_bytes="25%", tensor_parallel_size=2))
     with pytest.raises(SystemExit, match="bytes or a percentage"):
         check_expert_cache(StackConfig(model=moe, expert_cache_bytes="-5"))
+    with mock.patch("shutil.disk_usage", return_value=mock.Mock(free=1000)):
+        with pytest.raises(ValueError, match=f"the expert store needs 65536 bytes in {tmp_path}, which has 1000 free"):
+            start(moe, "50%")
     assert os.listdir(tmp_path) == []  # no store was left behind
