@@ -134,7 +134,7 @@ class WorkerConfig:
     tensor_parallel_rank: int = _opt(0, "this worker process's rank (rank 0 talks to the scheduler)", minimum=0)
     tensor_parallel_addr: str = _opt("", "rendezvous of the worker ranks (default: tcp://127.0.0.1:<port + 90>)")
     stream_interval: int = _opt(1, "steps whose tokens the worker sends as one chunk", minimum=1)
-    expert_cache_bytes: str = _opt("0", "MoE experts held in RAM, in bytes or a percentage such as 25% (0: all resident; CPU, experts in blocks)")
+    expert_cache_bytes: str = _opt("0", "MoE experts held in RAM: bytes, or a percentage of their size such as 25% (0: all resident)")
     expert_cache_dir: str = _opt("", "directory of the expert cache's spill file (default: ~/.cache/tokenyard/experts)")
 
 
