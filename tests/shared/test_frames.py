@@ -9,6 +9,7 @@ from shared.codec import FrameDecodeError, decode, encode
 from shared.frames import (
     Abort,
     ApiAnnounce,
+    CompileGrammar,
     EngineState,
     EngineStatus,
     Error,
@@ -16,6 +17,9 @@ from shared.frames import (
     Finish,
     FinishReason,
     Frame,
+    Grammar,
+    GrammarCompiled,
+    GrammarKind,
     Heartbeat,
     Process,
     ProcessState,
@@ -56,12 +60,18 @@ EXAMPLES = [
         max_tokens=1,
         sampling=SamplingParams(presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.2, logit_bias={7: -100.0, 9: 2.5}, logprobs=0),
     ),
+    Submit(rid="r5", prompt_ids=[5, 6, 7, 8], max_tokens=2, anchors=[1, 3]),
     Abort(rid="r1"),
+    CompileGrammar(rid="r6", grammar=Grammar(GrammarKind.JSON_SCHEMA, '{"type": "object"}', strict=True)),
+    GrammarCompiled(rid="r6"),
+    GrammarCompiled(rid="r7", error="unbalanced parenthesis"),
     StepPlan(
         step=9,
         slices=[
             Slice(rid="r1", start=0, num_tokens=3, token_ids=[1, 2, 3], new_blocks=[4], sample=True, sampling=SamplingParams(seed=1), slot=2),
             Slice(rid="r2", start=7, num_tokens=1),
+            Slice(rid="r5", start=16, num_tokens=16, token_ids=list(range(16)), slot=1, restore=3, checkpoints=[(32, 4)]),
+            Slice(rid="r6", start=20, num_tokens=4),  # a speculative verify
             Slice(
                 rid="r4",
                 start=8,
