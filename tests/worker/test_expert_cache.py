@@ -203,6 +203,40 @@ def test_greedy_tokens_and_logits_are_the_resident_ones_at_every_cache_size(
 
 
 @needs_kernels
+def test_a_preempted_request_recomputed_through_two_slots_continues_as_resident(tiny_qwen3_nexts: dict[str, Checkpoint], tmp_path: Path) -> None:
+    prompt = prompt_of(8, 30)
+
+    def greedy(spec: str) -> tuple[list[int], ModelRunner]:
+        config = RunnerConfig(
+            tiny_qwen3_nexts["interval-tied-bias"].path, 64, 4, max_num_seqs=3, weight_quant="int4", expert_cache_bytes=spec, expert_cache_dir=str(tmp_path)
+        )
+        runner = ModelRunner(config)
+
+        def prefill(tokens: list[int], slot: int, first_block: int) -> int:  # chunks of 8: 8 tokens route to more experts than two slots hold
+            for start in range(0, len(tokens), 8):
+                n, blocks = min(8, len(tokens) - start), list(range(first_block + start // 4, first_block + -(-min(start + 8, len(tokens)) // 4)))
+                last = start + n == len(tokens)
+                plan = StepPlan(start, [Slice("r", start, n, tokens[start : start + n], blocks, last, GREEDY if start == 0 else None, slot=slot)])
+                sampled = runner.execute(plan).sampled
+            return sampled[0].token_id
+
+        def decode(pos: int, slot: int, first_block: int) -> int:
+            blocks = [first_block + pos // 4] if pos % 4 == 0 else []
+            return runner.execute(StepPlan(100 + pos, [Slice("r", pos, 1, new_blocks=blocks, slot=slot)])).sampled[0].token_id
+
+        out = [prefill(prompt, 2, 0)]
+        out += [decode(len(prompt) + i, 2, 0) for i in range(5)]
+        runner.release(["r"])  # preempted: readmission recomputes prompt + outputs in another slot and other blocks
+        out.append(prefill(prompt + out, 0, 20))
+        while len(out) < 12:
+            out.append(decode(len(prompt) + len(out) - 1, 0, 20))
+        return out, runner
+
+    (cached, runner), (resident, _) = greedy("7680"), greedy("0")  # two q4_1 slots of 3840 bytes: one layer's top-2
+    assert cached == resident and runner.expert_cache.evictions > 0
+
+
+@needs_kernels
 def test_metrics_count_the_caches_hits_misses_and_bytes(tiny_qwen3_moes: dict[str, Checkpoint], tmp_path: Path) -> None:
     _, _, runner = _greedy_and_logits(tiny_qwen3_moes["renorm-dense-middle"].path, "25%", str(tmp_path))
     text = exposition({}).decode()
