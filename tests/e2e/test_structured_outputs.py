@@ -99,15 +99,13 @@ CITIES = {
 
 
 def test_preempted_requests_resume_their_grammar_and_end_in_valid_json(tmp_path_factory: pytest.TempPathFactory) -> None:
-    log = str(tmp_path_factory.mktemp("structured") / "stack.log")
-    with launched_stack(free_port_block(), ["--kv-cache-tokens", "384", "--max-num-seqs", "8"], log) as stack:  # 8 answers need ~600
-        wait_healthy(stack, 300)
+    with tiny_model_stack(tmp_path_factory, "structured-preempted", ["--kv-cache-tokens", "320", "--max-num-seqs", "8"]) as stack:  # 8 answers need ~1000
         client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
         response_format = {"type": "json_schema", "json_schema": {"name": "cities", "schema": CITIES}}
 
         def ask(i: int):
             messages = [{"role": "user", "content": f"List {2 + i % 3} large cities with their population as JSON."}]
-            return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=300, temperature=0.8, seed=i, response_format=response_format)
+            return client.chat.completions.create(model=TINY_MODEL, messages=messages, max_tokens=250, temperature=0.8, seed=i, response_format=response_format)
 
         with ThreadPoolExecutor(8) as pool:
             replies = list(pool.map(ask, range(8)))
