@@ -299,6 +299,43 @@ class Error(_Frame):
     type: ErrorType = ErrorType.SERVER
 
 
+class MemorySplit(_Part):
+    """How a worker's memory is split between its KV cache and its expert cache, with what a new split must hold
+    to: a KV cache of whole blocks, and an expert cache of at least one layer's top-k slots (none: no expert cache)."""
+
+    kv_blocks: int = 0  # the scheduler's blocks
+    kv_block_bytes: int = 0  # one block of every layer
+    expert_cache_bytes: int = 0  # the budget asked for (0: no expert cache, every expert resident)
+    expert_slots: int = 0
+    expert_slot_bytes: int = 0
+    expert_top_k: int = 0
+    experts: int = 0  # every MoE layer's experts: the most slots a bank holds
+    applying: bool = False  # a resize is under way
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_blocks * self.kv_block_bytes
+
+
+class ResizeMemory(_Frame):
+    """api → scheduler → worker: a new split of the worker's memory (-1 keeps a size). The scheduler preempts every
+    running request (recomputed later), releases them on the worker and waits for its ``MemoryResized``."""
+
+    id: str
+    kv_cache_bytes: int = -1
+    expert_cache_bytes: int = -1
+    reply_to: str = ""  # the api replica's inbox that waits for the answer
+
+
+class MemoryResized(_Frame):
+    """worker → scheduler → api: the split once applied, or why not (``status`` as the api answers it)."""
+
+    id: str
+    split: MemorySplit | None = None
+    status: int = 200
+    error: str = ""
+
+
 class Heartbeat(_Frame):
     """Liveness and load progress of one process, sent to its downstream neighbour."""
 
@@ -308,6 +345,7 @@ class Heartbeat(_Frame):
     detail: str = ""
     progress: float = 0.0
     kv_blocks: int = 0  # the worker's KV cache blocks (it may size them from device memory); 0: not said
+    memory: MemorySplit | None = None  # once loaded
 
 
 class EngineStatus(_Frame):
@@ -326,6 +364,7 @@ class EngineStatus(_Frame):
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
     engine: str = ""
+    memory: MemorySplit | None = None  # the worker's, once heard
 
 
 class ApiAnnounce(_Frame):
@@ -355,4 +394,6 @@ Frame = (
     | Heartbeat
     | EngineStatus
     | ApiAnnounce
+    | ResizeMemory
+    | MemoryResized
 )

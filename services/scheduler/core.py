@@ -341,6 +341,13 @@ class Scheduler:
         self.num_preemptions += 1
         self._released.append(request.rid)
 
+    def preempt_all(self) -> list[str]:
+        """Preempts every running request (a memory resize takes the KV cache from under them): they wait in their
+        running order, ahead of the queue, to be recomputed. Returns the rids the worker must release."""
+        for request in reversed(list(self.running)):
+            self._preempt(request)
+        return self.take_released()
+
     def _free_slot(self, request: Request) -> None:
         """Gives back the request's GDN state slot, if it holds one (a waiting request holds none)."""
         if request.slot >= 0:

@@ -10,6 +10,7 @@ import os
 import signal
 import time
 
+import msgspec
 import structlog
 import zmq
 from prometheus_client import Counter, Gauge, Histogram
@@ -33,8 +34,11 @@ from shared.frames import (
     FinishReason,
     GrammarCompiled,
     Heartbeat,
+    MemoryResized,
+    MemorySplit,
     ProcessState,
     Release,
+    ResizeMemory,
     StepResult,
     Submit,
     TokenBatch,
@@ -140,6 +144,8 @@ class SchedulerLoop:
         self.peers = {"worker": _Peer(), **({"detokenizer": _Peer()} if self.to_detokenizer is not None else {})}
         self.in_flight: dict[int, tuple[float, list[str]]] = {}  # step -> (sent at, rids planned in it)
         self.next_step = 0
+        self.memory: MemorySplit | None = None  # the worker's split, from its heartbeats and resize answers
+        self.resizing: ResizeMemory | None = None  # the resize being applied: no plan is made until the worker answers
         self.stopping = False
         self.boot = f"{os.getpid()}-{time.time_ns()}"
         # Spans of the requests that arrive traced; None without --otlp-traces-endpoint: the loop then makes no tracer call.
@@ -197,7 +203,14 @@ class SchedulerLoop:
             waiting=len(self.core.waiting),
             kv_blocks_total=self.core.pool.num_blocks,
             kv_blocks_used=self.core.pool.num_used,
+            memory=self.memory_split(),
         )
+
+    def memory_split(self) -> MemorySplit | None:
+        """The worker's split as the scheduler plans with it, and whether a resize is applying."""
+        if self.memory is None:
+            return None
+        return msgspec.structs.replace(self.memory, kv_blocks=self.core.pool.num_blocks, applying=self.resizing is not None)
 
     def close(self) -> None:
         """Closes every socket (tests build loops they never run)."""
@@ -213,12 +226,12 @@ class SchedulerLoop:
         next_status = 0.0
         idle = True  # the last plan was empty: wait for a frame instead of spinning
         while not self.stopping:
-            can_plan = self.ready and len(self.in_flight) < self.config.pipeline_depth and not idle
+            can_plan = self.can_plan and not idle
             timeout_ms = 0 if can_plan else int(self.config.heartbeat_s * 1000)
             for frame in self.inbox.recv(timeout_ms):
                 idle = False
                 self._handle(frame)
-            if self.ready and len(self.in_flight) < self.config.pipeline_depth:
+            if self.can_plan:
                 idle = not self._plan_and_send()
             now = time.monotonic()
             if now >= next_status:
@@ -227,6 +240,10 @@ class SchedulerLoop:
                 next_status = now + self.config.heartbeat_s
             self._count_prefix_lookups()  # once per pass, after all of its frames and its plan
         self.log.info("scheduler_stopping")
+
+    @property
+    def can_plan(self) -> bool:
+        return self.ready and self.resizing is None and len(self.in_flight) < self.config.pipeline_depth
 
     def _plan_and_send(self) -> bool:
         started = time.perf_counter()
@@ -266,6 +283,10 @@ class SchedulerLoop:
             self._send(self.core.finish(frame.rid, FinishReason.STOP))
         elif isinstance(frame, Heartbeat):
             self._on_heartbeat(frame)
+        elif isinstance(frame, ResizeMemory):
+            self._on_resize(frame)
+        elif isinstance(frame, MemoryResized):
+            self._on_resized(frame)
         elif isinstance(frame, ApiAnnounce):
             if frame.address not in self.apis:
                 self.log.info("api_announced", api=frame.replica, address=frame.address, engine=frame.engine)
@@ -349,9 +370,11 @@ class SchedulerLoop:
         peer.state, peer.detail, peer.progress, peer.seen, peer.pid = beat.state, beat.detail, beat.progress, time.monotonic(), beat.pid
         if lost is not None:  # after taking the beat: the status sent before the requests' errors says what the peer said
             self._peer_lost(beat.process, lost)
+        if not peer.serving:  # once it serves, its sizes change only by a resize, whose answer says them (a heartbeat may lag it)
+            self.memory = beat.memory or self.memory
+            if beat.kv_blocks and beat.kv_blocks != self.core.pool.num_blocks:
+                self._adopt_kv_blocks(beat.kv_blocks)
         peer.serving = peer.serving or beat.state == ProcessState.READY
-        if beat.kv_blocks and beat.kv_blocks != self.core.pool.num_blocks:
-            self._adopt_kv_blocks(beat.kv_blocks)
         if changed and lost is None:  # readiness changes reach the api at once, not at the next periodic status
             self._send_status()
 
@@ -366,6 +389,46 @@ class SchedulerLoop:
         self._counted_queries = self._counted_hits = 0  # the new pool counts from zero
         self.log.info("kv_blocks_adopted", previous=old.num_blocks, num_blocks=num_blocks)
 
+    def _on_resize(self, frame: ResizeMemory) -> None:
+        """An api asks for a new memory split: every running request is preempted (recomputed later) and released on
+        the worker, which then applies the split behind the steps in flight; no plan is made until it answers."""
+        if self.resizing is not None:
+            self._answer_resize(
+                frame, MemoryResized(id=frame.id, status=409, error=f"a memory resize ({self.resizing.id}) is still applying; retry once it is done")
+            )
+            return
+        if not self.ready:
+            self._answer_resize(frame, MemoryResized(id=frame.id, status=503, error=f"the engine is not ready ({self.status().detail})"))
+            return
+        self.resizing = frame
+        released = self.core.preempt_all()
+        if released:
+            PREEMPTIONS.inc(len(released))
+            self.to_worker.send(Release(rids=released))
+        self.to_worker.send(ResizeMemory(id=frame.id, kv_cache_bytes=frame.kv_cache_bytes, expert_cache_bytes=frame.expert_cache_bytes))
+        self.log.info("memory_resize", id=frame.id, kv_cache_bytes=frame.kv_cache_bytes, expert_cache_bytes=frame.expert_cache_bytes, preempted=len(released))
+        self._send_status()
+
+    def _on_resized(self, answer: MemoryResized) -> None:
+        """The worker applied (or refused) the split: plan with its KV blocks from now on."""
+        frame, self.resizing = self.resizing, None
+        if frame is None or frame.id != answer.id:
+            self.log.warning("memory_resized_unasked", id=answer.id)
+            self.resizing = frame
+            return
+        if answer.split is not None:
+            self.memory = answer.split
+            if answer.split.kv_blocks != self.core.pool.num_blocks:  # the worker's KV tensors are new: no cached block survives
+                old = self.core.pool
+                self.core.pool = BlockPool(answer.split.kv_blocks, old.block_size, old.enable_prefix_cache)
+                self._counted_queries = self._counted_hits = 0
+        self.log.info("memory_resize_done", id=answer.id, status=answer.status, error=answer.error, kv_blocks=self.core.pool.num_blocks)
+        self._answer_resize(frame, answer)
+        self._send_status()
+
+    def _answer_resize(self, frame: ResizeMemory, answer: MemoryResized) -> None:
+        self.to_api.send(frame.reply_to, msgspec.structs.replace(answer, split=self.memory_split()))
+
     def _check_peers(self) -> None:
         for name, peer in self.peers.items():
             if peer.serving and not peer.alive(self.config.engine_timeout_s):
@@ -377,6 +440,9 @@ class SchedulerLoop:
         hears the status (the peer's state, already taken) before the requests' errors, on one socket."""
         self.peers[name].serving = False
         self.in_flight.clear()
+        if self.resizing is not None and name == "worker":
+            frame, self.resizing = self.resizing, None
+            self._answer_resize(frame, MemoryResized(id=frame.id, status=503, error=f"the worker was lost ({why}) while the resize applied"))
         self.log.error("peer_lost", peer=name, why=why, failed_requests=len(self.core.requests))
         if name == "worker":  # a restarted worker holds none of the cached KV or GDN checkpoints
             self.core.clear_prefix_cache()
@@ -437,6 +503,7 @@ class SchedulerLoop:
             "kv_blocks_used": pool.num_used,
             "block_size": pool.block_size,
             "kv_cache_tokens": pool.num_blocks * pool.block_size,
+            "memory": None if (split := self.memory_split()) is None else {**msgspec.structs.asdict(split), "kv_cache_bytes": split.kv_cache_bytes},
             "max_num_seqs": core.max_num_seqs,
             "max_num_batched_tokens": core.max_num_batched_tokens,
             "mixed_step": {

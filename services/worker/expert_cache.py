@@ -208,15 +208,58 @@ class ExpertCache:
     def __init__(self, store: ExpertStore, slots: int, top_k: int, budget: int) -> None:
         if slots < top_k:
             raise ValueError(f"the expert cache holds {slots} experts, fewer than one layer's top-k ({top_k})")
-        self.store, self.budget, self.lru = store, budget, SlotLRU(slots)
+        self.store, self.top_k = store, top_k
+        self.slot_of = [torch.full((store.num_experts,), -1, dtype=torch.int32) for _ in range(store.num_layers)]
+        self.hits = self.misses = self.evictions = self.bytes_read = 0
+        self._bank(slots, budget)
+
+    def _bank(self, slots: int, budget: int) -> None:
+        """A bank of ``slots`` empty slots under a new LRU."""
+        store = self.store
+        self.budget, self.lru = budget, SlotLRU(slots)
         self._memory = [_buffer(slots * store.gate_up_bytes), _buffer(slots * store.down_bytes)]
         self.gate_up = torch.frombuffer(self._memory[0], dtype=torch.uint8, count=slots * store.gate_up_bytes).view(slots, *store.gate_up_shape)
         self.down = torch.frombuffer(self._memory[1], dtype=torch.uint8, count=slots * store.down_bytes).view(slots, *store.down_shape)
         self._slot_buffers = [tuple(memoryview(t[s].numpy()).cast("B") for t in (self.gate_up, self.down)) for s in range(slots)]
-        self.slot_of = [torch.full((store.num_experts,), -1, dtype=torch.int32) for _ in range(store.num_layers)]
-        self.hits = self.misses = self.evictions = self.bytes_read = 0
+        for slot_of in self.slot_of:
+            slot_of.fill_(-1)
         SLOTS_TOTAL.set(slots)
         SLOTS_USED.set(0)
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.store.gate_up_bytes + self.store.down_bytes
+
+    @property
+    def experts(self) -> int:
+        return self.store.num_layers * self.store.num_experts
+
+    def slots_for(self, budget: int) -> int:
+        """The slots a bank of ``budget`` bytes holds (at most every expert); ValueError below one layer's top-k."""
+        slots = min(budget // self.slot_bytes, self.experts)
+        if slots < self.top_k:
+            raise ValueError(
+                f"expert_cache_bytes {budget} holds {slots} experts of {self.slot_bytes} bytes, fewer than one layer's top-k ({self.top_k}): "
+                f"give at least {self.top_k * self.slot_bytes}"
+            )
+        return slots
+
+    def resize(self, budget: int) -> None:
+        """Rebuilds the bank at ``budget`` bytes (the store stays), keeping the most recently used experts that fit.
+        Only between steps: no layer-step may hold slots of the old bank."""
+        slots = self.slots_for(budget)
+        kept = list(self.lru.held.items())[-slots:]  # least recent first
+        old_gate_up, old_down = self.gate_up, self.down
+        self._bank(slots, budget)
+        for slot, ((layer, expert), old) in enumerate(kept):
+            self.gate_up[slot].copy_(old_gate_up[old])
+            self.down[slot].copy_(old_down[old])
+            self.lru.held[(layer, expert)] = slot
+            self.slot_of[layer][expert] = slot
+        self.lru.free = list(range(slots - 1, len(kept) - 1, -1))
+        SLOTS_USED.set(len(kept))
+        del old_gate_up, old_down
+        _return_freed_memory()
 
     @property
     def slots(self) -> int:
@@ -286,9 +329,9 @@ class ExpertCache:
             "bytes": self.budget,
             "slots": self.slots,
             "slots_used": len(self.lru.held),
-            "slot_bytes": self.store.gate_up_bytes + self.store.down_bytes,
+            "slot_bytes": self.slot_bytes,
             "bank_bytes": self.nbytes,
-            "experts": self.store.num_layers * self.store.num_experts,
+            "experts": self.experts,
             "formats": "/".join(dict.fromkeys(self.store.formats)),
             "store": self.store.path,
             "store_bytes": self.store.nbytes,

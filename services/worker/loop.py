@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 
+import msgspec
 import structlog
 import torch
 import zmq
@@ -34,7 +35,21 @@ from services.worker.token_stream import OwnerRoutes, TokenStream
 from services.worker.traces import ForwardSpans
 from shared.config import StackConfig
 from shared.cpu_placement import take_worker_core
-from shared.frames import CompileGrammar, GrammarCompiled, Heartbeat, Process, ProcessState, Release, SamplingParams, Slice, StepPlan, StepResult
+from shared.frames import (
+    CompileGrammar,
+    GrammarCompiled,
+    Heartbeat,
+    MemoryResized,
+    MemorySplit,
+    Process,
+    ProcessState,
+    Release,
+    ResizeMemory,
+    SamplingParams,
+    Slice,
+    StepPlan,
+    StepResult,
+)
 from shared.metrics import FRAMES_UNEXPECTED, PREFIX, PROCESS_UP, start_metrics_server
 from shared.model_info import kv_cache_blocks, load_model_info, resolve_kv_cache_dtype
 from shared.tracing import tracer_for
@@ -91,6 +106,7 @@ class WorkerLoop:
         self.progress = 0.0
         self.stopping = False
         self.steps_run = 0
+        self.resizing = False  # a ResizeMemory is being applied
         self.device: torch.device | None = None
         self.device_info: dict = {"type": "cpu", "name": cpu_name(), "cores": os.cpu_count()}
         self.memory_plan: MemoryPlan | None = None
@@ -105,7 +121,39 @@ class WorkerLoop:
         self.tokens = TokenStream(send_tokens, config.stream_interval, self.plan_runs.stop_token_ids)
 
     def _heartbeat(self) -> Heartbeat:
-        return Heartbeat(process=Process.WORKER, pid=os.getpid(), state=self.state, detail=self.detail, progress=self.progress, kv_blocks=self.num_blocks)
+        memory = self.memory_split() if self.state == ProcessState.READY else None
+        return Heartbeat(
+            process=Process.WORKER, pid=os.getpid(), state=self.state, detail=self.detail, progress=self.progress, kv_blocks=self.num_blocks, memory=memory
+        )
+
+    def memory_split(self) -> MemorySplit | None:
+        if self.runner is None:
+            return None
+        split = self.runner.memory_split()
+        return msgspec.structs.replace(split, applying=True) if self.resizing else split
+
+    def _resize(self, frame: ResizeMemory) -> MemoryResized:
+        """Applies a new memory split (the scheduler released every request first); a split the worker cannot take is a 400."""
+        self.tokens.flush()
+        self.resizing = True
+        started = time.perf_counter()
+        try:
+            self.runner.resize_memory(frame.kv_cache_bytes, frame.expert_cache_bytes)
+        except ValueError as exc:
+            self.log.warning("memory_resize_refused", why=str(exc))
+            return MemoryResized(id=frame.id, split=self.runner.memory_split(), status=400, error=str(exc))
+        except Exception as exc:
+            self.log.exception("memory_resize_failed")
+            return MemoryResized(id=frame.id, split=self.runner.memory_split(), status=500, error=f"{type(exc).__name__}: {exc}")
+        finally:
+            self.num_blocks = self.runner.num_blocks
+            self.resizing = False
+        split = self.runner.memory_split()
+        self.log.info(
+            "memory_resized", kv_blocks=split.kv_blocks, kv_cache_bytes=split.kv_cache_bytes, expert_cache_bytes=split.expert_cache_bytes,
+            expert_slots=split.expert_slots, seconds=round(time.perf_counter() - started, 3),
+        )  # fmt: skip
+        return MemoryResized(id=frame.id, split=split)
 
     def _heartbeats(self) -> None:
         outbox = Outbox(self.ctx, self.config.scheduler_address, "worker_heartbeat", self.curve)
@@ -255,6 +303,8 @@ class WorkerLoop:
                     self.to_scheduler.send(self.plan_runs.run(frame, self.tokens.add))
                 elif isinstance(frame, CompileGrammar):
                     self._compile_ahead(frame)
+                elif isinstance(frame, ResizeMemory):
+                    self.to_scheduler.send(self._resize(frame))
                 elif isinstance(frame, Release):
                     self.tokens.flush()
                     self.plan_runs.release(frame.rids)
@@ -344,6 +394,7 @@ class WorkerLoop:
             "torch_version": torch.__version__,
             "kv_blocks_total": self.num_blocks,
             "block_size": self.config.block_size,
+            "memory": None if (split := self.memory_split()) is None else {**msgspec.structs.asdict(split), "kv_cache_bytes": split.kv_cache_bytes},
             "max_num_seqs": self.config.max_num_seqs,
             "steps_run": self.steps_run,
             "stream_interval": self.config.stream_interval,

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import torch
 
 from services.worker.attention import AttentionMetadata, KVCache
@@ -39,7 +40,7 @@ from services.worker.tensor_parallel import TensorParallelGroup
 from services.worker.weights_loading import load_model
 from shared.choices import DTYPE_NAMES, keyed_by
 from shared.config import StackConfig
-from shared.frames import Release, Sampled, SamplingParams, Slice, StepPlan, StepResult
+from shared.frames import MemorySplit, Release, Sampled, SamplingParams, Slice, StepPlan, StepResult
 from shared.model_info import HYBRID_PREFIX_CACHE_OFF, KV_Q8_BLOCK, gdn_checkpoints, load_model_info, resolve_kv_cache_dtype
 
 DTYPES = keyed_by(DTYPE_NAMES, {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16})
@@ -147,6 +148,7 @@ class ModelRunner:
             # With graphs, one block past the scheduler's is the dummy block that padding rows write.
             cache_blocks = num_blocks + 1 if graphed else num_blocks
             self.kv_cache = KVCache(self.model.num_kv_layers, cache_blocks, block_size, self.model.num_kv_heads, self.model.head_dim, kv_dtype, self.device)
+            self.kv_block_bytes = self.kv_cache.nbytes // cache_blocks
         if graphed:
             context = config.max_model_len or model_config.get("max_position_embeddings", 2048)
             width = min(-(-context // block_size), num_blocks)
@@ -256,6 +258,47 @@ class ModelRunner:
                     by_rid[rid] = [Sampled(rid, token, lp) for token, lp in zip(verified.tokens, verified.logprobs)]
             sampled = [x for s in plan.slices if s.sample for x in by_rid.get(s.rid, ())]
         return StepResult(step=plan.step, sampled=sampled, forward_s=time.perf_counter() - began)
+
+    def memory_split(self) -> MemorySplit:
+        """The KV cache and expert cache as they are now, with what a new split must hold to."""
+        cache = self.expert_cache
+        split = MemorySplit(kv_blocks=self.num_blocks, kv_block_bytes=self.kv_block_bytes)
+        if cache is None:
+            return split
+        return msgspec.structs.replace(
+            split,
+            expert_cache_bytes=cache.budget,
+            expert_slots=cache.slots,
+            expert_slot_bytes=cache.slot_bytes,
+            expert_top_k=cache.top_k,
+            experts=cache.experts,
+        )
+
+    def resize_memory(self, kv_cache_bytes: int = -1, expert_cache_bytes: int = -1) -> None:
+        """A new split of memory (-1 keeps a size): the KV cache rebuilt at ``kv_cache_bytes`` (its contents gone; the same
+        block count keeps it), the expert cache's bank at ``expert_cache_bytes``; the weights stay. Only while no request
+        is held (the scheduler released them all); checks everything (ValueError, naming why) before changing anything."""
+        if len(self.requests):
+            raise ValueError(f"{len(self.requests)} requests still hold the KV cache: a resize runs once every request is released")
+        if self.graphs is not None or self.tp is not None:
+            raise ValueError("memory is resized on a CPU worker without tensor parallelism only")
+        split = self.memory_split()
+        blocks = self.num_blocks if kv_cache_bytes < 0 else kv_cache_bytes // split.kv_block_bytes
+        if blocks < 1:
+            raise ValueError(f"kv_cache_bytes {kv_cache_bytes} holds no KV block of {split.kv_block_bytes} bytes")
+        if expert_cache_bytes >= 0:
+            if self.expert_cache is None:
+                raise ValueError("this worker has no expert cache (--expert-cache-bytes 0, or a model without routed experts)")
+            self.expert_cache.slots_for(expert_cache_bytes)
+        with torch.inference_mode():
+            if blocks != self.num_blocks:
+                dtype, self.kv_cache = self.kv_cache.tensor.dtype, None  # the old tensor goes before the new one is made
+                model = self.model
+                self.kv_cache = KVCache(model.num_kv_layers, blocks, self.block_size, model.num_kv_heads, model.head_dim, dtype, self.device)
+                self.num_blocks = blocks
+                self._limits = self._plan_limits()
+            if expert_cache_bytes >= 0:
+                self.expert_cache.resize(expert_cache_bytes)
 
     def logits(self, plan: StepPlan) -> dict[str, torch.Tensor]:
         """Run ``plan`` like ``execute``, KV writes included, but return its sampling slices' logits, unsampled."""

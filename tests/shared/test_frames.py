@@ -21,9 +21,12 @@ from shared.frames import (
     GrammarCompiled,
     GrammarKind,
     Heartbeat,
+    MemoryResized,
+    MemorySplit,
     Process,
     ProcessState,
     Release,
+    ResizeMemory,
     Sampled,
     SamplingParams,
     Slice,
@@ -98,8 +101,15 @@ EXAMPLES = [
     Finish(rid="r1", matched="\n\n"),
     Error(rid="", status=503, message="engine gone", type=ErrorType.SERVER),
     Heartbeat(process=Process.WORKER, pid=123, state=ProcessState.LOADING, detail="weights", progress=0.5),
+    Heartbeat(process=Process.WORKER, pid=123, state=ProcessState.READY, kv_blocks=64, memory=MemorySplit(kv_blocks=64, kv_block_bytes=16384, applying=True)),
     EngineStatus(state=EngineState.READY, running=2, waiting=1, kv_blocks_total=10, kv_blocks_used=3, engine="engine-1"),
     ApiAnnounce(replica="api-1", address="tcp://api-1:5550", engine="engine-0"),
+    ResizeMemory(id="m1", kv_cache_bytes=1 << 20, reply_to="ipc:///tmp/api.sock"),
+    MemoryResized(
+        id="m1",
+        split=MemorySplit(kv_blocks=64, kv_block_bytes=16384, expert_cache_bytes=1 << 16, expert_slots=8, expert_slot_bytes=3456, expert_top_k=2, experts=32),
+    ),
+    MemoryResized(id="m2", status=409, error="a memory resize is still applying"),
 ]
 
 
