@@ -12,6 +12,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from services.api.admin_routes import routes as admin_routes
 from services.api.admission import Admission
 from services.api.anthropic_routes import routes as anthropic_routes
 from services.api.auth import auth_middleware
@@ -173,6 +174,7 @@ def create_app(config: StackConfig, engine_factory: Callable[[StackConfig], Engi
     app.router.add_routes(responses_routes)
     app.router.add_routes(anthropic_routes)
     app.router.add_routes(tokenize_routes)
+    app.router.add_routes(admin_routes)
     return app
 
 

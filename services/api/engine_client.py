@@ -23,7 +23,20 @@ from services.api.metrics import REPLICA_FAILED, REPLICA_IN_FLIGHT, REPLICA_LATE
 from services.api.router import make_policy
 from shared.config import StackConfig
 from shared.detokenize.requests import Detokenization
-from shared.frames import Abort, ApiAnnounce, EngineStatus, Error, FinishReason, Submit, TextBatch, TextDelta, TokenBatch
+from shared.frames import (
+    Abort,
+    ApiAnnounce,
+    EngineStatus,
+    Error,
+    FinishReason,
+    MemoryResized,
+    MemorySplit,
+    ResizeMemory,
+    Submit,
+    TextBatch,
+    TextDelta,
+    TokenBatch,
+)
 from shared.metrics import FRAMES_UNEXPECTED
 from shared.tokenizer import load_tokenizer
 from shared.transport import AsyncInbox, Curve, Outbox, stop_authenticator
@@ -63,6 +76,10 @@ class Engine(Protocol):
     def generate(self, submit: Submit) -> AsyncIterator[TextDelta]: ...
 
     def interrupt(self, rid: str, error: ApiError) -> None: ...
+
+    def memory_splits(self) -> dict[str, MemorySplit]: ...
+
+    async def resize_memory(self, kv_cache_bytes: int, expert_cache_bytes: int) -> dict[str, MemoryResized]: ...
 
 
 class EngineReplica:
@@ -118,6 +135,8 @@ class EngineClient:
         self.replicas: dict[str, EngineReplica] = {}
         self.streams: dict[str, asyncio.Queue[TextDelta | ApiError]] = {}
         self.owner: dict[str, EngineReplica] = {}  # rid -> the replica serving it
+        self.resizes: dict[str, asyncio.Future[MemoryResized]] = {}  # memory resizes awaiting their answer, by id
+        self._resizes = 0
         # --detokenize-in api: the workers send this api its requests' tokens, and the text is made here.
         self.detokenization = Detokenization(load_tokenizer(config.model)) if config.detokenize_in == "api" else None
         self._tasks: list[asyncio.Task] = []
@@ -278,6 +297,35 @@ class EngineClient:
                 self.detokenization.end(submit.rid)  # ended from outside: its text state goes
             log.info("request_ended", rid=submit.rid, replica=replica.name, outcome=outcome)
 
+    # Memory. --------------------------------------------------------------------------
+
+    def memory_splits(self) -> dict[str, MemorySplit]:
+        """Each ready replica's memory split, as its scheduler last reported it."""
+        return {r.name: r.status.memory for r in self.replicas.values() if r.ready and r.status.memory is not None}
+
+    async def resize_memory(self, kv_cache_bytes: int, expert_cache_bytes: int) -> dict[str, MemoryResized]:
+        """Asks every ready replica for a new split (-1 keeps a size) and waits for each one's answer (a 504 answer
+        for one silent past ``stall_timeout_s``)."""
+        loop = asyncio.get_running_loop()
+        waiting: dict[str, tuple[str, asyncio.Future[MemoryResized]]] = {}
+        for name in self.memory_splits():
+            self._resizes += 1
+            ident = f"{self.config.api_replica}-memory-{self._resizes}"
+            waiting[name] = (ident, self.resizes.setdefault(ident, loop.create_future()))
+            frame = ResizeMemory(id=ident, kv_cache_bytes=kv_cache_bytes, expert_cache_bytes=expert_cache_bytes, reply_to=self.inbox.address)
+            self.replicas[name].outbox.send(frame)
+        answers = {}
+        try:
+            for name, (ident, future) in waiting.items():
+                try:
+                    answers[name] = await asyncio.wait_for(future, self.config.stall_timeout_s)
+                except TimeoutError:
+                    answers[name] = MemoryResized(id=ident, status=504, error=f"the engine did not answer the resize within {self.config.stall_timeout_s:g}s")
+        finally:
+            for ident, _ in waiting.values():
+                self.resizes.pop(ident, None)
+        return answers
+
     def interrupt(self, rid: str, error: ApiError) -> None:
         """Ends a request in flight with the api's own error (a drain's deadline): its ``generate`` raises
         it, and its replica is told to stop. A request not (or no longer) in flight is left alone."""
@@ -302,6 +350,10 @@ class EngineClient:
                 self._on_undetokenized(frame)
         elif isinstance(frame, EngineStatus):
             self._on_status(frame)
+        elif isinstance(frame, MemoryResized):
+            future = self.resizes.get(frame.id)
+            if future is not None and not future.done():
+                future.set_result(frame)
         elif isinstance(frame, Error):
             self._fail(list(self.streams) if not frame.rid else [frame.rid], frame)
         else:

@@ -9,7 +9,8 @@ length in tokens against the context, ``min_tokens`` against ``max_tokens``, a c
 (the batch alone is bounded: the exact rule, one per batch size, is more than schema-driven generators take),
 tool names unique and a named tool among the tools, equal ``max_tokens`` and ``max_completion_tokens``, a
 structured-output schema, regex or grammar that xgrammar parses, a
-thinking budget below ``max_tokens``, and what a chat template itself refuses.
+thinking budget below ``max_tokens``, what a chat template itself refuses, and the bounds of a memory split
+(``/v1/admin/memory``), which come from the engine's current split.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from services.api.admin_routes import MemoryRequest
 from services.api.anthropic_protocol import CountTokensRequest, MessagesRequest, TextBlock, ThinkingBlock, ToolResultBlock, ToolUseBlock
 from services.api.protocol import ChatCompletionRequest, CompletionRequest
 from services.api.responses_protocol import FunctionCallItem, FunctionCallOutputItem, FunctionTool, InputText, MessageItem, ReasoningItem, ResponsesRequest
@@ -34,6 +36,7 @@ REQUEST_BODIES: dict[str, type[msgspec.Struct]] = {
     "/v1/messages/count_tokens": CountTokensRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
+    "/v1/admin/memory": MemoryRequest,
 }
 # Parts the routes read from loosely typed JSON (a dispatch on ``type``); the bodies' rules refer to them.
 PARTS: tuple[type[msgspec.Struct], ...] = (

@@ -6,8 +6,10 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import msgspec
+
 from services.api.errors import ApiError
-from shared.frames import EngineStatus, Submit, TextDelta, TextLogprobs, TokenText
+from shared.frames import EngineStatus, MemoryResized, MemorySplit, Submit, TextDelta, TextLogprobs, TokenText
 
 
 class MatchedDelta(TextDelta):
@@ -36,6 +38,9 @@ class ScriptedEngine:
     status: EngineStatus = field(default_factory=lambda: EngineStatus(state="ready", detail="scripted"))
     streams: dict = field(default_factory=dict)
     running: dict = field(default_factory=dict)  # rid -> a future an interrupt sets to its error
+    memory: MemorySplit = field(default_factory=lambda: MemorySplit(kv_blocks=2048, kv_block_bytes=8 * 30 * 2 * 3 * 64 * 2))  # SmolLM2's, no expert cache
+    resizes: list[tuple[int, int]] = field(default_factory=list)  # (kv_cache_bytes, expert_cache_bytes) asked for
+    resize_answer: MemoryResized | None = None  # the engine's answer (default: the split applied)
 
     def script(self, *pieces: str, **options) -> ScriptedEngine:
         self.scripts.append(Script(list(pieces), **options))
@@ -59,6 +64,23 @@ class ScriptedEngine:
 
     def describe_replicas(self) -> list[dict]:
         return [{"name": "scripted", "state": self.status.state}]
+
+    def memory_splits(self) -> dict[str, MemorySplit]:
+        return {"scripted": self.memory} if self.ready else {}
+
+    async def resize_memory(self, kv_cache_bytes: int, expert_cache_bytes: int) -> dict[str, MemoryResized]:
+        self.resizes.append((kv_cache_bytes, expert_cache_bytes))
+        if self.resize_answer is not None:
+            return {"scripted": self.resize_answer}
+        split = self.memory
+        if kv_cache_bytes >= 0:
+            split = msgspec.structs.replace(split, kv_blocks=kv_cache_bytes // split.kv_block_bytes)
+        if expert_cache_bytes >= 0:
+            split = msgspec.structs.replace(
+                split, expert_cache_bytes=expert_cache_bytes, expert_slots=min(expert_cache_bytes // split.expert_slot_bytes, split.experts)
+            )
+        self.memory = split
+        return {"scripted": MemoryResized(id="scripted", split=split)}
 
     def interrupt(self, rid: str, error: ApiError) -> None:
         interrupted = self.running.get(rid)
