@@ -45,9 +45,10 @@ BENCH_SHAPE: dict[str, object] = dict(
 FLAGS = ["--kv-cache-tokens", "131072", "--max-num-batched-tokens", "2048", "--max-num-seqs", "16"]
 
 
-def history(seed: int, words: int = 1400) -> list[dict]:
-    """A conversation of ~2,000 tokens: a long system prompt and a few turns, distinct per ``seed``."""
-    text = " ".join(f"fact{seed}-{i} about lighthouses and tides" for i in range(words // 5))
+def history(seed: int, facts: int = 190) -> list[dict]:
+    """A conversation of ~2,000 tokens whatever the seed: a long system prompt (distinct per ``seed`` from its first
+    tokens on) and a few turns."""
+    text = " ".join(f"fact {i} about lighthouses and tides" for i in range(facts))
     return [
         {"role": "system", "content": f"Conversation {seed}. {text}"},
         {"role": "user", "content": "Summarise the facts."},
