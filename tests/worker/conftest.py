@@ -8,8 +8,19 @@ from collections.abc import Iterator
 from multiprocessing.pool import Pool
 
 import pytest
+import torch
 
 from .harness import TINY_LLAMAS, TINY_QWEN3_MOES, TINY_QWEN3_NEXTS, TINY_QWEN3S, Checkpoint, build_tiny
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """For modules of tiny models, which compute in microseconds per op: two threads on a busy machine spend
+    it waiting on each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _build(factory: pytest.TempPathFactory, family: str, variants: dict[str, dict]) -> dict[str, Checkpoint]:

@@ -19,13 +19,7 @@ from shared.model_info import gdn_checkpoints, load_model_info
 
 from .harness import GREEDY, Checkpoint, prompt_of, reference_greedy
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def runner_for(tiny: Checkpoint, checkpoints: int = 4, num_blocks: int = 64) -> ModelRunner:

@@ -24,14 +24,7 @@ from .harness import (
     rel_err,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These tiny models compute in microseconds per op; two threads on a busy machine spend it waiting on each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _prefill(runner: ModelRunner, rid: str, prompt: list[int], cuts: list[int], slot: int, first_block: int = 0) -> StepPlan:
