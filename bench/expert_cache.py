@@ -1,9 +1,9 @@
 """The expert cache against the physical bound: the MoE benchmark model (``bench.moe_model``) with its experts in
 int4 blocks, driven in-process (one ``ModelRunner`` per setting, the stack's worker settings), greedy decoding of
 ``--max-tokens`` a stream (ignoring EOS) at concurrency 1 and 8, with everything resident and with the expert cache
-at 100 / 50 / 25 / 12.5 % of the experts' size, the settings taking turns round by round.
+at 100 / 50 / 25 / 12.5 % of the experts' size under each ``--policy`` listed, the settings taking turns round by round.
 
-    .venv/bin/python -m bench.expert_cache [--model DIR] [--shape a135m|tiny] [--rounds 2] [--max-tokens 64] \\
+    .venv/bin/python -m bench.expert_cache [--model DIR] [--shape a135m|tiny] [--rounds 2] [--max-tokens 64] [--policy lru lfu] \\
         [--skewed [--hot-model DIR] [--hot-experts 16] [--hot-bias 3]] [--cache-dir DIR] [--out bench/results/expert_cache.json]
 
 Per setting and concurrency it prints output tokens/s and its ratio to all-resident, and over the decode steps the
@@ -26,13 +26,13 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from prometheus_client import REGISTRY
 
 from bench.moe_model import SHAPES, MoeSpec, calibration_text, write_hf
 from bench.report import write_results
-from services.worker.expert_cache import ALIGN, ExpertStore
+from services.worker.expert_cache import ALIGN, POLICIES, ExpertStore
 from services.worker.runner import ModelRunner, RunnerConfig
 from shared.config import StackConfig
 from shared.frames import SamplingParams, Slice, StepPlan
@@ -43,6 +43,14 @@ RATIOS = (100.0, 50.0, 25.0, 12.5)  # percent of the experts' size; 0 (all resid
 CONCURRENCIES = (1, 8)
 CHUNK = 4 << 20
 FILL_SECONDS = f"{PREFIX}expert_cache_fill_seconds_sum"
+
+
+class Setting(NamedTuple):
+    percent: float  # of the experts' size; 0: all resident
+    policy: str  # the expert cache's --expert-cache-policy ("" when all resident)
+
+    def __str__(self) -> str:
+        return f"{self.percent:g}% {self.policy}" if self.percent else "0"
 
 
 @dataclass
@@ -159,12 +167,18 @@ def read_bandwidth(store: ExpertStore) -> tuple[float, float, str]:
     return sequential, per_record, how
 
 
-def load_runners(model: str, args: argparse.Namespace, blocks: int) -> dict[float, ModelRunner]:
+def load_runners(model: str, args: argparse.Namespace, blocks: int) -> dict[Setting, ModelRunner]:
     """A warmed runner per setting (0: all resident), each with its own store and bank, as a worker launched with it."""
     runners = {}
-    for ratio in (0.0, *RATIOS):
-        config = StackConfig(model=model, weight_quant=args.weight_quant, expert_cache_bytes=f"{ratio:g}%" if ratio else "0", expert_cache_dir=args.cache_dir)
-        runners[ratio] = runner = ModelRunner(RunnerConfig.of(config, num_blocks=blocks))
+    for setting in [Setting(0.0, ""), *(Setting(ratio, policy) for ratio in RATIOS for policy in args.policy)]:
+        config = StackConfig(
+            model=model,
+            weight_quant=args.weight_quant,
+            expert_cache_bytes=f"{setting.percent:g}%" if setting.percent else "0",
+            expert_cache_dir=args.cache_dir,
+            expert_cache_policy=setting.policy or StackConfig().expert_cache_policy,
+        )
+        runners[setting] = runner = ModelRunner(RunnerConfig.of(config, num_blocks=blocks))
         runner.warmup()
     return runners
 
@@ -174,18 +188,19 @@ def bench_model(model: str, args: argparse.Namespace, label: str) -> dict[str, A
     prompts = chat_prompts(model)
     blocks = max(CONCURRENCIES) * (-(-(max(map(len, prompts)) + args.max_tokens + 1) // StackConfig().block_size)) + 8
     runners = load_runners(model, args, blocks)
-    cache = runners[RATIOS[0]].expert_cache
+    cache = runners[Setting(RATIOS[0], args.policy[0])].expert_cache
     assert cache is not None
     described = cache.describe()
     print(
         f"{label}: {model}, {cache.experts} experts ({described['formats']}, {cache.slot_bytes} bytes each, "
-        f"{cache.experts * cache.slot_bytes / 1e6:.1f} MB), store reads {described['store_reads']}, fill policy {described['fill_policy']}",
+        f"{cache.experts * cache.slot_bytes / 1e6:.1f} MB), store reads {described['store_reads']}, fill policy {described['fill_policy']}, "
+        f"policies {' '.join(args.policy)}",
         flush=True,
     )
     warm = prompts[-max(CONCURRENCIES) :]
-    for ratio, runner in runners.items():  # each cache in its steady state before the first timed run
-        decode_batch(runner, f"warm-{ratio:g}", warm, max(4, args.max_tokens // 4))
-    totals = {(ratio, c): Totals() for ratio in runners for c in CONCURRENCIES}
+    for setting, runner in runners.items():  # each cache in its steady state before the first timed run
+        decode_batch(runner, f"warm-{setting.percent:g}-{setting.policy}", warm, max(4, args.max_tokens // 4))
+    totals = {(setting, c): Totals() for setting in runners for c in CONCURRENCIES}
     bandwidths: list[tuple[float, float]] = []
     how = ""
     for round_ in range(args.rounds):
@@ -194,8 +209,8 @@ def bench_model(model: str, args: argparse.Namespace, label: str) -> dict[str, A
         for offset, concurrency in enumerate(CONCURRENCIES):
             first = (round_ * sum(CONCURRENCIES) + offset * CONCURRENCIES[0]) % len(prompts)
             batch = [prompts[(first + i) % len(prompts)] for i in range(concurrency)]
-            for ratio, runner in runners.items():
-                decode_batch(runner, f"r{round_}-c{concurrency}-{ratio:g}", batch, args.max_tokens, totals[(ratio, concurrency)])
+            for setting, runner in runners.items():
+                decode_batch(runner, f"r{round_}-c{concurrency}-{setting.percent:g}-{setting.policy}", batch, args.max_tokens, totals[(setting, concurrency)])
     sequential = statistics.median(b[0] for b in bandwidths)
     per_record = statistics.median(b[1] for b in bandwidths)
     print(
@@ -205,17 +220,17 @@ def bench_model(model: str, args: argparse.Namespace, label: str) -> dict[str, A
         flush=True,
     )
     header = (
-        f"{'c':>2} {'cache':>6} {'tok/s':>8} {'vs 0':>5} {'hit rate':>8} {'KB read/tok':>11} {'fill ms/tok':>11} "
+        f"{'c':>2} {'cache':>6} {'policy':>6} {'tok/s':>8} {'vs 0':>5} {'hit rate':>8} {'KB read/tok':>11} {'fill ms/tok':>11} "
         f"{'step ms':>8} {'bound ms':>8} {'step/bound':>10} {'miss GB/s':>9} {'of bw':>6} {'same tokens':>11}"
     )
     print(header)
     rows = []
     for concurrency in CONCURRENCIES:
-        base = totals[(0.0, concurrency)]
+        base = totals[(Setting(0.0, ""), concurrency)]
         base_rate = concurrency * args.max_tokens / statistics.median(base.seconds)
         base_step = statistics.median(base.step_seconds)
-        for ratio in runners:
-            t = totals[(ratio, concurrency)]
+        for setting in runners:
+            t = totals[(setting, concurrency)]
             rate = concurrency * args.max_tokens / statistics.median(t.seconds)
             step = statistics.median(t.step_seconds)
             lookups = t.hits + t.misses
@@ -223,8 +238,9 @@ def bench_model(model: str, args: argparse.Namespace, label: str) -> dict[str, A
             miss_rate = t.bytes_read / t.fill_seconds if t.bytes_read and t.fill_seconds else None
             row = {
                 "concurrency": concurrency,
-                "cache_percent": ratio,
-                "cache_bytes": runners[ratio].expert_cache.budget if ratio else 0,
+                "cache_percent": setting.percent,
+                "policy": setting.policy,
+                "cache_bytes": runners[setting].expert_cache.budget if setting.percent else 0,
                 "output_tokens_per_s": rate,
                 "vs_resident": rate / base_rate,
                 "hit_rate": t.hits / lookups if lookups else None,
@@ -245,7 +261,7 @@ def bench_model(model: str, args: argparse.Namespace, label: str) -> dict[str, A
             hit = f"{row['hit_rate']:.3f}" if row["hit_rate"] is not None else "-"
             miss = f"{miss_rate / 1e9:>9.2f} {miss_rate / sequential:>6.2f}" if miss_rate else f"{'-':>9} {'-':>6}"
             print(
-                f"{concurrency:>2} {f'{ratio:g}%' if ratio else '0':>6} {rate:>8.1f} {rate / base_rate:>5.2f} {hit:>8} "
+                f"{concurrency:>2} {f'{setting.percent:g}%' if setting.percent else '0':>6} {setting.policy or '-':>6} {rate:>8.1f} {rate / base_rate:>5.2f} {hit:>8} "
                 f"{row['bytes_read_per_token'] / 1e3:>11.1f} {row['fill_ms_per_token']:>11.3f} {step * 1e3:>8.2f} {bound * 1e3:>8.2f} "
                 f"{step / bound:>10.2f} {miss} {str(row['same_tokens_as_resident']):>11}",
                 flush=True,
@@ -277,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weight-quant", default="int4", help="--weight-quant of the worker (experts in blocks)")
     parser.add_argument("--cache-dir", default="", help="--expert-cache-dir (default: the worker's)")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--policy", nargs="+", choices=sorted(POLICIES), default=[StackConfig().expert_cache_policy], help="expert cache policies, each at every size"
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--skewed", action="store_true", help="also run a model whose routers favour a subset of experts")
     parser.add_argument("--hot-model", default="", help="the skewed model's directory (default: built here)")
@@ -291,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.skewed:
             hot = args.hot_model or build_model(scratch, MoeSpec(args.shape, args.seed, args.hot_experts, args.hot_bias))
             summary["skewed"] = skewed = bench_model(hot, args, f"skewed routing ({args.hot_experts} hot experts a layer, bias {args.hot_bias:g})")
-            print(f"{'c':>2} {'cache':>6} {'uniform hit':>11} {'skewed hit':>10} {'gain':>6} {'tok/s skewed/uniform':>21}")
+            print(f"{'c':>2} {'cache':>6} {'policy':>6} {'uniform hit':>11} {'skewed hit':>10} {'gain':>6} {'tok/s skewed/uniform':>21}")
             gains = []
             for u, s in zip(summary["uniform"]["rows"], skewed["rows"]):
                 if not u["cache_percent"]:
@@ -299,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                 gain = {
                     "concurrency": u["concurrency"],
                     "cache_percent": u["cache_percent"],
+                    "policy": u["policy"],
                     "uniform_hit_rate": u["hit_rate"],
                     "skewed_hit_rate": s["hit_rate"],
                 }
@@ -306,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                 gain["tokens_per_s_ratio"] = s["output_tokens_per_s"] / u["output_tokens_per_s"]
                 gains.append(gain)
                 print(
-                    f"{u['concurrency']:>2} {u['cache_percent']:>5g}% {u['hit_rate']:>11.3f} {s['hit_rate']:>10.3f} "
+                    f"{u['concurrency']:>2} {u['cache_percent']:>5g}% {u['policy']:>6} {u['hit_rate']:>11.3f} {s['hit_rate']:>10.3f} "
                     f"{gain['hit_rate_gain']:>+6.3f} {gain['tokens_per_s_ratio']:>20.2f}x"
                 )
             summary["skew_gain"] = gains

@@ -136,6 +136,7 @@ class WorkerConfig:
     stream_interval: int = _opt(1, "steps whose tokens the worker sends as one chunk", minimum=1)
     expert_cache_bytes: str = _opt("0", "MoE experts held in RAM: bytes, or a percentage of their size such as 25% (0: all resident)")
     expert_cache_dir: str = _opt("", "directory of the expert cache's spill file (default: ~/.cache/tokenyard/experts)")
+    expert_cache_policy: str = _opt("lfu", "which expert the expert cache evicts: lfu (scan resistant, the default) or lru", choices=("lfu", "lru"))
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,7 @@ READERS: dict[str, tuple[str, ...]] = {
     "stream_interval": ("worker",),
     "expert_cache_bytes": ("worker", "launcher"),
     "expert_cache_dir": ("worker",),
+    "expert_cache_policy": ("worker",),
     # Processes
     "replicas": (*EVERY, "launcher"),
     "engine_name": ENGINE,

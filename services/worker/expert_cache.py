@@ -1,6 +1,7 @@
 """The bounded expert cache of a CPU worker (``--expert-cache-bytes``): a MoE model's experts in blocks are
 written once, at load, to a spill file (``ExpertStore``), and one bank of slots in RAM, shared by every MoE
-layer under one LRU (``SlotLRU``), holds the experts that the steps route to.
+layer under one replacement policy (``--expert-cache-policy``: ``SlotLRU`` or the scan-resistant ``SlotLFU``), holds
+the experts that the steps route to.
 
 A layer-step learns its routed ids from the grouped kernel's own routing (``route_experts``), fills all of
 its misses from the store, then runs its grouped call over the bank (``csrc/grouped_moe.cpp`` with
@@ -20,10 +21,12 @@ import shutil
 import tempfile
 import time
 import weakref
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
+import numpy as np
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -152,23 +155,61 @@ class Fill(NamedTuple):
     evicted: tuple[int, int] | None  # the (layer, expert) the slot held
 
 
-class SlotLRU:
-    """Which (layer, expert) each of ``slots`` slots holds, least recently used first.
+class SlotPolicy(ABC):
+    """Which (layer, expert) each of ``slots`` slots holds (``held``; ``free``: the empty slots), and which to evict.
 
-    ``take`` gives one layer-step's experts their slots: hits keep theirs, misses take a free slot or evict
-    the least recently used expert; it never evicts an expert of the same call, so no slot that a layer-step
+    ``take`` gives one layer-step's experts their slots: hits keep theirs, misses take a free slot or evict a
+    victim of the policy's choosing; it never evicts an expert of the same call, so no slot that a layer-step
     reads is refilled before the step has run (at most ``slots`` experts per call)."""
+
+    name: ClassVar[str]
 
     def __init__(self, slots: int) -> None:
         self.slots = slots
-        self.held: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self.held: dict[tuple[int, int], int] = {}
         self.free = list(range(slots - 1, -1, -1))
 
+    @abstractmethod
     def take(self, layer: int, experts: Iterable[int]) -> tuple[dict[int, int], list[Fill]]:
         """(the hits' slots, the misses' fills) of ``layer``'s ``experts``."""
+
+    @abstractmethod
+    def ranked(self) -> list[tuple[int, int]]:
+        """The held (layer, expert) keys, least worth keeping first."""
+
+    def drop(self, key: tuple[int, int]) -> None:
+        """Frees ``key``'s slot (a fill that failed)."""
+        self.free.append(self.held.pop(key))
+
+    def rebuilt(self, slots: int) -> tuple[SlotPolicy, dict[int, int]]:
+        """A policy of the same kind over ``slots`` new slots holding the experts most worth keeping that fit, in
+        slots 0, 1, ..., and each kept expert's old slot -> new slot."""
+        new = type(self)(slots)
+        kept = self.ranked()[-slots:]
+        for slot, key in enumerate(kept):
+            new.held[key] = slot
+        new.free = list(range(slots - 1, len(kept) - 1, -1))
+        return new, {self.held[key]: slot for slot, key in enumerate(kept)}
+
+    @staticmethod
+    def _wanted(experts: Iterable[int], slots: int) -> list[int]:
         wanted = list(dict.fromkeys(experts))
-        if len(wanted) > self.slots:
-            raise ValueError(f"a layer-step of {len(wanted)} experts does not fit {self.slots} slots")
+        if len(wanted) > slots:
+            raise ValueError(f"a layer-step of {len(wanted)} experts does not fit {slots} slots")
+        return wanted
+
+
+class SlotLRU(SlotPolicy):
+    """Evicts the least recently used expert (``held`` is in order of use, least recent first)."""
+
+    name = "lru"
+
+    def __init__(self, slots: int) -> None:
+        super().__init__(slots)
+        self.held: OrderedDict[tuple[int, int], int] = OrderedDict()
+
+    def take(self, layer: int, experts: Iterable[int]) -> tuple[dict[int, int], list[Fill]]:
+        wanted = self._wanted(experts, self.slots)
         hits = {}
         for expert in wanted:
             if (slot := self.held.get((layer, expert))) is not None:
@@ -183,9 +224,80 @@ class SlotLRU:
             fills.append(Fill(expert, slot, evicted))
         return hits, fills
 
+    def ranked(self) -> list[tuple[int, int]]:
+        return list(self.held)
+
+
+class SlotLFU(SlotPolicy):
+    """Evicts the expert with the fewest recent uses, ties to the most recently used: scan resistant.
+
+    A slot's count grows by one for each layer-step that routes to its expert and every count is halved each
+    fourth pass over the layers (a layer-step of a layer no higher than the one before starts a pass), so counts
+    weigh the last few steps and a shift in routing is followed within a few. When a step touches more
+    experts than the bank holds, in the same order every step, a least-recently-used bank evicts exactly the
+    expert needed soonest and never hits; here the experts that stayed gather counts that the newcomers (one
+    use) do not reach, the newcomers replace each other, and about slots / working set of the lookups hit."""
+
+    name = "lfu"
+    AGING_PASSES = 4
+    NEVER = np.iinfo(np.int64).max
+
+    def __init__(self, slots: int) -> None:
+        super().__init__(slots)
+        self.key_of: list[tuple[int, int] | None] = [None] * slots
+        self.count = np.zeros(slots, dtype=np.int64)
+        self.last = np.zeros(slots, dtype=np.int64)  # the layer-step that last read the slot
+        self.step = self.layer = self.passes = 0
+
+    def take(self, layer: int, experts: Iterable[int]) -> tuple[dict[int, int], list[Fill]]:
+        wanted = self._wanted(experts, self.slots)
+        if layer <= self.layer:
+            self.passes += 1
+            if self.passes % self.AGING_PASSES == 0:
+                self.count >>= 1
+        self.layer, self.step = layer, self.step + 1
+        hits = {e: slot for e in wanted if (slot := self.held.get((layer, e))) is not None}
+        read = np.fromiter(hits.values(), dtype=np.int64, count=len(hits))
+        self.count[read] += 1
+        self.last[read] = self.step
+        misses = [e for e in wanted if e not in hits]
+        slots = [self.free.pop() for _ in range(min(len(misses), len(self.free)))]
+        if (victims := len(misses) - len(slots)) > 0:  # no free slot is left: every other slot is held
+            score = self.count * (self.step + 1) - self.last  # the fewest uses, then the most recent
+            score[read] = self.NEVER
+            score[slots] = self.NEVER
+            slots += np.argpartition(score, victims - 1)[:victims].tolist()
+        fills = []
+        for expert, slot in zip(misses, slots):
+            if (evicted := self.key_of[slot]) is not None:
+                del self.held[evicted]
+            self.held[(layer, expert)], self.key_of[slot] = slot, (layer, expert)
+            fills.append(Fill(expert, slot, evicted))
+        filled = np.asarray(slots, dtype=np.int64)
+        self.count[filled], self.last[filled] = 1, self.step
+        return hits, fills
+
     def drop(self, key: tuple[int, int]) -> None:
-        """Frees ``key``'s slot (a fill that failed)."""
-        self.free.append(self.held.pop(key))
+        self.key_of[self.held[key]] = None
+        super().drop(key)
+
+    def ranked(self) -> list[tuple[int, int]]:
+        slots = list(self.held.values())
+        order = np.lexsort((self.last[slots], self.count[slots]))  # fewest uses first, least recent first among equals
+        return [self.key_of[slots[i]] for i in order.tolist()]
+
+    def rebuilt(self, slots: int) -> tuple[SlotLFU, dict[int, int]]:
+        new, moved = super().rebuilt(slots)
+        assert isinstance(new, SlotLFU)
+        old, kept = np.fromiter(moved, dtype=np.int64, count=len(moved)), np.fromiter(moved.values(), dtype=np.int64, count=len(moved))
+        new.count[kept], new.last[kept] = self.count[old], self.last[old]  # the counts go with their experts
+        for key, slot in new.held.items():
+            new.key_of[slot] = key
+        new.step, new.layer, new.passes = self.step, self.layer, self.passes
+        return new, moved
+
+
+POLICIES: dict[str, type[SlotPolicy]] = {policy.name: policy for policy in (SlotLRU, SlotLFU)}
 
 
 def _runs(fills: list[Fill], most: int = 256) -> Iterator[list[Fill]]:
@@ -205,18 +317,18 @@ class ExpertCache:
     """A bank of ``slots`` experts' panels (``gate_up`` [S, ...], ``down`` [S, ...]) over ``store``, and each
     layer's slot map (``slot_of[layer]``: int32 [E], -1 where the expert is not held) that the kernel reads."""
 
-    def __init__(self, store: ExpertStore, slots: int, top_k: int, budget: int) -> None:
+    def __init__(self, store: ExpertStore, slots: int, top_k: int, budget: int, policy: str = "lru") -> None:
         if slots < top_k:
             raise ValueError(f"the expert cache holds {slots} experts, fewer than one layer's top-k ({top_k})")
         self.store, self.top_k = store, top_k
         self.slot_of = [torch.full((store.num_experts,), -1, dtype=torch.int32) for _ in range(store.num_layers)]
         self.hits = self.misses = self.evictions = self.bytes_read = 0
-        self._bank(slots, budget)
+        self._bank(POLICIES[policy](slots), budget)
 
-    def _bank(self, slots: int, budget: int) -> None:
-        """A bank of ``slots`` empty slots under a new LRU."""
-        store = self.store
-        self.budget, self.lru = budget, SlotLRU(slots)
+    def _bank(self, policy: SlotPolicy, budget: int) -> None:
+        """A bank of ``policy.slots`` empty slots under ``policy``."""
+        store, slots = self.store, policy.slots
+        self.budget, self.policy = budget, policy
         self._memory = [_buffer(slots * store.gate_up_bytes), _buffer(slots * store.down_bytes)]
         self.gate_up = torch.frombuffer(self._memory[0], dtype=torch.uint8, count=slots * store.gate_up_bytes).view(slots, *store.gate_up_shape)
         self.down = torch.frombuffer(self._memory[1], dtype=torch.uint8, count=slots * store.down_bytes).view(slots, *store.down_shape)
@@ -245,25 +357,23 @@ class ExpertCache:
         return slots
 
     def resize(self, budget: int) -> None:
-        """Rebuilds the bank at ``budget`` bytes (the store stays), keeping the most recently used experts that fit.
-        Only between steps: no layer-step may hold slots of the old bank."""
-        slots = self.slots_for(budget)
-        kept = list(self.lru.held.items())[-slots:]  # least recent first
+        """Rebuilds the bank at ``budget`` bytes (the store stays), keeping the experts that the policy ranks most worth
+        keeping that fit (the most recently used under LRU). Only between steps: no layer-step may hold slots of the old bank."""
+        policy, moved = self.policy.rebuilt(self.slots_for(budget))
         old_gate_up, old_down = self.gate_up, self.down
-        self._bank(slots, budget)
-        for slot, ((layer, expert), old) in enumerate(kept):
+        self._bank(policy, budget)
+        for old, slot in moved.items():
             self.gate_up[slot].copy_(old_gate_up[old])
             self.down[slot].copy_(old_down[old])
-            self.lru.held[(layer, expert)] = slot
+        for (layer, expert), slot in policy.held.items():
             self.slot_of[layer][expert] = slot
-        self.lru.free = list(range(slots - 1, len(kept) - 1, -1))
-        SLOTS_USED.set(len(kept))
+        SLOTS_USED.set(len(policy.held))
         del old_gate_up, old_down
         _return_freed_memory()
 
     @property
     def slots(self) -> int:
-        return self.lru.slots
+        return self.policy.slots
 
     @property
     def nbytes(self) -> int:
@@ -292,7 +402,7 @@ class ExpertCache:
         """Makes ``layer``'s ``experts`` (ascending) resident: hits stay, misses are read from the store, a run of
         consecutive experts in one read."""
         started = time.perf_counter()
-        hits, fills = self.lru.take(layer, experts)
+        hits, fills = self.policy.take(layer, experts)
         for fill in fills:
             if fill.evicted is not None:
                 self.slot_of[fill.evicted[0]][fill.evicted[1]] = -1
@@ -302,7 +412,7 @@ class ExpertCache:
                 read += self.store.read_into(layer, run[0].expert, [self._slot_buffers[f.slot] for f in run])
             except BaseException:
                 for failed in fills[done:]:  # their slots hold nothing: free again
-                    self.lru.drop((layer, failed.expert))
+                    self.policy.drop((layer, failed.expert))
                 raise
             for expert, slot, _ in run:
                 self.slot_of[layer][expert] = slot
@@ -319,7 +429,7 @@ class ExpertCache:
             MISSES.inc(len(fills))
             EVICTIONS.inc(evictions)
             BYTES_READ.inc(read)
-            SLOTS_USED.set(len(self.lru.held))
+            SLOTS_USED.set(len(self.policy.held))
         FILL_TIME.observe(time.perf_counter() - started)
 
     def describe(self) -> dict[str, Any]:
@@ -328,7 +438,7 @@ class ExpertCache:
         return {
             "bytes": self.budget,
             "slots": self.slots,
-            "slots_used": len(self.lru.held),
+            "slots_used": len(self.policy.held),
             "slot_bytes": self.slot_bytes,
             "bank_bytes": self.nbytes,
             "experts": self.experts,
@@ -337,6 +447,7 @@ class ExpertCache:
             "store_bytes": self.store.nbytes,
             "store_reads": self.store.read_mode,
             "fill_policy": FILL_POLICY,
+            "policy": self.policy.name,
             "hits": self.hits,
             "misses": self.misses,
             "evictions": self.evictions,
@@ -345,9 +456,9 @@ class ExpertCache:
         }
 
 
-def attach_expert_cache(model: object, family: str, spec: str, directory: str, device: torch.device, sharded: bool) -> ExpertCache | None:
-    """``model``'s MoE layers run from an expert cache of ``spec`` (``cache_bytes``) whose store is written
-    under ``directory``, their panels dropped from memory; None where ``spec`` is 0 (all resident).
+def attach_expert_cache(model: object, family: str, spec: str, directory: str, device: torch.device, sharded: bool, policy: str = "lru") -> ExpertCache | None:
+    """``model``'s MoE layers run from an expert cache of ``spec`` (``cache_bytes``) under replacement ``policy``
+    (``POLICIES``) whose store is written under ``directory``, their panels dropped from memory; None where ``spec`` is 0 (all resident).
     Refuses (ValueError, naming why) what the cache cannot serve."""
     if cache_bytes(spec, 1 << 60) == 0:  # 0 or 0%
         return None
@@ -377,7 +488,9 @@ def attach_expert_cache(model: object, family: str, spec: str, directory: str, d
         raise ValueError(
             f"--expert-cache-bytes {spec} holds {slots} experts of {slot_bytes} bytes, fewer than one layer's top-k ({top_k}): give at least {top_k * slot_bytes}"
         )
-    cache = ExpertCache(ExpertStore(directory, [moe.panels for moe in layers]), slots, top_k, budget)
+    if policy not in POLICIES:
+        raise ValueError(f"--expert-cache-policy is one of {', '.join(POLICIES)}, not {policy!r}")
+    cache = ExpertCache(ExpertStore(directory, [moe.panels for moe in layers]), slots, top_k, budget, policy)
     for layer, moe in enumerate(layers):
         moe.stream_from(cache, layer)
     _return_freed_memory()

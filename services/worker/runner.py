@@ -70,6 +70,7 @@ class RunnerConfig:
     ngram: tuple[int, int] = (2, 4)  # the n-gram lengths prompt lookup matches
     expert_cache_bytes: str = "0"  # a MoE model's experts in a bank of slots over a spill file (expert_cache.py); "0": all resident
     expert_cache_dir: str = ""  # where the spill file goes ("": expert_cache.default_store_dir())
+    expert_cache_policy: str = "lfu"  # which expert the bank evicts (expert_cache.POLICIES)
 
     @classmethod
     def of(cls, config: StackConfig, num_blocks: int, device: str = "cpu") -> RunnerConfig:
@@ -78,7 +79,7 @@ class RunnerConfig:
             config.model, num_blocks, config.block_size, config.dtype, config.max_num_seqs, config.weight_quant, config.kv_cache_dtype, device,
             config.cuda_graph_max_batch if torch.device(device).type == "cuda" else 0, config.max_model_len, config.weight_prefetch,
             gdn_checkpoint_slots=gdn_checkpoints(load_model_info(config.model), config), speculative_method=config.speculative_method, ngram=(config.ngram_min, config.ngram_max),
-            expert_cache_bytes=config.expert_cache_bytes, expert_cache_dir=config.expert_cache_dir,
+            expert_cache_bytes=config.expert_cache_bytes, expert_cache_dir=config.expert_cache_dir, expert_cache_policy=config.expert_cache_policy,
         )  # fmt: skip
 
 
@@ -113,7 +114,9 @@ class ModelRunner:
         model_config, self.model, self.weight_quant, self.quantized_linears = load_model(config.model, DTYPES[dtype], self.device, weight_quant, tp)
         self.family = model_config.get("model_type", "llama")
         store_dir = config.expert_cache_dir or default_store_dir()
-        self.expert_cache = attach_expert_cache(self.model, self.family, config.expert_cache_bytes, store_dir, self.device, tp is not None)
+        self.expert_cache = attach_expert_cache(
+            self.model, self.family, config.expert_cache_bytes, store_dir, self.device, tp is not None, config.expert_cache_policy
+        )
         if self.speculator is not None and self.model.gdn_shape is not None:
             raise ValueError(f"speculative decoding does not yet run {self.family}: its GDN state cannot be rolled back past rejected tokens")
         self.sampler = Sampler(self.device, config.model, self.model.vocab_size)

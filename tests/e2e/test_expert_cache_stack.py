@@ -54,7 +54,7 @@ def test_concurrent_greedy_requests_from_two_expert_slots_are_transformers_token
         assert len(tokens) == 12
 
     cache = stack.instrumentation("worker")["runner"]["expert_cache"]
-    assert (cache["slots"], cache["slot_bytes"], cache["experts"], cache["fill_policy"]) == (2, SLOT_BYTES, 16, "on-demand")
+    assert (cache["slots"], cache["slot_bytes"], cache["experts"], cache["fill_policy"], cache["policy"]) == (2, SLOT_BYTES, 16, "on-demand", "lfu")
     assert cache["misses"] > 16 and cache["evictions"] > 0 and 0 <= cache["hit_rate"] < 1
     assert "expert_cache" in stack.log() and "buffered + DONTNEED" in stack.log()  # the worker says at start how it reads its store
     metrics = stack.metrics("worker")

@@ -1,5 +1,6 @@
-"""The bounded expert cache (services/worker/expert_cache.py): the LRU over one bank of slots never refills
-a slot that its own layer-step reads, never leaks a slot and never holds more than its bound; the store gives
+"""The bounded expert cache (services/worker/expert_cache.py): each replacement policy over one bank of slots
+never refills a slot that its own layer-step reads, never leaks a slot and never holds more than its bound, and LFU keeps a stable resident set under a cyclic scan
+larger than the bank, where LRU never hits; the store gives
 back every byte it was given; tiny qwen3_moe and qwen3_next models with int4 experts give the same greedy
 tokens (and the same logits, bit for bit) at every cache size from one layer's top-k to all resident; and
 what the cache cannot serve is refused at start, naming why."""
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 from services.launcher.__main__ import check_expert_cache
 from services.worker.block_quant import BlockQuantized
 from services.worker.cpu_kernels import cpu_kernels
-from services.worker.expert_cache import ALIGN, ExpertCache, ExpertStore, SlotLRU, cache_bytes
+from services.worker.expert_cache import ALIGN, POLICIES, ExpertCache, ExpertStore, SlotLFU, SlotLRU, cache_bytes
 from services.worker.moe import ExpertPanels, SharedExpert, SparseMoE, routed_experts
 from services.worker.runner import ModelRunner, RunnerConfig
 from shared.config import StackConfig
@@ -38,9 +39,10 @@ LAYERS, EXPERTS = 3, 6
 steps = st.lists(st.tuples(st.integers(0, LAYERS - 1), st.lists(st.integers(0, EXPERTS - 1), min_size=1, max_size=EXPERTS)), max_size=40)
 
 
+@pytest.mark.parametrize("policy", sorted(POLICIES))
 @given(slots=st.integers(1, LAYERS * EXPERTS), steps=steps)
-def test_the_lru_keeps_hits_in_place_refills_no_slot_its_step_reads_and_leaks_none(slots: int, steps: list[tuple[int, list[int]]]) -> None:
-    lru = SlotLRU(slots)
+def test_each_policy_keeps_hits_in_place_refills_no_slot_its_step_reads_and_leaks_none(policy: str, slots: int, steps: list[tuple[int, list[int]]]) -> None:
+    lru = POLICIES[policy](slots)
     holds: dict[int, tuple[int, int]] = {}  # slot -> (layer, expert), as the bank's memory would
     for layer, experts in steps:
         experts = experts[:slots]
@@ -54,8 +56,40 @@ def test_the_lru_keeps_hits_in_place_refills_no_slot_its_step_reads_and_leaks_no
             assert fill.evicted == holds.get(fill.slot) and (fill.evicted is None or fill.evicted[0] != layer or fill.evicted[1] not in experts)
             holds[fill.slot] = (layer, fill.expert)
         assert all(holds[slot] == (layer, e) for e, slot in [*hits.items(), *((f.expert, f.slot) for f in fills)])
-        assert {slot: key for key, slot in lru.held.items()} == holds  # the LRU's view is the bank's
+        assert {slot: key for key, slot in lru.held.items()} == holds  # the policy's view is the bank's
         assert sorted([*lru.held.values(), *lru.free]) == list(range(slots))  # bound respected, no slot leaked
+        assert sorted(lru.ranked()) == sorted(lru.held)
+
+
+def _cyclic_scan_hit_rate(policy: str, slots: int, layers: int, routed: int, passes: int) -> float:
+    """Each layer-step routes to its layer's experts 0..``routed``-1, layers 0..``layers``-1 in turn: the hit rate after the first pass."""
+    cache, hits, lookups = POLICIES[policy](slots), 0, 0
+    for n in range(passes):
+        for layer in range(layers):
+            found, _ = cache.take(layer, range(routed))
+            hits, lookups = (hits + len(found), lookups + routed) if n else (hits, lookups)
+    return hits / lookups
+
+
+@pytest.mark.parametrize("routed", [2, 3])
+def test_under_a_cyclic_scan_of_twice_the_bank_lfu_keeps_a_resident_set_where_lru_never_hits(routed: int) -> None:
+    slots, layers = 24, 48 // routed  # working set: twice the slots
+    assert _cyclic_scan_hit_rate("lru", slots, layers, routed, 20) == 0.0
+    assert _cyclic_scan_hit_rate("lfu", slots, layers, routed, 20) >= 0.4  # the optimum: about (slots - routed) / working set
+
+
+def test_lfu_keeps_the_hot_experts_and_follows_a_shift_in_routing() -> None:
+    lfu = SlotLFU(2 * EXPERTS)
+    for n in range(40):  # experts 0 and 1 of every layer at each step, with a scan of the others
+        for layer in range(LAYERS):
+            lfu.take(layer, [0, 1, 2 + (n + layer) % (EXPERTS - 2)])
+    assert {(layer, e) for layer in range(LAYERS) for e in (0, 1)} <= set(lfu.held)
+    assert set(lfu.ranked()[-2 * LAYERS :]) == {(layer, e) for layer in range(LAYERS) for e in (0, 1)}
+    for n in range(40):  # now 4 and 5 are hot, 0 and 1 no longer routed
+        for layer in range(LAYERS):
+            lfu.take(layer, [4, 5, 2 + (n + layer) % 2])
+    assert set(lfu.ranked()[-2 * LAYERS :]) == {(layer, e) for layer in range(LAYERS) for e in (4, 5)}
+    assert not {(layer, e) for layer in range(LAYERS) for e in (0, 1)} & set(lfu.held)
 
 
 def test_the_least_recently_used_expert_is_evicted_first() -> None:
@@ -98,10 +132,11 @@ def test_the_store_gives_back_every_byte_of_every_layers_experts(tmp_path: Path,
     slots=st.integers(2, 2 * EXPERTS), steps=st.lists(st.tuples(st.integers(0, 1), st.lists(st.integers(0, EXPERTS - 1), min_size=2, max_size=8)), max_size=25)
 )
 @settings(max_examples=30, deadline=None)
-def test_a_layer_step_reads_its_misses_only_and_the_bank_holds_what_the_slot_maps_say(slots: int, steps: list[tuple[int, list[int]]]) -> None:
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_a_layer_step_reads_its_misses_only_and_the_bank_holds_what_the_slot_maps_say(policy: str, slots: int, steps: list[tuple[int, list[int]]]) -> None:
     layers = [_random_panels(EXPERTS, (8, 2, 20), (8, 1, 20), seed=10 + layer) for layer in range(2)]
     with tempfile.TemporaryDirectory() as directory:
-        cache = ExpertCache(ExpertStore(directory, layers), slots, 2, 0)  # top-2: at least two slots
+        cache = ExpertCache(ExpertStore(directory, layers), slots, 2, 0, policy)  # top-2: at least two slots
     distinct = 0
     for layer, routed in steps:
         ids = torch.tensor(routed[: len(routed) // 2 * 2], dtype=torch.int32).reshape(-1, 2)  # tokens of top-2
@@ -116,7 +151,7 @@ def test_a_layer_step_reads_its_misses_only_and_the_bank_holds_what_the_slot_map
                 assert torch.equal(cache.gate_up[slot], layers[layer].gate_up[expert]) and torch.equal(cache.down[slot], layers[layer].down[expert])
         assert covered == list(range(ids.shape[0]))  # consecutive groups, every token once
         mapped = [s for slot_of in cache.slot_of for s in slot_of.tolist() if s >= 0]
-        assert sorted(mapped) == sorted(cache.lru.held.values())  # one slot per held expert, -1 elsewhere
+        assert sorted(mapped) == sorted(cache.policy.held.values())  # one slot per held expert, -1 elsewhere
     assert cache.hits + cache.misses == distinct
     assert cache.bytes_read == cache.misses * (layers[0].gate_up[0].nbytes + layers[0].down[0].nbytes)  # hits read nothing
 
@@ -166,8 +201,9 @@ def test_a_layer_with_its_shared_expert_gives_the_resident_bits_from_a_bank_of_t
     assert cache.misses > 0 and cache.describe()["slots_used"] == top_k
 
 
-def _greedy_and_logits(path: str, spec: str, store: str) -> tuple[dict[str, list[int]], torch.Tensor, ModelRunner]:
-    runner = ModelRunner(RunnerConfig(path, num_blocks=64, block_size=4, weight_quant="int4", expert_cache_bytes=spec, expert_cache_dir=store))
+def _greedy_and_logits(path: str, spec: str, store: str, policy: str = "lfu") -> tuple[dict[str, list[int]], torch.Tensor, ModelRunner]:
+    config = RunnerConfig(path, num_blocks=64, block_size=4, weight_quant="int4", expert_cache_bytes=spec, expert_cache_dir=store, expert_cache_policy=policy)
+    runner = ModelRunner(config)
     prompts = {f"r{i}": prompt_of(10 + i, n) for i, n in enumerate((3, 9, 14, 22))}
     out, stats = drive(runner, prompts, 10, chunk=6, seed=3, arrivals={"r0": 0, "r1": 0, "r2": 2, "r3": 5})
     assert stats.mixed_steps >= 2 and stats.multi_prefill_steps >= 1  # chunked prefills beside decode batches
@@ -178,9 +214,10 @@ def _greedy_and_logits(path: str, spec: str, store: str) -> tuple[dict[str, list
 
 
 @needs_kernels
+@pytest.mark.parametrize("policy", sorted(POLICIES))
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
 def test_greedy_tokens_and_logits_are_the_resident_ones_at_every_cache_size(
-    family: str, tiny_qwen3_moes: dict[str, Checkpoint], tiny_qwen3_nexts: dict[str, Checkpoint], tmp_path: Path
+    family: str, policy: str, tiny_qwen3_moes: dict[str, Checkpoint], tiny_qwen3_nexts: dict[str, Checkpoint], tmp_path: Path
 ) -> None:
     tiny = tiny_qwen3_moes["renorm-dense-middle"] if family == "qwen3_moe" else tiny_qwen3_nexts["interval-tied-bias"]
     resident_out, resident_logits, resident = _greedy_and_logits(tiny.path, "0", str(tmp_path))
@@ -189,8 +226,9 @@ def test_greedy_tokens_and_logits_are_the_resident_ones_at_every_cache_size(
     slot_bytes = 2 * 32 * 64 // 32 * 20 + 64 * 32 // 32 * 20  # q4_1 gate_up [64, 64] + down [64, 32]: 20 bytes per block of 32
     layers = resident.describe()["moe_layers"]
     for spec in [str(top_k * slot_bytes), str((top_k + 1) * slot_bytes), str((experts - 1) * slot_bytes), "50%", "100%"]:
-        out, logits, runner = _greedy_and_logits(tiny.path, spec, str(tmp_path))
+        out, logits, runner = _greedy_and_logits(tiny.path, spec, str(tmp_path), policy)
         facts = runner.describe()["expert_cache"]
+        assert facts["policy"] == policy
         assert all(moe.held_bytes() == 0 for moe in routed_experts(runner.model))  # the bank alone holds experts
         assert facts["bank_bytes"] == facts["slots"] * slot_bytes
         assert facts["slots"] == min(cache_bytes(spec, slot_bytes * experts * layers) // slot_bytes, experts * layers) and facts["slot_bytes"] == slot_bytes
@@ -203,13 +241,15 @@ def test_greedy_tokens_and_logits_are_the_resident_ones_at_every_cache_size(
 
 
 @needs_kernels
-def test_a_preempted_request_recomputed_through_two_slots_continues_as_resident(tiny_qwen3_nexts: dict[str, Checkpoint], tmp_path: Path) -> None:
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_a_preempted_request_recomputed_through_two_slots_continues_as_resident(policy: str, tiny_qwen3_nexts: dict[str, Checkpoint], tmp_path: Path) -> None:
     prompt = prompt_of(8, 30)
 
     def greedy(spec: str) -> tuple[list[int], ModelRunner]:
         config = RunnerConfig(
-            tiny_qwen3_nexts["interval-tied-bias"].path, 64, 4, max_num_seqs=3, weight_quant="int4", expert_cache_bytes=spec, expert_cache_dir=str(tmp_path)
-        )
+            tiny_qwen3_nexts["interval-tied-bias"].path, 64, 4, max_num_seqs=3, weight_quant="int4", expert_cache_bytes=spec, expert_cache_dir=str(tmp_path),
+            expert_cache_policy=policy,
+        )  # fmt: skip
         runner = ModelRunner(config)
 
         def prefill(tokens: list[int], slot: int, first_block: int) -> int:  # chunks of 8: 8 tokens route to more experts than two slots hold

@@ -1,6 +1,6 @@
 """Memory moved at runtime (``ModelRunner.resize_memory``): the expert cache's bank rebuilt at a new size keeps the
-most recently used experts that fit, byte for byte, under consistent slot maps; the KV cache rebuilt at a new block
-count; the weights stay; greedy tokens after any resize are the resident ones; and what cannot be applied is refused,
+experts its policy ranks highest that fit (the most recently used under LRU, the most used under LFU, with their
+counts), byte for byte, under consistent slot maps; the KV cache rebuilt at a new block count; the weights stay; greedy tokens after any resize are the resident ones; and what cannot be applied is refused,
 naming why, with nothing changed."""
 
 from __future__ import annotations
@@ -25,9 +25,25 @@ def _bank_holds_what_the_maps_say(cache: ExpertCache, layers: list) -> None:
     for layer, slot_of in enumerate(cache.slot_of):
         for expert, slot in enumerate(slot_of.tolist()):
             if slot >= 0:
-                assert cache.lru.held[(layer, expert)] == slot
+                assert cache.policy.held[(layer, expert)] == slot
                 assert torch.equal(cache.gate_up[slot], layers[layer].gate_up[expert]) and torch.equal(cache.down[slot], layers[layer].down[expert])
-    assert sorted([*cache.lru.held.values(), *cache.lru.free]) == list(range(cache.slots))  # no slot leaked
+    assert sorted([*cache.policy.held.values(), *cache.policy.free]) == list(range(cache.slots))  # no slot leaked
+
+
+def test_a_rebuilt_lfu_bank_keeps_the_most_used_experts_with_their_counts(tmp_path: Path) -> None:
+    layers = [_random_panels(EXPERTS, (8, 2, 20), (8, 1, 20), seed=layer) for layer in range(2)]
+    cache = ExpertCache(ExpertStore(str(tmp_path), layers), 6, 2, 0, "lfu")
+    for layer, experts in [(0, [0, 1]), (1, [2, 3]), (0, [0, 1]), (1, [2]), (0, [4, 5]), (1, [2])]:
+        list(cache.passes(layer, torch.tensor([experts], dtype=torch.int32)))
+    counts = {key: int(cache.policy.count[slot]) for key, slot in cache.policy.held.items()}
+    cache.resize(3 * cache.slot_bytes)
+    assert cache.slots == 3 and set(cache.policy.held) == {(1, 2), (0, 0), (0, 1)}  # the three most used
+    assert {key: int(cache.policy.count[slot]) for key, slot in cache.policy.held.items()} == {key: counts[key] for key in cache.policy.held}
+    _bank_holds_what_the_maps_say(cache, layers)
+    cache.resize(10 * cache.slot_bytes)
+    assert cache.slots == 10 and len(cache.policy.held) == 3 and len(cache.policy.free) == 7
+    list(cache.passes(1, torch.tensor([[0, 1], [4, 5]], dtype=torch.int32)))
+    _bank_holds_what_the_maps_say(cache, layers)
 
 
 def test_a_rebuilt_bank_keeps_the_most_recently_used_experts_that_fit(tmp_path: Path) -> None:
@@ -35,12 +51,12 @@ def test_a_rebuilt_bank_keeps_the_most_recently_used_experts_that_fit(tmp_path: 
     cache = ExpertCache(ExpertStore(str(tmp_path), layers), 6, 2, 0)
     for layer, experts in [(0, [0, 1]), (1, [2, 3]), (0, [4, 5]), (1, [0])]:  # (0, 0) is evicted by (1, 0)
         list(cache.passes(layer, torch.tensor([experts], dtype=torch.int32)))
-    order = list(cache.lru.held)
+    order = list(cache.policy.held)
     cache.resize(3 * cache.slot_bytes)
-    assert cache.slots == 3 and list(cache.lru.held) == order[-3:] and cache.nbytes == 3 * cache.slot_bytes
+    assert cache.slots == 3 and list(cache.policy.held) == order[-3:] and cache.nbytes == 3 * cache.slot_bytes
     _bank_holds_what_the_maps_say(cache, layers)
     cache.resize(10 * cache.slot_bytes)  # growing keeps them all, and the new slots are free
-    assert cache.slots == 10 and list(cache.lru.held) == order[-3:] and len(cache.lru.free) == 7
+    assert cache.slots == 10 and list(cache.policy.held) == order[-3:] and len(cache.policy.free) == 7
     _bank_holds_what_the_maps_say(cache, layers)
     list(cache.passes(0, torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)))
     _bank_holds_what_the_maps_say(cache, layers)
