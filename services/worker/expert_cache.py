@@ -3,9 +3,12 @@ written once, at load, to a spill file (``ExpertStore``), and one bank of slots 
 layer under one replacement policy (``--expert-cache-policy``: ``SlotLRU`` or the scan-resistant ``SlotLFU``), holds
 the experts that the steps route to.
 
-A layer-step learns its routed ids from the grouped kernel's own routing (``route_experts``), fills all of
-its misses from the store, then runs its grouped call over the bank (``csrc/grouped_moe.cpp`` with
-``expert_slots``): the same bits as with every expert resident. A step whose tokens route to more experts
+A slot is laid out as a store record (gate_up panels, then down panels, zero padding to a page), so a miss is
+one read of its whole record straight into its slot, with O_DIRECT where the filesystem allows it; the kernel
+sees the bank's gate_up and down as views a slot's size apart. A layer-step learns its routed ids from the
+grouped kernel's own routing (``route_experts``), fills all of its misses from the store, then runs its
+grouped call over the bank (``csrc/grouped_moe.cpp`` with ``expert_slots``): the same bits as with every
+expert resident. A step whose tokens route to more experts
 than the bank holds runs in groups of consecutive tokens that fit (a token's bits do not depend on the
 other tokens of its call), so any bank of at least one layer's top-k slots serves any step.
 """
@@ -70,6 +73,16 @@ def default_store_dir() -> str:
     return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tokenyard", "experts")
 
 
+def padded(nbytes: int) -> int:
+    """A record's (and a slot's) size: ``nbytes`` of panels rounded up to ``ALIGN``."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def _open_direct(path: str) -> int:
+    """A descriptor that reads ``path`` bypassing the page cache (OSError where the filesystem refuses)."""
+    return os.open(path, os.O_RDONLY | os.O_DIRECT)
+
+
 def _buffer(nbytes: int) -> mmap.mmap:
     """Anonymous, page-aligned memory (O_DIRECT's buffers must be aligned), touched only when written."""
     return mmap.mmap(-1, max(nbytes, 1))
@@ -79,9 +92,10 @@ class ExpertStore:
     """Every MoE layer's experts as fixed-size records of one spill file, record ``layer * E + expert`` at
     ``record`` bytes times that: its gate_up panels, then its down panels, zero-padded to ``ALIGN``.
 
-    The file is unlinked once open (it lives as long as the worker); reads bypass the page cache (O_DIRECT)
-    where the filesystem and the records' sizes allow, else each read is followed by ``POSIX_FADV_DONTNEED``
-    so that the page cache does not quietly keep the whole model."""
+    The file is unlinked once open (it lives as long as the worker); whole records are read into page-aligned
+    slots of ``record`` bytes, bypassing the page cache (O_DIRECT) where the filesystem allows, else each read
+    is followed by ``POSIX_FADV_DONTNEED`` so that the page cache does not quietly keep the whole model
+    (``read_mode`` says which, and why)."""
 
     def __init__(self, directory: str, layers: list[ExpertPanels]) -> None:
         first = layers[0]
@@ -89,8 +103,7 @@ class ExpertStore:
         self.num_layers, self.num_experts = len(layers), first.gate_up.shape[0]
         self.gate_up_shape, self.down_shape = tuple(first.gate_up.shape[1:]), tuple(first.down.shape[1:])
         self.gate_up_bytes, self.down_bytes = first.gate_up[0].nbytes, first.down[0].nbytes
-        self.record = -(-(self.gate_up_bytes + self.down_bytes) // ALIGN) * ALIGN
-        self._pad = _buffer(self.record - self.gate_up_bytes - self.down_bytes)  # where the padding between adjacent records lands
+        self.record = padded(self.gate_up_bytes + self.down_bytes)
         os.makedirs(directory, exist_ok=True)
         if (free := shutil.disk_usage(directory).free) < self.nbytes:
             raise ValueError(f"the expert store needs {self.nbytes} bytes in {directory}, which has {free} free: give --expert-cache-dir a larger disk")
@@ -104,6 +117,7 @@ class ExpertStore:
             os.fsync(fd)  # dirty pages would stay in the page cache whatever DONTNEED says
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             self.fd, self.read_mode = self._open_for_reads(fd)
+            self.direct = self.read_mode == "O_DIRECT"
         except BaseException:
             os.close(fd)
             raise
@@ -119,16 +133,13 @@ class ExpertStore:
         return (layer * self.num_experts + expert) * self.record
 
     def _open_for_reads(self, fd: int) -> tuple[int, str]:
-        """An O_DIRECT descriptor where one read of a record into page-aligned slots succeeds, else ``fd``."""
-        if self.gate_up_bytes % ALIGN or self.down_bytes % ALIGN:
-            return fd, f"buffered + DONTNEED (O_DIRECT needs records in multiples of {ALIGN} bytes: {self.gate_up_bytes} + {self.down_bytes})"
+        """An O_DIRECT descriptor where one read of a record into a page-aligned slot succeeds, else ``fd``."""
         try:
-            direct = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
+            direct = _open_direct(self.path)
         except (OSError, AttributeError) as exc:
             return fd, f"buffered + DONTNEED (this filesystem refuses O_DIRECT: {exc})"
-        probe = [_buffer(self.gate_up_bytes), _buffer(self.down_bytes)]
         try:
-            if os.preadv(direct, probe, 0) != self.gate_up_bytes + self.down_bytes:
+            if os.preadv(direct, [_buffer(self.record)], 0) != self.record:
                 raise OSError("a short read")
         except OSError as exc:
             os.close(direct)
@@ -136,17 +147,16 @@ class ExpertStore:
         os.close(fd)
         return direct, "O_DIRECT"
 
-    def read_into(self, layer: int, first: int, slots: list[tuple[memoryview, memoryview]]) -> int:
-        """Reads the records of ``layer``'s experts ``first``, ``first + 1``, ... into their slots' (gate_up, down)
-        buffers, in one call: adjacent records are one contiguous read. Returns the bytes that land in slots."""
-        pad = self.record - self.gate_up_bytes - self.down_bytes
-        buffers = [b for i, pair in enumerate(slots) for b in ([self._pad, *pair] if i and pad else pair)]
-        offset, size = self.offset(layer, first), len(slots) * self.record - pad
-        read = os.preadv(self.fd, buffers, offset)
+    def read_into(self, layer: int, first: int, slots: list[memoryview]) -> int:
+        """Reads the whole records of ``layer``'s experts ``first``, ``first + 1``, ... into their slots (page-aligned
+        buffers of ``record`` bytes), in one call: adjacent records are one contiguous read. Returns the bytes read."""
+        offset, size = self.offset(layer, first), len(slots) * self.record
+        read = os.preadv(self.fd, slots, offset)
         if read != size:
             raise OSError(f"the expert store {self.path} gave {read} of {size} bytes of layer {layer}'s experts {first}..{first + len(slots) - 1}")
-        os.posix_fadvise(self.fd, offset, size, os.POSIX_FADV_DONTNEED)
-        return len(slots) * (self.gate_up_bytes + self.down_bytes)
+        if not self.direct:
+            os.posix_fadvise(self.fd, offset, size, os.POSIX_FADV_DONTNEED)
+        return size
 
 
 class Fill(NamedTuple):
@@ -302,7 +312,7 @@ POLICIES: dict[str, type[SlotPolicy]] = {policy.name: policy for policy in (Slot
 
 def _runs(fills: list[Fill], most: int = 256) -> Iterator[list[Fill]]:
     """``fills`` (in expert order) cut into runs of consecutive experts, each one read of adjacent records
-    (at most ``most``: a read takes up to three buffers per record, IOV_MAX 1024)."""
+    (at most ``most`` records, one buffer each: IOV_MAX is 1024)."""
     run: list[Fill] = []
     for fill in fills:
         if run and (fill.expert != run[-1].expert + 1 or len(run) == most):
@@ -314,8 +324,10 @@ def _runs(fills: list[Fill], most: int = 256) -> Iterator[list[Fill]]:
 
 
 class ExpertCache:
-    """A bank of ``slots`` experts' panels (``gate_up`` [S, ...], ``down`` [S, ...]) over ``store``, and each
-    layer's slot map (``slot_of[layer]``: int32 [E], -1 where the expert is not held) that the kernel reads."""
+    """A bank of ``slots`` experts' panels over ``store``: ``records`` [S, record], one page-aligned slot per
+    expert laid out as its store record, seen by the kernel as ``gate_up`` [S, ...] and ``down`` [S, ...] (views
+    ``record`` bytes apart per slot); and each layer's slot map (``slot_of[layer]``: int32 [E], -1 where the
+    expert is not held) that the kernel reads."""
 
     def __init__(self, store: ExpertStore, slots: int, top_k: int, budget: int, policy: str = "lru") -> None:
         if slots < top_k:
@@ -329,10 +341,10 @@ class ExpertCache:
         """A bank of ``policy.slots`` empty slots under ``policy``."""
         store, slots = self.store, policy.slots
         self.budget, self.policy = budget, policy
-        self._memory = [_buffer(slots * store.gate_up_bytes), _buffer(slots * store.down_bytes)]
-        self.gate_up = torch.frombuffer(self._memory[0], dtype=torch.uint8, count=slots * store.gate_up_bytes).view(slots, *store.gate_up_shape)
-        self.down = torch.frombuffer(self._memory[1], dtype=torch.uint8, count=slots * store.down_bytes).view(slots, *store.down_shape)
-        self._slot_buffers = [tuple(memoryview(t[s].numpy()).cast("B") for t in (self.gate_up, self.down)) for s in range(slots)]
+        self.records = torch.frombuffer(_buffer(slots * store.record), dtype=torch.uint8, count=slots * store.record).view(slots, store.record)
+        self.gate_up = _panels(self.records, store.gate_up_shape, 0)
+        self.down = _panels(self.records, store.down_shape, store.gate_up_bytes)
+        self._slot_buffers = [memoryview(self.records[s].numpy()) for s in range(slots)]
         for slot_of in self.slot_of:
             slot_of.fill_(-1)
         SLOTS_TOTAL.set(slots)
@@ -340,7 +352,7 @@ class ExpertCache:
 
     @property
     def slot_bytes(self) -> int:
-        return self.store.gate_up_bytes + self.store.down_bytes
+        return self.store.record
 
     @property
     def experts(self) -> int:
@@ -360,15 +372,14 @@ class ExpertCache:
         """Rebuilds the bank at ``budget`` bytes (the store stays), keeping the experts that the policy ranks most worth
         keeping that fit (the most recently used under LRU). Only between steps: no layer-step may hold slots of the old bank."""
         policy, moved = self.policy.rebuilt(self.slots_for(budget))
-        old_gate_up, old_down = self.gate_up, self.down
+        old = self.records
         self._bank(policy, budget)
-        for old, slot in moved.items():
-            self.gate_up[slot].copy_(old_gate_up[old])
-            self.down[slot].copy_(old_down[old])
+        for was, slot in moved.items():
+            self.records[slot].copy_(old[was])
         for (layer, expert), slot in policy.held.items():
             self.slot_of[layer][expert] = slot
         SLOTS_USED.set(len(policy.held))
-        del old_gate_up, old_down
+        del old
         _return_freed_memory()
 
     @property
@@ -377,7 +388,7 @@ class ExpertCache:
 
     @property
     def nbytes(self) -> int:
-        return self.gate_up.nbytes + self.down.nbytes
+        return self.records.nbytes
 
     def passes(self, layer: int, ids: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]]:
         """Groups of consecutive tokens (rows of the routed ``ids`` [T, k]) whose experts fit the bank at once,
@@ -479,7 +490,7 @@ def attach_expert_cache(model: object, family: str, spec: str, directory: str, d
         raise ValueError(f"--expert-cache-bytes needs every MoE layer's experts in one format and shape, got {sorted(shapes)}")
     panels = layers[0].panels
     num_experts, top_k = panels.gate_up.shape[0], layers[0].top_k
-    slot_bytes = panels.gate_up[0].nbytes + panels.down[0].nbytes
+    slot_bytes = padded(panels.gate_up[0].nbytes + panels.down[0].nbytes)
     budget = cache_bytes(spec, slot_bytes * num_experts * len(layers))
     if budget == 0:
         return None
@@ -495,6 +506,12 @@ def attach_expert_cache(model: object, family: str, spec: str, directory: str, d
         moe.stream_from(cache, layer)
     _return_freed_memory()
     return cache
+
+
+def _panels(records: torch.Tensor, shape: tuple[int, ...], offset: int) -> torch.Tensor:
+    """[S, *shape]: each slot's contiguous panels at ``offset`` bytes into its record of ``records`` [S, record]."""
+    inner = torch.empty(shape, device="meta").stride()
+    return records.as_strided((records.shape[0], *shape), (records.stride(0), *inner), records.storage_offset() + offset)
 
 
 def _return_freed_memory() -> None:

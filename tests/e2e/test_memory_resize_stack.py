@@ -27,7 +27,7 @@ from tests.worker.harness import prompt_of
 pytestmark = pytest.mark.skipif(not block_formats(torch.device("cpu"), torch.float32), reason="the C++ CPU kernels are unavailable here")
 
 KEY = "admin-key"
-SLOT_BYTES = 64 * 64 // 32 * 18 + 64 * 32 // 32 * 18  # Q4_0 gate_up [64, 64] and down [64, 32]: 18 bytes per block of 32
+SLOT_BYTES = 4096  # Q4_0 gate_up [64, 64] and down [64, 32] (18 bytes per block of 32: 3456) padded to a page
 MAX_MODEL_LEN = 128
 PROMPTS = [prompt_of(40 + i, n) for i, n in enumerate((5, 9, 13, 17, 21, 25, 29, 33))]
 MAX_TOKENS = 40

@@ -1,28 +1,32 @@
 """The bounded expert cache (services/worker/expert_cache.py): each replacement policy over one bank of slots
 never refills a slot that its own layer-step reads, never leaks a slot and never holds more than its bound, and LFU keeps a stable resident set under a cyclic scan
 larger than the bank, where LRU never hits; the store gives
-back every byte it was given; tiny qwen3_moe and qwen3_next models with int4 experts give the same greedy
+back every byte it was given, with O_DIRECT into padded slots where the filesystem allows and buffered reads where it refuses; tiny qwen3_moe and qwen3_next models with int4 experts give the same greedy
 tokens (and the same logits, bit for bit) at every cache size from one layer's top-k to all resident; and
 what the cache cannot serve is refused at start, naming why."""
 
 from __future__ import annotations
 
+import errno
 import gc
+import mmap
 import os
 import tempfile
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 from unittest import mock
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.launcher.__main__ import check_expert_cache
 from services.worker.block_quant import BlockQuantized
 from services.worker.cpu_kernels import cpu_kernels
-from services.worker.expert_cache import ALIGN, POLICIES, ExpertCache, ExpertStore, SlotLFU, SlotLRU, cache_bytes
+from services.worker.expert_cache import ALIGN, POLICIES, ExpertCache, ExpertStore, SlotLFU, SlotLRU, cache_bytes, default_store_dir, padded
 from services.worker.moe import ExpertPanels, SharedExpert, SparseMoE, routed_experts
 from services.worker.runner import ModelRunner, RunnerConfig
 from shared.config import StackConfig
@@ -34,6 +38,57 @@ from .harness import GREEDY, Checkpoint, drive, prompt_of
 needs_kernels = pytest.mark.skipif(cpu_kernels()[0] is None, reason=f"CPU kernels unavailable: {cpu_kernels()[1]}")
 
 LAYERS, EXPERTS = 3, 6
+
+
+class StoreDir(NamedTuple):
+    path: str
+    mode: str  # the read mode the store must report there
+
+
+def _refuses_direct(directory: str) -> str | None:
+    """Why ``directory`` refuses O_DIRECT reads of a page-aligned page, or None where it takes them."""
+    with tempfile.NamedTemporaryFile(dir=directory) as file:
+        file.write(bytes(ALIGN))
+        file.flush()
+        try:
+            fd = os.open(file.name, os.O_RDONLY | os.O_DIRECT)
+        except (OSError, AttributeError) as exc:
+            return str(exc)
+        try:
+            os.preadv(fd, [mmap.mmap(-1, ALIGN)], 0)
+        except OSError as exc:
+            return str(exc)
+        finally:
+            os.close(fd)
+    return None
+
+
+@pytest.fixture
+def disk_dir(tmp_path: Path) -> Iterator[str]:
+    """A directory that takes O_DIRECT: the test's own where it does, else one on the disk of the user's cache (tmpfs refuses it)."""
+    if _refuses_direct(str(tmp_path)) is None:
+        yield str(tmp_path)
+        return
+    os.makedirs(parent := default_store_dir(), exist_ok=True)
+    if (why := _refuses_direct(parent)) is not None:
+        pytest.skip(f"neither {tmp_path} nor {parent} takes O_DIRECT reads: {why}")
+    with tempfile.TemporaryDirectory(dir=parent) as directory:
+        yield directory
+
+
+@pytest.fixture(params=["O_DIRECT", "buffered"])
+def store_dir(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreDir]:
+    """Where a test's expert store goes, once per read mode: O_DIRECT on a disk, and buffered + DONTNEED as on a filesystem that refuses O_DIRECT."""
+    if request.param == "O_DIRECT":
+        yield StoreDir(request.getfixturevalue("disk_dir"), "O_DIRECT")
+        return
+
+    def refuse(path: str) -> int:  # a fresh error each time: one kept would keep its traceback's frames (and their panels) alive
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    with mock.patch("services.worker.expert_cache._open_direct", refuse):
+        yield StoreDir(str(tmp_path), "buffered + DONTNEED (this filesystem refuses O_DIRECT: [Errno 22] Invalid argument)")
+
 
 # A layer-step: (layer, the experts it routes to).
 steps = st.lists(st.tuples(st.integers(0, LAYERS - 1), st.lists(st.integers(0, EXPERTS - 1), min_size=1, max_size=EXPERTS)), max_size=40)
@@ -109,34 +164,53 @@ def _random_panels(experts: int, gate_up_shape: tuple[int, ...], down_shape: tup
     return ExpertPanels(("q4_1", "q4_1"), gate_up, torch.randint(0, 256, (experts, *down_shape), dtype=torch.uint8, generator=generator))
 
 
-@pytest.mark.parametrize("shapes", [((8, 2, 20), (8, 1, 20)), ((2, 2, 1024), (4, 1, 1024))], ids=["unaligned", "page-sized"])
-def test_the_store_gives_back_every_byte_of_every_layers_experts(tmp_path: Path, shapes: tuple[tuple[int, ...], tuple[int, ...]]) -> None:
+# q4_1 records of 160 bytes: a few bytes, a page each, and the MoE benchmark model's 138,240 + 69,120
+SHAPES = {"unaligned": ((8, 2, 20), (8, 1, 20)), "page-sized": ((2, 2, 1024), (4, 1, 1024)), "benchmark": ((27, 32, 160), (16, 27, 160))}
+
+
+@pytest.mark.parametrize("shapes", SHAPES.values(), ids=SHAPES.keys())
+def test_the_store_gives_back_every_byte_of_every_layers_experts(store_dir: StoreDir, shapes: tuple[tuple[int, ...], tuple[int, ...]]) -> None:
     layers = [_random_panels(EXPERTS, *shapes, seed=layer) for layer in range(LAYERS)]
-    store = ExpertStore(str(tmp_path), layers)
-    assert os.listdir(tmp_path) == []  # unlinked once open: nothing is left behind by a worker that dies
-    aligned = all(t[0].nbytes % ALIGN == 0 for t in layers[0][1:])
-    assert store.read_mode == "O_DIRECT" or not aligned or "refuses O_DIRECT" in store.read_mode, store.read_mode
-    assert store.nbytes == LAYERS * EXPERTS * -(-(layers[0].gate_up[0].nbytes + layers[0].down[0].nbytes) // ALIGN) * ALIGN
+    store = ExpertStore(store_dir.path, layers)
+    assert os.listdir(store_dir.path) == []  # unlinked once open: nothing is left behind by a worker that dies
+    assert store.read_mode == store_dir.mode
+    slot_bytes = padded(layers[0].gate_up[0].nbytes + layers[0].down[0].nbytes)
+    assert store.record == slot_bytes and store.nbytes == LAYERS * EXPERTS * slot_bytes
     cache = ExpertCache(store, EXPERTS, 1, 0)
-    slot_bytes = layers[0].gate_up[0].nbytes + layers[0].down[0].nbytes
-    buffers = [tuple(memoryview(t[s].numpy()).cast("B") for t in (cache.gate_up, cache.down)) for s in range(EXPERTS)]
+    assert cache.nbytes == EXPERTS * slot_bytes and cache.gate_up.stride(0) == cache.down.stride(0) == slot_bytes
+    buffers = [memoryview(cache.records[s].numpy()) for s in range(EXPERTS)]
     for layer in range(LAYERS):
         for first, count in [(0, 1), (EXPERTS - 1, 1), (1, 3), (0, EXPERTS)]:  # adjacent records are one read
             order = torch.randperm(EXPERTS, generator=torch.Generator().manual_seed(first))[:count].tolist()  # into slots in any order
             assert store.read_into(layer, first, [buffers[s] for s in order]) == count * slot_bytes
             for expert, slot in zip(range(first, first + count), order):
                 assert torch.equal(cache.gate_up[slot], layers[layer].gate_up[expert]) and torch.equal(cache.down[slot], layers[layer].down[expert])
+                assert not cache.records[slot, layers[0].gate_up[0].nbytes + layers[0].down[0].nbytes :].any()  # the padding is zeros
+
+
+def test_a_store_of_padded_slots_reads_with_o_direct_where_the_filesystem_takes_it(disk_dir: str) -> None:
+    layers = [_random_panels(EXPERTS, *SHAPES["benchmark"], seed=layer) for layer in range(2)]  # 138,240 + 69,120: no multiple of a page
+    cache = ExpertCache(ExpertStore(disk_dir, layers), 3, 2, 0)
+    assert cache.describe()["store_reads"] == "O_DIRECT" and cache.describe()["slot_bytes"] == 208896
+    with mock.patch("os.posix_fadvise") as fadvise:
+        list(cache.passes(1, torch.tensor([[3, 4], [5, 3]], dtype=torch.int32)))
+    assert fadvise.call_count == 0  # the page cache is bypassed, not dropped after
+    for expert in (3, 4, 5):
+        slot = int(cache.slot_of[1][expert])
+        assert torch.equal(cache.gate_up[slot], layers[1].gate_up[expert]) and torch.equal(cache.down[slot], layers[1].down[expert])
 
 
 @given(
     slots=st.integers(2, 2 * EXPERTS), steps=st.lists(st.tuples(st.integers(0, 1), st.lists(st.integers(0, EXPERTS - 1), min_size=2, max_size=8)), max_size=25)
 )
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_a_layer_step_reads_its_misses_only_and_the_bank_holds_what_the_slot_maps_say(policy: str, slots: int, steps: list[tuple[int, list[int]]]) -> None:
+def test_a_layer_step_reads_its_misses_only_and_the_bank_holds_what_the_slot_maps_say(
+    store_dir: StoreDir, policy: str, slots: int, steps: list[tuple[int, list[int]]]
+) -> None:
     layers = [_random_panels(EXPERTS, (8, 2, 20), (8, 1, 20), seed=10 + layer) for layer in range(2)]
-    with tempfile.TemporaryDirectory() as directory:
-        cache = ExpertCache(ExpertStore(directory, layers), slots, 2, 0, policy)  # top-2: at least two slots
+    cache = ExpertCache(ExpertStore(store_dir.path, layers), slots, 2, 0, policy)  # top-2: at least two slots
+    assert cache.store.read_mode == store_dir.mode
     distinct = 0
     for layer, routed in steps:
         ids = torch.tensor(routed[: len(routed) // 2 * 2], dtype=torch.int32).reshape(-1, 2)  # tokens of top-2
@@ -153,13 +227,14 @@ def test_a_layer_step_reads_its_misses_only_and_the_bank_holds_what_the_slot_map
         mapped = [s for slot_of in cache.slot_of for s in slot_of.tolist() if s >= 0]
         assert sorted(mapped) == sorted(cache.policy.held.values())  # one slot per held expert, -1 elsewhere
     assert cache.hits + cache.misses == distinct
-    assert cache.bytes_read == cache.misses * (layers[0].gate_up[0].nbytes + layers[0].down[0].nbytes)  # hits read nothing
+    assert cache.bytes_read == cache.misses * padded(layers[0].gate_up[0].nbytes + layers[0].down[0].nbytes)  # hits read nothing
 
 
-def test_misses_are_read_once_and_hits_are_not_read(tmp_path: Path) -> None:
+def test_misses_are_read_once_and_hits_are_not_read(store_dir: StoreDir) -> None:
     layers = [_random_panels(EXPERTS, (8, 2, 20), (8, 1, 20), seed=layer) for layer in range(2)]
-    cache = ExpertCache(ExpertStore(str(tmp_path), layers), 4, 2, 0)
-    slot_bytes = layers[0].gate_up[0].nbytes + layers[0].down[0].nbytes
+    cache = ExpertCache(ExpertStore(store_dir.path, layers), 4, 2, 0)
+    assert cache.store.read_mode == store_dir.mode
+    slot_bytes = padded(layers[0].gate_up[0].nbytes + layers[0].down[0].nbytes)
     ids = torch.tensor([[0, 1], [1, 2]], dtype=torch.int32)
     with mock.patch("os.preadv", wraps=os.preadv) as preadv:
         assert [r for r, _ in cache.passes(0, ids)] == [slice(0, 2)]
@@ -175,7 +250,7 @@ def test_misses_are_read_once_and_hits_are_not_read(tmp_path: Path) -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("tokens", [1, 7, 40])
-def test_a_layer_with_its_shared_expert_gives_the_resident_bits_from_a_bank_of_top_k_slots(tmp_path: Path, tokens: int) -> None:
+def test_a_layer_with_its_shared_expert_gives_the_resident_bits_from_a_bank_of_top_k_slots(store_dir: StoreDir, tokens: int) -> None:
     hidden, inter, experts, top_k = 64, 32, 8, 3
     generator = torch.Generator().manual_seed(tokens)
 
@@ -188,7 +263,8 @@ def test_a_layer_with_its_shared_expert_gives_the_resident_bits_from_a_bank_of_t
         return moe
 
     resident, cached = layer(), layer()
-    cache = ExpertCache(ExpertStore(str(tmp_path), [cached.panels]), top_k, top_k, 0)
+    cache = ExpertCache(ExpertStore(store_dir.path, [cached.panels]), top_k, top_k, 0)
+    assert cache.store.read_mode == store_dir.mode and cache.gate_up.stride(0) == cache.slot_bytes == 4096  # 3840 bytes of panels in a padded slot
     dropped = [weakref.ref(t) for t in cached.panels[1:]]
     cached.stream_from(cache, 0)
     gc.collect()
@@ -217,16 +293,16 @@ def _greedy_and_logits(path: str, spec: str, store: str, policy: str = "lfu") ->
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
 def test_greedy_tokens_and_logits_are_the_resident_ones_at_every_cache_size(
-    family: str, policy: str, tiny_qwen3_moes: dict[str, Checkpoint], tiny_qwen3_nexts: dict[str, Checkpoint], tmp_path: Path
+    family: str, policy: str, tiny_qwen3_moes: dict[str, Checkpoint], tiny_qwen3_nexts: dict[str, Checkpoint], store_dir: StoreDir
 ) -> None:
     tiny = tiny_qwen3_moes["renorm-dense-middle"] if family == "qwen3_moe" else tiny_qwen3_nexts["interval-tied-bias"]
-    resident_out, resident_logits, resident = _greedy_and_logits(tiny.path, "0", str(tmp_path))
+    resident_out, resident_logits, resident = _greedy_and_logits(tiny.path, "0", store_dir.path)
     assert resident.expert_cache is None and resident.describe()["expert_cache"] is None
     top_k, experts = tiny.reference.config.num_experts_per_tok, tiny.reference.config.num_experts
-    slot_bytes = 2 * 32 * 64 // 32 * 20 + 64 * 32 // 32 * 20  # q4_1 gate_up [64, 64] + down [64, 32]: 20 bytes per block of 32
+    slot_bytes = padded(2 * 32 * 64 // 32 * 20 + 64 * 32 // 32 * 20)  # q4_1 gate_up [64, 64] + down [64, 32]: 20 bytes per block of 32, in a page
     layers = resident.describe()["moe_layers"]
     for spec in [str(top_k * slot_bytes), str((top_k + 1) * slot_bytes), str((experts - 1) * slot_bytes), "50%", "100%"]:
-        out, logits, runner = _greedy_and_logits(tiny.path, spec, str(tmp_path), policy)
+        out, logits, runner = _greedy_and_logits(tiny.path, spec, store_dir.path, policy)
         facts = runner.describe()["expert_cache"]
         assert facts["policy"] == policy
         assert all(moe.held_bytes() == 0 for moe in routed_experts(runner.model))  # the bank alone holds experts
@@ -236,18 +312,20 @@ def test_greedy_tokens_and_logits_are_the_resident_ones_at_every_cache_size(
         assert (facts["evictions"] > 0) == (facts["slots"] < experts * layers)
         assert out == resident_out, spec
         assert torch.equal(logits, resident_logits), spec
-    assert "buffered + DONTNEED" in facts["store_reads"]  # the tiny records are not multiples of a page
+    assert facts["store_reads"] == store_dir.mode
     assert facts["hit_rate"] > 0.5  # 100 %: only the first touch of each expert misses
 
 
 @needs_kernels
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_a_preempted_request_recomputed_through_two_slots_continues_as_resident(policy: str, tiny_qwen3_nexts: dict[str, Checkpoint], tmp_path: Path) -> None:
+def test_a_preempted_request_recomputed_through_two_slots_continues_as_resident(
+    policy: str, tiny_qwen3_nexts: dict[str, Checkpoint], store_dir: StoreDir
+) -> None:
     prompt = prompt_of(8, 30)
 
     def greedy(spec: str) -> tuple[list[int], ModelRunner]:
         config = RunnerConfig(
-            tiny_qwen3_nexts["interval-tied-bias"].path, 64, 4, max_num_seqs=3, weight_quant="int4", expert_cache_bytes=spec, expert_cache_dir=str(tmp_path),
+            tiny_qwen3_nexts["interval-tied-bias"].path, 64, 4, max_num_seqs=3, weight_quant="int4", expert_cache_bytes=spec, expert_cache_dir=store_dir.path,
             expert_cache_policy=policy,
         )  # fmt: skip
         runner = ModelRunner(config)
@@ -272,8 +350,8 @@ def test_a_preempted_request_recomputed_through_two_slots_continues_as_resident(
             out.append(decode(len(prompt) + len(out) - 1, 0, 20))
         return out, runner
 
-    (cached, runner), (resident, _) = greedy("7680"), greedy("0")  # two q4_1 slots of 3840 bytes: one layer's top-2
-    assert cached == resident and runner.expert_cache.evictions > 0
+    (cached, runner), (resident, _) = greedy("8192"), greedy("0")  # two q4_1 slots of 3840 bytes padded to a page: one layer's top-2
+    assert cached == resident and runner.expert_cache.evictions > 0 and runner.expert_cache.store.read_mode == store_dir.mode
 
 
 @needs_kernels
@@ -298,8 +376,8 @@ def test_what_the_cache_cannot_serve_is_refused_at_start_naming_why(
         start(tiny_llamas["untied"].path, "50%")
     with pytest.raises(ValueError, match="experts in q4_0 / q4_1 / q8_0 blocks"):
         start(moe, "50%", weight_quant="none")
-    with pytest.raises(ValueError, match=r"holds 1 experts of 3840 bytes, fewer than one layer's top-k \(2\): give at least 7680"):
-        start(moe, "7679")
+    with pytest.raises(ValueError, match=r"holds 1 experts of 4096 bytes, fewer than one layer's top-k \(2\): give at least 8192"):
+        start(moe, "8191")
     with pytest.raises(ValueError, match="bytes or a percentage"):
         start(moe, "half")
     with pytest.raises(ValueError, match="bytes or a percentage"):

@@ -247,9 +247,12 @@ struct Weights {
 };
 
 Weights check_weights(const torch::Tensor& gate_up, const torch::Tensor& down, int64_t hidden, int64_t experts, const char* what) {
+  // Each expert's panels are contiguous; experts are stride(0) bytes apart (a bank's slots may be padded records).
+  auto expert_contiguous = [](const torch::Tensor& t) { return t.size(0) > 0 && t[0].is_contiguous() && (t.size(0) == 1 || t.stride(0) >= t[0].numel()); };
   TORCH_CHECK(gate_up.dim() == 4 && down.dim() == 4 && gate_up.scalar_type() == torch::kUInt8 && down.scalar_type() == torch::kUInt8 &&
-                  gate_up.is_contiguous() && down.is_contiguous(),
-              what, " panels must be contiguous uint8 [experts, panels, blocks, record]");
+                  expert_contiguous(gate_up) && expert_contiguous(down),
+              what, " panels must be uint8 [experts, panels, blocks, record], each expert's contiguous, got strides ", gate_up.strides(), " and ",
+              down.strides());
   const int64_t gu_record = gate_up.size(3), down_record = down.size(3);
   for (int64_t record : {gu_record, down_record})
     TORCH_CHECK(record == Q4_0Panels::RECORD || record == Q4_1Panels::RECORD || record == Q8_0Panels::RECORD, "a panel record is ", RECORD_SIZES, ", got ",
@@ -260,7 +263,7 @@ Weights check_weights(const torch::Tensor& gate_up, const torch::Tensor& down, i
               " must be [experts, ", 2 * inter / PANEL, ", ", hidden / BLOCK, ", record], got ", gate_up.sizes());
   TORCH_CHECK(down.size(1) == (hidden + PANEL - 1) / PANEL, what, " down panels must be [experts, ", (hidden + PANEL - 1) / PANEL, ", ", inter / BLOCK,
               ", record], got ", down.sizes());
-  return {gate_up.data_ptr<uint8_t>(), down.data_ptr<uint8_t>(), gu_record, down_record, inter, gate_up[0].numel(), down[0].numel()};
+  return {gate_up.data_ptr<uint8_t>(), down.data_ptr<uint8_t>(), gu_record, down_record, inter, gate_up.stride(0), down.stride(0)};
 }
 
 // Where each expert's panels are: row e of the weights (all resident), or row slots[e] of a bank of `rows`.
