@@ -15,6 +15,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")  # services/worker/runner.py: D
 WEIGHT_QUANTS = ("auto", "none", "fp16", "int8", "int4", "int4-a8")  # services/worker/linear.py
 DEVICES = ("auto", "cpu", "cuda")  # services/worker/device.py
 ROUTER_POLICY_NAMES = ("load", "prefix", "round_robin")  # services/api/router.py: POLICIES
+EXPERT_CACHE_POLICIES = ("lru", "lfu")  # services/worker/expert_cache.py: POLICIES
 TOOL_PARSER_NAMES = ("hermes", "qwen3_coder", "llama3_json")  # services/api/tool_parsers.py: TOOL_PARSERS
 REASONING_PARSER_NAMES = ("think",)  # services/api/reasoning.py: REASONING_PARSERS
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")

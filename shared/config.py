@@ -17,7 +17,17 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.choices import DEVICES, DTYPE_NAMES, LOG_FORMATS, LOG_LEVELS, REASONING_PARSER_NAMES, ROUTER_POLICY_NAMES, TOOL_PARSER_NAMES, WEIGHT_QUANTS
+from shared.choices import (
+    DEVICES,
+    DTYPE_NAMES,
+    EXPERT_CACHE_POLICIES,
+    LOG_FORMATS,
+    LOG_LEVELS,
+    REASONING_PARSER_NAMES,
+    ROUTER_POLICY_NAMES,
+    TOOL_PARSER_NAMES,
+    WEIGHT_QUANTS,
+)
 from shared.model_info import KV_CACHE_DTYPES
 
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "SmolLM2-135M-Instruct")
@@ -136,7 +146,7 @@ class WorkerConfig:
     stream_interval: int = _opt(1, "steps whose tokens the worker sends as one chunk", minimum=1)
     expert_cache_bytes: str = _opt("0", "MoE experts held in RAM: bytes, or a percentage of their size such as 25% (0: all resident)")
     expert_cache_dir: str = _opt("", "directory of the expert cache's spill file (default: ~/.cache/tokenyard/experts)")
-    expert_cache_policy: str = _opt("lfu", "which expert the expert cache evicts: lfu (scan resistant, the default) or lru", choices=("lfu", "lru"))
+    expert_cache_policy: str = _opt("lfu", "which expert the expert cache evicts: lfu (scan resistant, the default) or lru", choices=EXPERT_CACHE_POLICIES)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ import torch
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.worker.moe import ExpertPanels, routed_experts
+from shared.choices import EXPERT_CACHE_POLICIES, keyed_by
 from shared.metrics import PREFIX
 
 FAMILIES = ("qwen3_moe", "qwen3_next")
@@ -307,7 +308,7 @@ class SlotLFU(SlotPolicy):
         return new, moved
 
 
-POLICIES: dict[str, type[SlotPolicy]] = {policy.name: policy for policy in (SlotLRU, SlotLFU)}
+POLICIES: dict[str, type[SlotPolicy]] = keyed_by(EXPERT_CACHE_POLICIES, {policy.name: policy for policy in (SlotLRU, SlotLFU)})
 
 
 def _runs(fills: list[Fill], most: int = 256) -> Iterator[list[Fill]]:
@@ -467,7 +468,7 @@ class ExpertCache:
         }
 
 
-def attach_expert_cache(model: object, family: str, spec: str, directory: str, device: torch.device, sharded: bool, policy: str = "lru") -> ExpertCache | None:
+def attach_expert_cache(model: object, family: str, spec: str, directory: str, device: torch.device, sharded: bool, policy: str) -> ExpertCache | None:
     """``model``'s MoE layers run from an expert cache of ``spec`` (``cache_bytes``) under replacement ``policy``
     (``POLICIES``) whose store is written under ``directory``, their panels dropped from memory; None where ``spec`` is 0 (all resident).
     Refuses (ValueError, naming why) what the cache cannot serve."""
