@@ -89,10 +89,6 @@ def check_speculative(config: StackConfig) -> None:
         return
     if config.tensor_parallel_size > 1:
         raise SystemExit("tokenyard: speculative decoding does not run with tensor parallelism: leave --tensor-parallel-size at 1")
-    if load_model_info(config.model).uses_state_slots:
-        raise SystemExit(
-            "tokenyard: speculative decoding does not yet run hybrid (Gated DeltaNet) models: their state cannot be rolled back past rejected tokens"
-        )
 
 
 def check_expert_cache(config: StackConfig) -> None:

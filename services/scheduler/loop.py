@@ -110,8 +110,6 @@ class SchedulerLoop:
         checkpoints = CheckpointPool(gdn_checkpoints(self.model, config)) if hybrid and pool.enable_prefix_cache else None
         speculation = None
         if config.speculative_method:
-            if self.model.uses_state_slots:
-                raise ValueError("speculative decoding does not yet run hybrid (GDN) models: their state cannot be rolled back past rejected tokens")
             if config.tensor_parallel_size > 1:
                 raise ValueError("speculative decoding does not run with tensor parallelism")
             speculation = Speculation(config.num_speculative_tokens, config.speculative_max_batch)

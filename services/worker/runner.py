@@ -67,6 +67,7 @@ class RunnerConfig:
     weight_prefetch: str = "auto"
     gdn_checkpoint_slots: int = 0  # a hybrid model's prefix cache: GDN state checkpoints past the running slots
     speculative_method: str = ""  # "": decode slices verify nothing (services/worker/speculative/)
+    verify_states: int = 0  # a hybrid model's GDN states a step's verifies roll back to: speculative_max_batch × k (gdn_state.py)
     ngram: tuple[int, int] = (2, 4)  # the n-gram lengths prompt lookup matches
     expert_cache_bytes: str = "0"  # a MoE model's experts in a bank of slots over a spill file (expert_cache.py); "0": all resident
     expert_cache_dir: str = ""  # where the spill file goes ("": expert_cache.default_store_dir())
@@ -79,6 +80,7 @@ class RunnerConfig:
             config.model, num_blocks, config.block_size, config.dtype, config.max_num_seqs, config.weight_quant, config.kv_cache_dtype, device,
             config.cuda_graph_max_batch if torch.device(device).type == "cuda" else 0, config.max_model_len, config.weight_prefetch,
             gdn_checkpoint_slots=gdn_checkpoints(load_model_info(config.model), config), speculative_method=config.speculative_method, ngram=(config.ngram_min, config.ngram_max),
+            verify_states=min(config.speculative_max_batch, config.max_num_seqs) * config.num_speculative_tokens if config.speculative_method else 0,
             expert_cache_bytes=config.expert_cache_bytes, expert_cache_dir=config.expert_cache_dir, expert_cache_policy=config.expert_cache_policy,
         )  # fmt: skip
 
@@ -117,8 +119,6 @@ class ModelRunner:
         self.expert_cache = attach_expert_cache(
             self.model, self.family, config.expert_cache_bytes, store_dir, self.device, tp is not None, config.expert_cache_policy
         )
-        if self.speculator is not None and self.model.gdn_shape is not None:
-            raise ValueError(f"speculative decoding does not yet run {self.family}: its GDN state cannot be rolled back past rejected tokens")
         self.sampler = Sampler(self.device, config.model, self.model.vocab_size)
         self._grammars = self.sampler if tp is None or tp.leader else None  # only the leader samples
         self.decoder = select_decoder_backend(self.model, sharded=tp is not None)  # the weights are in their final form
@@ -140,13 +140,15 @@ class ModelRunner:
         self._dummy_slot = max_num_seqs if graphed and shape is not None else None
         pool_slots = max_num_seqs + (self._dummy_slot is not None)
         if budget is not None:
-            fit = self._plan_memory(budget, pool_slots + config.gdn_checkpoint_slots if shape is not None else 0, DTYPES[dtype])
+            fit = self._plan_memory(budget, pool_slots + config.gdn_checkpoint_slots + config.verify_states if shape is not None else 0, DTYPES[dtype])
             num_blocks = fit - 1 if graphed else fit  # the scheduler's share: the dummy block is the worker's
             if num_blocks < 1:
                 raise ValueError(f"the device memory budget leaves room for {fit} KV blocks; raise --gpu-memory-utilization")
         self.num_blocks = num_blocks
         with torch.inference_mode():
-            self.states = None if shape is None else GDNStateCache(shape, pool_slots, DTYPES[dtype], self.model.embed.device, config.gdn_checkpoint_slots)
+            self.states = None
+            if shape is not None:
+                self.states = GDNStateCache(shape, pool_slots, DTYPES[dtype], self.model.embed.device, config.gdn_checkpoint_slots, config.verify_states)
             self._limits = self._plan_limits()
             # With graphs, one block past the scheduler's is the dummy block that padding rows write.
             cache_blocks = num_blocks + 1 if graphed else num_blocks
@@ -335,14 +337,18 @@ class ModelRunner:
         if self.tp is not None and self.tp.leader:
             self.tp.send_frame(None)
 
-    def _forward(self, slices: list[Slice]) -> tuple[list[str], list[RequestState], torch.Tensor | None, tuple[list[Verify], list[torch.Tensor]] | None]:
+    def _forward(
+        self, slices: list[Slice]
+    ) -> tuple[list[str], list[RequestState], torch.Tensor | None, tuple[list[Verify], list[torch.Tensor], SlotMetadata | None] | None]:
         """The rids and states of the slices that sample, and their logits [N, vocab]; and the step's verifies
-        (speculative slices with a proposal) with each one's logits [its positions, vocab]."""
+        (speculative slices with a proposal) with each one's logits [its positions, vocab] and the GDN slots they roll back."""
         if not slices:
             return [], [], None, None
         verifies: dict[str, Verify] = {}
         if self.speculator is not None:
             self.speculator.check(slices, self.requests)
+            if self.states is not None:  # the most positions its verifies may save to roll back to
+                self.states.check_verifies(sum(s.num_tokens - 1 for s in slices if not s.token_ids))
             speculative, slices = slices, self.speculator.as_decodes(slices)
         elif any(not s.token_ids and s.num_tokens > 1 for s in slices):
             raise ValueError("a decode slice of several positions verifies proposed tokens, but this worker runs no speculative method")
@@ -381,7 +387,10 @@ class ModelRunner:
         )
         slots = None
         if self.states is not None:  # prefill chunks that save GDN checkpoints run their GDN layers in rounds cut there
-            slots = SlotMetadata.build(self.states, [s.slot for s in ordered], starts, lens, num_decodes, [s.checkpoints for s in ordered[num_decodes:]])
+            first_prefill = num_decodes + len(verifies)
+            slots = SlotMetadata.build(
+                self.states, [s.slot for s in ordered], starts, lens, num_decodes, [s.checkpoints for s in ordered[first_prefill:]], len(verifies)
+            )
         hidden = self.decoder(torch.tensor(input_ids, device=self.device), meta.positions, meta, self.kv_cache, slots)
 
         to_sample = [j for j, s in enumerate(ordered) if s.sample and s.rid not in verifies]
@@ -391,7 +400,7 @@ class ModelRunner:
             spans = [(ends[j] - lens[j], ends[j]) for j, s in enumerate(ordered) if s.rid in verifies]
             rows = torch.tensor([r for a, b in spans for r in range(a, b)], device=self.device)
             verify_logits = self.model.compute_logits(hidden.index_select(0, rows)).split([b - a for a, b in spans])
-            verified = ([verifies[s.rid] for s in ordered if s.rid in verifies], list(verify_logits))
+            verified = ([verifies[s.rid] for s in ordered if s.rid in verifies], list(verify_logits), slots)
         if not to_sample:
             return [], [], None, verified
         if len(to_sample) == hidden.shape[0]:  # a decode step: every row is a request's last

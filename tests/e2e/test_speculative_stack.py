@@ -1,14 +1,19 @@
 """A stack that speculates (``--speculative-method ngram``): the flags reach the scheduler and the worker, whose
 /instrumentation say so; a greedy reply is the same text whether its decodes verify proposals or not (a request
 whose ``min_tokens`` are not out decodes plainly), streamed or whole; a stop string inside an accepted run ends
-the text there; and the worker counts drafts and accepted tokens under vLLM's names."""
+the text there; and the worker counts drafts and accepted tokens under vLLM's names. A hybrid model (qwen3_next)
+answers the same with and without speculation, one request at a time and several side by side."""
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
 
-from tests.e2e.conftest import TINY_MODEL, Stack, metric_value, tiny_model_stack
+from shared.devtools.random_model import build_random_qwen3_next
+from shared.devtools.stack import free_port_block
+from tests.e2e.conftest import TINY_MODEL, Stack, launched_stack, metric_value, tiny_model_stack, wait_healthy
 
 K = 4
 
@@ -56,3 +61,40 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_reply_at_its_token(oai: o
     assert text == "\n" * 40  # greedy, this random model repeats one token: every proposal is accepted
     whole = ask(oai, stop=["\n" * 6])
     assert (whole.choices[0].message.content, whole.choices[0].finish_reason, whole.usage.completion_tokens) == ("", "stop", 6)
+
+
+HYBRID = "tiny-qwen3-next"
+
+
+@pytest.fixture(scope="module")
+def hybrid_stack(tmp_path_factory) -> Stack:
+    """A tiny random qwen3_next that speculates: its verifies roll its GDN state back past rejected tokens."""
+    tmp = tmp_path_factory.mktemp("speculative_hybrid")
+    model = build_random_qwen3_next(str(tmp / HYBRID), initializer_range=0.055)  # greedy, it falls into runs of one token, and out of them
+    flags = ["--model", model, "--num-threads", "1", "--kv-cache-tokens", "4096", "--speculative-method", "ngram", "--num-speculative-tokens", str(K)]
+    with launched_stack(free_port_block(), [*flags, "--ngram-min", "1"], str(tmp / "stack.log")) as stack:
+        wait_healthy(stack, 300)
+        yield stack
+
+
+def test_a_hybrid_model_answers_the_same_with_and_without_verified_proposals_alone_and_side_by_side(hybrid_stack: Stack) -> None:
+    oai = openai.OpenAI(base_url=f"{hybrid_stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def answer(content: str, min_tokens: int = 0) -> str:
+        reply = oai.chat.completions.create(
+            model=HYBRID,
+            messages=[{"role": "user", "content": content}],
+            max_tokens=32,
+            temperature=0,
+            extra_body={"ignore_eos": True, "min_tokens": min_tokens},
+        )
+        return reply.choices[0].message.content
+
+    prompts = ["say something over and over", "count to ten, then back", "repeat after me: la la la"]
+    plain = [answer(p, min_tokens=32) for p in prompts]  # a stop token could not end it inside a run: it never speculates
+    assert [answer(p) for p in prompts] == plain
+    with ThreadPoolExecutor(len(prompts)) as pool:  # verifies beside each other's prefills and decodes
+        assert list(pool.map(answer, prompts)) == plain
+    metrics = hybrid_stack.metrics("worker")
+    drafted, accepted = (metric_value(metrics, f"tokenyard:spec_decode_num_{name}_total") for name in ("draft_tokens", "accepted_tokens"))
+    assert 0 < accepted < drafted, (accepted, drafted)  # verifies rolled back past rejected tokens, and kept accepted ones

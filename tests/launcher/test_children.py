@@ -56,12 +56,12 @@ def test_a_model_that_cannot_be_split_is_refused_at_once(tmp_path) -> None:
         child_argvs(StackConfig(model=str(tmp_path), tensor_parallel_size=2))
 
 
-def test_speculation_a_hybrid_model_cannot_roll_back_is_refused_at_once(tmp_path) -> None:
+def test_speculation_starts_for_a_hybrid_model_but_not_under_tensor_parallelism(tmp_path) -> None:
     config = {"model_type": "qwen3_next", "num_hidden_layers": 4, "num_attention_heads": 4, "hidden_size": 64, "vocab_size": 100}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(SystemExit, match="hybrid"):
-        child_argvs(StackConfig(model=str(tmp_path), speculative_method="ngram"))
-    assert child_argvs(StackConfig(model=str(tmp_path)))  # without speculation it starts
+    assert child_argvs(StackConfig(model=str(tmp_path), speculative_method="ngram"))
+    with pytest.raises(SystemExit, match="tensor parallelism"):
+        child_argvs(StackConfig(model=str(tmp_path), speculative_method="ngram", tensor_parallel_size=2))
 
 
 @pytest.mark.parametrize(

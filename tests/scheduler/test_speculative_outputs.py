@@ -9,7 +9,6 @@ reference continuation with every ``wrong_every``-th token wrong."""
 from __future__ import annotations
 
 from collections import deque
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -19,10 +18,12 @@ from prometheus_client import REGISTRY
 from services.scheduler.core import Scheduler
 from services.scheduler.kv_blocks import BlockPool
 from services.scheduler.speculation import Speculation
+from services.scheduler.state_slots import SlotPool
 from services.worker.runner import ModelRunner, RunnerConfig
 from shared.devtools.inprocess_engine import InProcessEngine
 from shared.frames import FinishReason, SamplingParams, StepResult, Submit
-from tests.worker.harness import build_tiny
+from shared.model_info import load_model_info
+from tests.worker.harness import TINY_QWEN3_NEXTS, build_tiny
 
 NEW_TOKENS = 20
 LOOP = [11, 12, 13, 14, 15, 16, 17, 18]
@@ -36,10 +37,10 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3_moe", "qwen3_next"])
 def model(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(f"tiny-{request.param}-spec"))
-    reference = build_tiny(request.param, path)
+    reference = build_tiny(request.param, path, **(TINY_QWEN3_NEXTS["gqa-dense-layer"] if request.param == "qwen3_next" else {}))
     expected = {}
     for i, prompt in enumerate(PROMPTS):
         with torch.no_grad():
@@ -77,8 +78,12 @@ class ReferenceProposer:
 
 
 def engine(path: str, num_blocks: int, budget: int, depth: int, k: int, max_batch: int = 8, decode_plan_s: float = 0.0, proposer=None):
+    """A scheduler and runner of 8 requests at most; a hybrid model's with its GDN state slots and the states its verifies roll back to."""
     block_size = 4
-    runner = ModelRunner(RunnerConfig(path, num_blocks=num_blocks, block_size=block_size, speculative_method="ngram" if k else "", ngram=(1, 3)))
+    hybrid = load_model_info(path).uses_state_slots
+    runner = ModelRunner(
+        RunnerConfig(path, num_blocks=num_blocks, block_size=block_size, speculative_method="ngram" if k else "", ngram=(1, 3), verify_states=max_batch * k)
+    )
     if proposer is not None:
         runner.speculator.proposer = proposer
     scheduler = Scheduler(
@@ -88,6 +93,7 @@ def engine(path: str, num_blocks: int, budget: int, depth: int, k: int, max_batc
         max_waiting=100,
         decode_plan_s=decode_plan_s,
         speculation=Speculation(k, max_batch) if k else None,
+        slots=SlotPool(8) if hybrid else None,
     )
     return InProcessEngine(scheduler, runner, depth), scheduler, runner
 
@@ -172,12 +178,6 @@ def test_the_worker_counts_drafts_and_accepted_tokens_under_vllm_names(model) ->
     assert facts["method"] == "ngram" and facts["acceptance_rate"] == round(spec.accepted_tokens / spec.draft_tokens, 4)
 
 
-def test_a_worker_refuses_to_speculate_for_a_hybrid_model(tmp_path: Path) -> None:
-    build_tiny("qwen3_next", str(tmp_path))
-    with pytest.raises(ValueError, match="does not yet run qwen3_next: its GDN state cannot be rolled back"):
-        ModelRunner(RunnerConfig(str(tmp_path), num_blocks=16, block_size=4, speculative_method="ngram"))
-
-
 def test_a_stop_token_inside_an_accepted_run_ends_the_request_there(model) -> None:
     path, expected = model
     # A token the continuation holds past the first few, so a run of accepted tokens may cross it.
@@ -232,7 +232,7 @@ def test_seeded_sampled_requests_verify_by_rejection_sampling_and_repeat_themsel
     the same from run to run (its uniforms come from its own generator), and near-greedy ones accept proposals."""
     path, expected = model
     work = [
-        msgspec.structs.replace(s, sampling=SamplingParams(temperature=0.3 if i % 2 else 1.0, top_p=0.9, seed=100 + i), max_tokens=NEW_TOKENS)
+        msgspec.structs.replace(s, sampling=SamplingParams(temperature=0.1 if i % 2 else 1.0, top_p=0.9, seed=100 + i), max_tokens=NEW_TOKENS)
         for i, s in enumerate(submits())
     ]
     outputs = []

@@ -88,8 +88,8 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 class GatedDeltaNet:
     """Input-normed hidden states → ``residual + out_proj(RMSNorm(o) · silu(z))``, where o is the gated
-    delta rule over the request's state slot; decode slices take the recurrent kernels, prefill chunks
-    the chunked ones."""
+    delta rule over the request's state slot; decode slices and verifies (position by position) take the
+    recurrent kernels, prefill chunks the chunked ones."""
 
     def __init__(self, w: Weights, prefix: str, config: dict, cfg: DecoderConfig, kernels: GDNKernels) -> None:
         p = prefix + "linear_attn."
@@ -131,15 +131,20 @@ class GatedDeltaNet:
         z_end = self.conv_dim + self.value_dim
         z, b, a = proj[:, self.conv_dim : z_end], proj[:, z_end : z_end + self.hv], proj[:, z_end + self.hv :]
 
+        first_prefill = decodes + slots.num_verify_rows
+        verifies = slice(decodes, first_prefill)
         parts = []
         if decodes:
             parts.append(kernels.causal_conv1d_update(mixed[:decodes].contiguous(), conv_state, slots.decode_slots, self.conv_weight, self.conv_bias))
-        if decodes < total:  # in rounds where a chunk saves GDN checkpoints (gdn_state.SlotMetadata.by_rounds)
+        if slots.num_verify_rows:  # token by token, each position's state saved (gdn_state.SlotMetadata.by_positions)
+            update = kernels.causal_conv1d_update
+            parts.append(slots.by_positions(lambda x, ids: update(x[0], conv_state, ids, self.conv_weight, self.conv_bias), [mixed[verifies]], conv_state))
+        if first_prefill < total:  # in rounds where a chunk saves GDN checkpoints (gdn_state.SlotMetadata.by_rounds)
             conv = kernels.causal_conv1d_varlen
             parts.append(
                 slots.by_rounds(
                     lambda x, cu, ids, initial: conv(x[0].contiguous(), cu, conv_state, ids, initial, self.conv_weight, self.conv_bias),
-                    [mixed[decodes:]],
+                    [mixed[first_prefill:]],
                     conv_state,
                 )
             )
@@ -155,8 +160,12 @@ class GatedDeltaNet:
         if decodes:
             d = slice(0, decodes)
             outs.append(kernels.fused_recurrent_gated_delta_rule(q[d], k[d], v[d], g[d], beta[d], scale, state, slots.decode_slots))
-        if decodes < total:
-            pf = slice(decodes, total)
+        if slots.num_verify_rows:
+            step = kernels.fused_recurrent_gated_delta_rule
+            rows = [q[verifies], k[verifies], v[verifies], g[verifies], beta[verifies]]
+            outs.append(slots.by_positions(lambda x, ids: step(*x, scale, state, ids), rows, state))
+        if first_prefill < total:
+            pf = slice(first_prefill, total)
             rule = kernels.chunk_gated_delta_rule
             outs.append(slots.by_rounds(lambda x, cu, ids, initial: rule(*x, scale, state, ids, cu, initial), [q[pf], k[pf], v[pf], g[pf], beta[pf]], state))
         o = outs[0] if len(outs) == 1 else torch.cat(outs)

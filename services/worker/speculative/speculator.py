@@ -17,6 +17,7 @@ import msgspec
 import torch
 from prometheus_client import Counter
 
+from services.worker.gdn_state import SlotMetadata
 from services.worker.request_table import RequestState, RequestTable
 from services.worker.speculative.ngram import NgramProposer
 from services.worker.speculative.verifier import Verified, verify
@@ -93,11 +94,14 @@ class Speculator:
         for rid, token in zip(rids, tokens):
             self.proposer.extend(rid, [token])
 
-    def verify(self, verifies: list[Verify], logits: list[torch.Tensor]) -> dict[str, Verified]:
-        """Each verify's tokens from its logits [len(proposal) + 1, V]; its request ends at its last accepted token."""
+    def verify(self, verifies: list[Verify], logits: list[torch.Tensor], states: SlotMetadata | None = None) -> dict[str, Verified]:
+        """Each verify's tokens from its logits [len(proposal) + 1, V]; its request ends at its last accepted token,
+        and with a hybrid model's ``states`` its GDN slot holds the state after that token."""
         out = {}
-        for v, rows in zip(verifies, logits):
+        for i, (v, rows) in enumerate(zip(verifies, logits)):
             verified = out[v.slice.rid] = verify(rows, v.proposal, v.request)
+            if states is not None:
+                states.keep_accepted(i, verified.accepted)
             v.request.end = v.slice.start + len(verified.tokens)
             self._trim(v.request)
             self.proposer.extend(v.slice.rid, verified.tokens)
