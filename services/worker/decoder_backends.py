@@ -4,11 +4,13 @@ states), chosen once at load, as the attention backends are, so the step itself 
 Each backend declares what it runs (``why_not``: None, or why not this model) and the runner takes the
 first of ``DECODER_BACKENDS`` that runs its model:
 
-- ``one-call-cpp``: every layer in one C++ call (``csrc/dense_decoder.cpp``), without Python's per-layer
-  glue: the fused forward's own kernel sequence, the same logits to the bit. It runs the shared dense
-  decoder (no q/k norms, rotary over whole heads, SwiGLU MLPs) on the CPU kernels with int4 weights, not
-  sharded. Its kernel rounds activations to int16 at every row count; under int4-a8, whose products round
-  steps of more than ``BLOCK_QUANT_MAX_ROWS`` rows to int8, only few-row steps take it, the rest ``fused``.
+- ``one-call-cpp``: every layer in one C++ call (``csrc/decoder_layers.cpp``, its weights held from load),
+  without Python's per-layer glue: the fused forward's own kernel sequence, the same logits to the bit. It
+  runs the shared decoder's attention layers (q/k norms or none, rotary over whole heads) with SwiGLU or
+  sparse MoE MLPs (experts resident in blocks, no shared expert: Llama, Qwen3, Qwen3-MoE) on the CPU kernels
+  with weights in blocks (int4, or a GGUF's), not sharded. Its kernel rounds activations to int16 at every
+  row count; under int4-a8, whose products round steps of more than ``BLOCK_QUANT_MAX_ROWS`` rows to int8,
+  only few-row steps take it, the rest ``fused``.
 - ``fused``: layer by layer, each residual add folded into the RMSNorm after it, where the fusion kernels are on.
 - ``layers``: layer by layer, unfused: the reference, and every model's fallback.
 """
@@ -25,7 +27,8 @@ from services.worker.attention import AttentionMetadata, KVCache
 from services.worker.cpu_kernels import cpu_kernels
 from services.worker.gdn_state import SlotMetadata
 from services.worker.linear import BLOCK_QUANT_MAX_ROWS
-from services.worker.models.decoder import DecoderForCausalLM
+from services.worker.models.decoder import Attention, DecoderForCausalLM, DenseMLP
+from services.worker.moe import SparseMoE
 
 
 class DecoderBackend(Protocol):
@@ -72,25 +75,40 @@ class OneCallCpp:
     @staticmethod
     def why_not(model: DecoderForCausalLM, sharded: bool) -> str | None:
         # On the CPU the only fusions are the C++ ones, and the cpp attention backend means the CPU.
-        if model.attention_backend != "cpp" or None in (model.fusions.add_rms_norm, model.fusions.silu_and_mul, model.fusions.rotary):
+        fusions = model.fusions
+        if model.attention_backend != "cpp" or None in (fusions.add_rms_norm, fusions.silu_and_mul, fusions.rotary, fusions.norm_heads):
             return "needs the C++ CPU kernels (attention and fusions)"
-        if not model.DENSE_LAYERS or model.QK_NORM or model.rotary.head_dim != model.cfg.head_dim:
-            return f"runs the dense decoder's layers only (no q/k norms, full rotary, SwiGLU MLPs), not {model.cfg.family}'s"
+        if any(type(layer.attn) is not Attention for layer in model.layers) or model.rotary.head_dim != model.cfg.head_dim:
+            return f"runs attention layers with rotary over whole heads only, not {model.cfg.family}'s"
         if sharded:
             return "runs unsharded weights only"
+        for layer in model.layers:
+            mlp = layer.mlp
+            if isinstance(mlp, SparseMoE):
+                if mlp.panels is None or mlp.shared_panels is not None or mlp.cache is not None:
+                    return "runs MoE layers whose experts are resident in blocks, without a shared expert"
+            elif not isinstance(mlp, DenseMLP):
+                return f"runs SwiGLU and sparse MoE MLPs only, not {type(mlp).__name__}"
         if any(p.panels is None for p in _projections(model)):
-            return "needs int4 weights"
+            return "needs weights in blocks (int4 or a GGUF's)"
         return None
 
     def __init__(self, model: DecoderForCausalLM) -> None:
         self._model, self._larger = model, FusedLayers(model)
-        self.one_call_rows = sys.maxsize if all(p.activation_bits == 16 for p in _projections(model)) else BLOCK_QUANT_MAX_ROWS
         layers = model.layers
         attn, mlp = [layer.attn for layer in layers], [layer.mlp for layer in layers]
-        norms = [weight for layer in layers for weight in (layer.input_norm.weight, layer.post_norm.weight)] + [model.norm.weight]
-        self._weights = (  # in the kernel's argument order: norms, qkv, qkv bias, o_proj, o bias, gate_up, down
-            norms, [a.qkv.panels for a in attn], [a.qkv.bias for a in attn], [a.o_proj.panels for a in attn], [a.o_proj.bias for a in attn],
-            [m.gate_up.panels for m in mlp], [m.down.panels for m in mlp],
+        moe = [m for m in mlp if isinstance(m, SparseMoE)]
+        sixteen_bits = all(p.activation_bits == 16 for p in _projections(model)) and not any(m.int8_activations for m in moe)
+        self.one_call_rows = sys.maxsize if sixteen_bits else BLOCK_QUANT_MAX_ROWS
+        self._layers = cpu_kernels()[0].DecoderLayers(
+            norms=[weight for layer in layers for weight in (layer.input_norm.weight, layer.post_norm.weight)] + [model.norm.weight],
+            qkv=[a.qkv.panels for a in attn], qkv_bias=[a.qkv.bias for a in attn], head_norms=[a.head_norms for a in attn],
+            o_proj=[a.o_proj.panels for a in attn], o_bias=[a.o_proj.bias for a in attn],
+            routers=[m.router if isinstance(m, SparseMoE) else None for m in mlp],
+            gate_up=[m.panels.gate_up if isinstance(m, SparseMoE) else m.gate_up.panels for m in mlp],
+            down=[m.panels.down if isinstance(m, SparseMoE) else m.down.panels for m in mlp],
+            top_k=moe[0].top_k if moe else 1, renormalize=bool(moe and moe[0].renormalize),
+            heads=model.num_heads, kv_heads=model.num_kv_heads, head_dim=model.head_dim, eps=model.cfg.eps,
         )  # fmt: skip
 
     def __call__(
@@ -100,14 +118,19 @@ class OneCallCpp:
             return self._larger(input_ids, positions, attn, kv_cache, slots)
         model = self._model
         cos, sin = model.rotary.lookup(positions, attn.max_position)
-        return cpu_kernels()[0].dense_decoder_layers(
-            F.embedding(input_ids, model.embed), *self._weights, kv_cache.layers, cos, sin, attn.write_slots,
-            attn.row_block_tables, attn.row_context_lens, model.num_heads, model.num_kv_heads, model.head_dim, attn.block_size, model.cfg.eps,
-        )  # fmt: skip
+        return self._layers.forward(
+            F.embedding(input_ids, model.embed), kv_cache.layers, cos, sin, attn.write_slots, attn.row_block_tables, attn.row_context_lens, attn.block_size
+        )
 
 
 def _projections(model: DecoderForCausalLM) -> list:
-    return [p for layer in model.layers for p in (layer.attn.qkv, layer.attn.o_proj, layer.mlp.gate_up, layer.mlp.down)]
+    """The attention projections and dense MLPs' weights of ``model``'s layers."""
+    out = []
+    for layer in model.layers:
+        out += [layer.attn.qkv, layer.attn.o_proj]
+        if isinstance(layer.mlp, DenseMLP):
+            out += [layer.mlp.gate_up, layer.mlp.down]
+    return out
 
 
 DECODER_BACKENDS = {backend.name: backend for backend in (OneCallCpp, FusedLayers, Layers)}  # in order of preference

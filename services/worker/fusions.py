@@ -4,7 +4,8 @@ their torch references, and the choice of backend.
 With them the decoder folds each residual add into the RMSNorm that follows it and runs the SwiGLU
 activation (and, on the CPU, the q/k rotation) as one kernel each. On CUDA they are the Triton kernels
 of ``services.worker.kernels.fusions`` (rotary stays torch); on the CPU, for fp32 models, the C++
-kernels of ``csrc/decoder_fusions.cpp``, which save the per-op dispatch of ~25 small torch ops a layer.
+kernels of ``csrc/decoder_fusions.cpp``, which save the per-op dispatch of ~25 small torch ops a layer,
+and also norm Qwen3's q and k heads in place.
 Elsewhere (a bf16/fp16 CPU model, no compiler, ``TOKENYARD_CPU_KERNELS=0``) the decoder keeps its
 unfused forward, and ``names`` says why.
 """
@@ -40,11 +41,12 @@ class FusionKernels(NamedTuple):
     add_rms_norm: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]] | None
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None
     rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None  # ``apply_rotary_``'s contract
+    norm_heads: Callable[[torch.Tensor, torch.Tensor, float], None] | None  # (heads [T, N, D], weight [N, D], eps): RMSNorm each head in place
     names: dict[str, str]  # for /instrumentation
 
 
 def _unfused(reason: str) -> FusionKernels:
-    return FusionKernels(None, None, None, dict.fromkeys(("add_rms_norm", "silu_and_mul", "rotary"), reason))
+    return FusionKernels(None, None, None, None, dict.fromkeys(("add_rms_norm", "silu_and_mul", "rotary", "norm_heads"), reason))
 
 
 UNFUSED = _unfused("none (torch, unfused)")
@@ -61,7 +63,10 @@ def select_fusion_kernels(device: torch.device, dtype: torch.dtype) -> FusionKer
         from services.worker.kernels import fusions  # imports triton: only on the GPU path
     except ImportError as exc:
         return _unfused(f"none (triton unavailable: {exc})")
-    return FusionKernels(fusions.add_rms_norm, fusions.silu_and_mul, None, {"add_rms_norm": "triton", "silu_and_mul": "triton", "rotary": "none (torch)"})
+    return FusionKernels(
+        fusions.add_rms_norm, fusions.silu_and_mul, None, None,
+        {"add_rms_norm": "triton", "silu_and_mul": "triton", "rotary": "none (torch)", "norm_heads": "none (torch)"},
+    )  # fmt: skip
 
 
 def _cpu_fusions(dtype: torch.dtype) -> FusionKernels:
@@ -71,4 +76,7 @@ def _cpu_fusions(dtype: torch.dtype) -> FusionKernels:
     if kernels is None:
         return _unfused(f"none (C++ kernels unavailable: {why})")
     # add_rms_norm writes h over x: the decoder passes each mixer's or MLP's fresh output, dead after the call.
-    return FusionKernels(kernels.add_rms_norm, kernels.silu_and_mul, kernels.rotary_, dict.fromkeys(("add_rms_norm", "silu_and_mul", "rotary"), "cpp"))
+    return FusionKernels(
+        kernels.add_rms_norm, kernels.silu_and_mul, kernels.rotary_, kernels.rms_norm_heads_,
+        dict.fromkeys(("add_rms_norm", "silu_and_mul", "rotary", "norm_heads"), "cpp"),
+    )  # fmt: skip

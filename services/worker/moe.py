@@ -10,8 +10,10 @@ Experts in q4_0 / q4_1 / q8_0 blocks (``block_quant``: a GGUF's, or quantized at
 active expert's gate/up with the SwiGLU fused, down, and the weighted sum added into the residual in
 place, with a layer's shared expert (Qwen3-Next) as one more expert that every token takes. Activations
 are rounded to int16 per block of 32 (int8 beyond ``BLOCK_QUANT_MAX_ROWS`` rows under ``int4-a8``), as
-the dense block kernels round them. With an expert cache (``expert_cache.py``) the call runs over its bank
-of slots, the layer's misses filled once the kernel's own routing has named them.
+the dense block kernels round them. The router's logits there are the C++ ``router_logits`` (each dot
+product in one fixed order), which the one-call decoder (``decoder_backends.py``) computes alike. With an
+expert cache (``expert_cache.py``) the call runs over its bank of slots, the layer's misses filled once the
+kernel's own routing has named them.
 """
 
 from __future__ import annotations
@@ -230,7 +232,7 @@ class SparseMoE:
         self.w_gate_up, self.w_down = _placeholder(tuple(gate_up.shape)), _placeholder(tuple(down.shape))
         self.int8_activations = int8_activations
         self.backend = "grouped-cpp"
-        self._kernel = cpu_kernels()[0].grouped_moe
+        self._kernel, self._logits = cpu_kernels()[0].grouped_moe, cpu_kernels()[0].router_logits
         self._logits_weight = self.router
         self._grouped = self._resident
 
@@ -271,7 +273,7 @@ class SparseMoE:
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         if self.panels is not None:
             bits = 8 if self.int8_activations and x.shape[0] > BLOCK_QUANT_MAX_ROWS else 16
-            return self._grouped(x, F.linear(x, self._logits_weight), bits, residual)
+            return self._grouped(x, self._logits(x, self._logits_weight), bits, residual)
         weights, ids = route(F.linear(x, self.router), self.top_k, self.renormalize)
         return self._experts(x, self.w_gate_up, self.w_down, weights, ids, residual)
 

@@ -299,60 +299,62 @@ def test_int4_a8_costs_what_int8_activations_cost_in_many_row_steps_and_nothing_
     torch.testing.assert_close(a8.logits(decode)["d"], lossless.logits(decode)["d"], rtol=0, atol=0)
 
 
+class _CountingLayers:
+    """A runner's ``DecoderLayers`` that records the rows of each step it runs."""
+
+    def __init__(self, layers: object) -> None:
+        self.layers, self.calls = layers, []
+
+    def forward(self, embedded: torch.Tensor, *args: object) -> torch.Tensor:
+        self.calls.append(embedded.shape[0])
+        return self.layers.forward(embedded, *args)
+
+
 @kernels
-def test_a_step_runs_all_layers_in_one_call_with_the_per_layer_paths_own_results(tiny_llamas: dict[str, Checkpoint], tmp_path: Path) -> None:
-    """``dense_decoder_layers`` is the fused forward's own kernel sequence: after prefills of few and of
-    many rows through it, logits of decode steps equal the per-layer Python path's, bit for bit. Under
-    int4-a8, whose many-row steps round activations to int8, only few-row steps take it."""
-    _snap_to_blocks(tiny_llamas["untied"].path, tmp_path / "snapped")
-    runners = [ModelRunner(RunnerConfig(str(tmp_path / "snapped"), num_blocks=24, block_size=4, weight_quant=quant)) for quant in ("int4", "int4", "int4-a8")]
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+def test_a_step_runs_all_layers_in_one_call_with_the_per_layer_paths_own_results(
+    family: str, tiny_llamas: dict[str, Checkpoint], tiny_qwen3s: dict[str, Checkpoint], tiny_qwen3_moes: dict[str, Checkpoint], tmp_path: Path
+) -> None:
+    """``DecoderLayers`` is the fused forward's own kernel sequence, q/k norms (Qwen3) and MoE layers beside
+    dense ones (Qwen3-MoE: experts in q4_1 blocks) included: after prefills of few and of many rows through it,
+    logits of decode steps equal the per-layer Python path's, bit for bit. Under int4-a8, whose many-row steps
+    round activations to int8, only few-row steps take it."""
+    if family == "llama":
+        _snap_to_blocks(tiny_llamas["untied"].path, tmp_path / "snapped")
+        path = str(tmp_path / "snapped")
+    else:
+        path = (tiny_qwen3s["untied-bias"] if family == "qwen3" else tiny_qwen3_moes["renorm-dense-middle"]).path
+    runners = [ModelRunner(RunnerConfig(path, num_blocks=24, block_size=4, weight_quant=quant)) for quant in ("int4", "int4", "int4-a8")]
     one_call, per_layer, a8 = runners
-    assert one_call.decoder.name == a8.decoder.name == "one-call-cpp"  # chosen at load: int4 weights, a dense family
+    assert one_call.decoder.name == a8.decoder.name == "one-call-cpp"  # chosen at load: weights in blocks, attention layers
     per_layer.decoder = FusedLayers(per_layer.model)  # the per-layer path, as for a family the kernel does not cover
-    calls = []
-    kernels = cpu_kernels()[0]
-
-    class Spy:
-        def __getattr__(self, name: str) -> object:
-            return getattr(kernels, name)
-
-        def dense_decoder_layers(self, *args: object, **kwargs: object) -> torch.Tensor:
-            calls.append(args[0].shape[0])  # the step's rows
-            return kernels.dense_decoder_layers(*args, **kwargs)
-
-    import services.worker.decoder_backends as backends
-
-    original = backends.cpu_kernels
-    backends.cpu_kernels = lambda: (Spy(), "")
-    try:
-        prompts = [prompt_of(3, 3), prompt_of(4, 9)]
-        for i, prompt in enumerate(prompts):  # 3 rows and 9 rows (more than BLOCK_QUANT_MAX_ROWS)
-            plan = StepPlan(0, [Slice(f"r{i}", 0, len(prompt), prompt, list(range(8 * i, 8 * i + 8)), sampling=GREEDY)])
-            assert one_call.execute(plan).sampled[0].token_id == per_layer.execute(plan).sampled[0].token_id
-        for step in range(4):  # both requests decode together (2 rows), over the keys and values the prefills wrote
-            plan = StepPlan(1 + step, [Slice(f"r{i}", len(prompt) + step, 1) for i, prompt in enumerate(prompts)])
-            theirs, ours = per_layer.logits(plan), one_call.logits(plan)
-            for rid in theirs:
-                torch.testing.assert_close(ours[rid], theirs[rid], rtol=0, atol=0)
-        assert calls == [3, 9, 2, 2, 2, 2]  # every step of the int4 model
-        calls.clear()
-        for i, prompt in enumerate(prompts):
-            a8.execute(StepPlan(0, [Slice(f"r{i}", 0, len(prompt), prompt, list(range(8 * i, 8 * i + 8)), sampling=GREEDY)]))
-        assert calls == [3]  # the 9-row prefill took the per-layer path and its int8 activations
-    finally:
-        backends.cpu_kernels = original
+    for runner in (one_call, a8):
+        runner.decoder._layers = _CountingLayers(runner.decoder._layers)
+    prompts = [prompt_of(3, 3), prompt_of(4, 9)]
+    for i, prompt in enumerate(prompts):  # 3 rows and 9 rows (more than BLOCK_QUANT_MAX_ROWS)
+        plan = StepPlan(0, [Slice(f"r{i}", 0, len(prompt), prompt, list(range(8 * i, 8 * i + 8)), sampling=GREEDY)])
+        assert one_call.execute(plan).sampled[0].token_id == per_layer.execute(plan).sampled[0].token_id
+    for step in range(4):  # both requests decode together (2 rows), over the keys and values the prefills wrote
+        plan = StepPlan(1 + step, [Slice(f"r{i}", len(prompt) + step, 1) for i, prompt in enumerate(prompts)])
+        theirs, ours = per_layer.logits(plan), one_call.logits(plan)
+        for rid in theirs:
+            torch.testing.assert_close(ours[rid], theirs[rid], rtol=0, atol=0)
+    assert one_call.decoder._layers.calls == [3, 9, 2, 2, 2, 2]  # every step of the int4 model
+    for i, prompt in enumerate(prompts):
+        a8.execute(StepPlan(0, [Slice(f"r{i}", 0, len(prompt), prompt, list(range(8 * i, 8 * i + 8)), sampling=GREEDY)]))
+    assert a8.decoder._layers.calls == [3]  # the 9-row prefill took the per-layer path and its int8 activations
 
 
 @kernels
 def test_the_runner_chooses_its_decoder_backend_at_load_and_names_it(tiny_llamas: dict[str, Checkpoint], tiny_qwen3s: dict[str, Checkpoint]) -> None:
-    """All layers in one C++ call for a dense family on int4 weights; layer by layer, fused, for float weights
-    or a family with q/k norms, and unfused where the fusions are off (a bfloat16 model on the CPU)."""
+    """All layers in one C++ call for an attention family on int4 weights, q/k norms included; layer by layer,
+    fused, for float weights, and unfused where the fusions are off (a bfloat16 model on the CPU)."""
     llama, qwen3 = tiny_llamas["untied"].path, next(iter(tiny_qwen3s.values())).path
     chosen = {
         (path, quant, dtype): ModelRunner(RunnerConfig(path, num_blocks=8, block_size=4, dtype=dtype, weight_quant=quant)).describe()["decoder_backend"]
         for path, quant, dtype in ((llama, "int4", "float32"), (llama, "none", "float32"), (qwen3, "int4", "float32"), (llama, "none", "bfloat16"))
     }
-    assert list(chosen.values()) == ["one-call-cpp", "fused", "fused", "layers"]
+    assert list(chosen.values()) == ["one-call-cpp", "fused", "one-call-cpp", "layers"]
 
 
 @kernels

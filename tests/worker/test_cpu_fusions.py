@@ -21,6 +21,7 @@ from services.worker import fusions
 from services.worker.cpu_kernels import cpu_kernels
 from services.worker.fusions import UNFUSED, add_rms_norm_torch, select_fusion_kernels, silu_and_mul_torch
 from services.worker.models.decoder import FusedDenseMLP
+from services.worker.rmsnorm import RMSNorm
 from services.worker.rotary import RotaryEmbedding, apply_rotary_
 
 from .harness import Checkpoint, mixed_step_logits, rel_err
@@ -114,16 +115,37 @@ def test_rotary_rotates_the_q_and_k_heads_inside_qkv_like_apply_rotary(heads: in
         KERNELS.rotary_(torch.zeros(rows, heads, 2 * rotary_dim)[..., ::2], cos, sin)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 11)])
+def test_rms_norm_heads_norms_the_q_and_k_heads_inside_qkv_like_rmsnorm(heads: int, kv_heads: int, head_dim: int) -> None:
+    """Each q and k head normed in place by its own weight row (a Qwen3 layer's q_norm rows, then its k_norm
+    rows), the v heads after them untouched, as ``RMSNorm.norm_`` and torch's ``F.rms_norm`` do it."""
+    q_norm, k_norm = 1 + 0.3 * _randn(head_dim, seed=1, scale=1), 1 + 0.3 * _randn(head_dim, seed=2, scale=1)
+    weight = torch.cat([q_norm.expand(heads, -1), k_norm.expand(kv_heads, -1)])
+    for rows in ROWS:
+        qkv = _randn(rows, heads + 2 * kv_heads, head_dim, seed=rows)
+        theirs, ours = qkv.clone(), qkv.clone()
+        RMSNorm(weight, 1e-6).norm_(theirs[:, : heads + kv_heads])
+        KERNELS.rms_norm_heads_(ours[:, : heads + kv_heads], weight, 1e-6)
+        _close(ours, theirs)
+        _close(ours[:, :heads], F.rms_norm(qkv[:, :heads], (head_dim,), q_norm, 1e-6))
+        assert torch.equal(ours[:, heads + kv_heads :], qkv[:, heads + kv_heads :])
+    with pytest.raises(RuntimeError, match="must be \\[heads, head_dim\\]"):
+        KERNELS.rms_norm_heads_(qkv[:, :heads], weight, 1e-6)
+    with pytest.raises(RuntimeError, match="unit stride"):
+        KERNELS.rms_norm_heads_(torch.zeros(rows, heads + kv_heads, 2 * head_dim)[..., ::2], weight, 1e-6)
+
+
 def test_the_cpu_chooses_the_cpp_kernels_for_fp32_models_and_says_why_not() -> None:
     cpu = torch.device("cpu")
     chosen = select_fusion_kernels(cpu, torch.float32)
     assert chosen.add_rms_norm is KERNELS.add_rms_norm and chosen.silu_and_mul is KERNELS.silu_and_mul and chosen.rotary is KERNELS.rotary_
-    assert chosen.names == {"add_rms_norm": "cpp", "silu_and_mul": "cpp", "rotary": "cpp"}
+    assert chosen.norm_heads is KERNELS.rms_norm_heads_
+    assert chosen.names == {"add_rms_norm": "cpp", "silu_and_mul": "cpp", "rotary": "cpp", "norm_heads": "cpp"}
     bf16 = select_fusion_kernels(cpu, torch.bfloat16)
-    assert bf16[:3] == (None, None, None) and bf16.names["rotary"] == "none (the C++ kernels are fp32, the model is bfloat16)"
+    assert bf16[:4] == (None, None, None, None) and bf16.names["rotary"] == "none (the C++ kernels are fp32, the model is bfloat16)"
     with mock.patch.object(fusions, "cpu_kernels", lambda: (None, "disabled by TOKENYARD_CPU_KERNELS=0")):
         off = select_fusion_kernels(cpu, torch.float32)
-    assert off[:3] == (None, None, None) and off.names["add_rms_norm"] == "none (C++ kernels unavailable: disabled by TOKENYARD_CPU_KERNELS=0)"
+    assert off[:4] == (None, None, None, None) and off.names["add_rms_norm"] == "none (C++ kernels unavailable: disabled by TOKENYARD_CPU_KERNELS=0)"
 
 
 @pytest.fixture
@@ -139,7 +161,7 @@ def test_the_decoder_with_the_cpp_kernels_equals_its_unfused_forward(every_famil
         unfused, _ = mixed_step_logits(checkpoint.path, UNFUSED)
         fused, runner = mixed_step_logits(checkpoint.path, select_fusion_kernels(torch.device("cpu"), torch.float32))
         assert runner.decoder.name == "fused" and any(isinstance(layer.mlp, FusedDenseMLP) for layer in runner.model.layers)
-        assert runner.describe()["fusion_kernels"] == {"add_rms_norm": "cpp", "silu_and_mul": "cpp", "rotary": "cpp"}
+        assert runner.describe()["fusion_kernels"] == {"add_rms_norm": "cpp", "silu_and_mul": "cpp", "rotary": "cpp", "norm_heads": "cpp"}
         assert set(unfused) == set(fused) == {"a", "b"}  # a decode and a prefill chunk, in one step
         for rid in unfused:
             assert rel_err(fused[rid], unfused[rid]) < TOLERANCE, (checkpoint.path, rid)

@@ -81,11 +81,11 @@ def test_silu_and_mul_matches_its_reference_and_torchs_silu(interpreter: Pool, d
 
 # The decoder's fused forward. -----------------------------------------------------------------------------
 
-TORCH_FUSIONS = FusionKernels(add_rms_norm_torch, silu_and_mul_torch, None, {"add_rms_norm": "torch reference", "silu_and_mul": "torch reference"})
+TORCH_FUSIONS = FusionKernels(add_rms_norm_torch, silu_and_mul_torch, None, None, {"add_rms_norm": "torch reference", "silu_and_mul": "torch reference"})
 
 
 def _triton_logits(path: str) -> tuple[dict[str, torch.Tensor], dict, bool]:
-    logits, runner = mixed_step_logits(path, FusionKernels(kernels.add_rms_norm, kernels.silu_and_mul, None, {"add_rms_norm": "triton"}))
+    logits, runner = mixed_step_logits(path, FusionKernels(kernels.add_rms_norm, kernels.silu_and_mul, None, None, {"add_rms_norm": "triton"}))
     return logits, runner.describe()["fusion_kernels"], runner.decoder.name == "fused"
 
 

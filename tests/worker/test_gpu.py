@@ -40,7 +40,12 @@ def test_bf16_logits_are_as_close_to_float32_transformers_as_transformers_bf16_t
     theirs_bf16 = copy.deepcopy(reference).to("cuda", torch.bfloat16)
     runner = ModelRunner(RunnerConfig(path, num_blocks=64, block_size=16, dtype="bfloat16", device="cuda"))
     assert runner.describe()["attention_backend"] == "triton" and runner.sampler.name == "device"
-    assert runner.describe()["fusion_kernels"] == {"add_rms_norm": "triton", "silu_and_mul": "triton", "rotary": "none (torch)"}  # the fused forward
+    assert runner.describe()["fusion_kernels"] == {
+        "add_rms_norm": "triton",
+        "silu_and_mul": "triton",
+        "rotary": "none (torch)",
+        "norm_heads": "none (torch)",
+    }  # the fused forward
     slot = 0 if runner.states is not None else -1  # a hybrid (qwen3_next) request names its GDN state slot
     prompt = prompt_of(5, 37)
     greedy = SamplingParams(temperature=0)

@@ -34,6 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("router_logits"), py::arg("top_k"), py::arg("renormalize"), py::arg("gate_up"), py::arg("down"),
         py::arg("shared_gate_up") = py::none(), py::arg("shared_down") = py::none(), py::arg("residual") = py::none(), py::arg("activation_bits") = 16,
         py::arg("topk_weights") = py::none(), py::arg("topk_ids") = py::none(), py::arg("expert_slots") = py::none(), no_gil);
+  m.def("router_logits", &router_logits, "x [T, H] @ weight [E, H].T in float32, each dot product in one fixed order (CPU)", no_gil);
   m.def("route_experts", &route_experts,
         "(weights [T, k] float32, ids [T, k] int32): grouped_moe's own routing of the first num_experts columns (-1: all) of [T, E] float32 "
         "router logits (softmax, top-k, ties to the lower expert, optionally renormalised)",
@@ -41,7 +42,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "x @ (int8 weight * per-channel scale).T (+ bias), fp32 arithmetic (CPU)", no_gil);
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(h) * weight, h) with h = x + residual written over x (fp32, CPU)", no_gil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] rows (fp32, CPU)", no_gil);
-  m.def("dense_decoder_layers", &dense_decoder_layers, "a dense decoder's layers over int4 weights for a step of few rows, one call (fp32, CPU)", no_gil);
+  py::class_<DecoderLayers>(m, "DecoderLayers", "a decoder's layers over weights in blocks, held from load, run for a step in one call (fp32, CPU)")
+      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<std::optional<torch::Tensor>>, std::vector<std::optional<torch::Tensor>>,
+                    std::vector<torch::Tensor>, std::vector<std::optional<torch::Tensor>>, std::vector<std::optional<torch::Tensor>>, std::vector<torch::Tensor>,
+                    std::vector<torch::Tensor>, int64_t, bool, int64_t, int64_t, int64_t, double>(),
+           py::arg("norms"), py::arg("qkv"), py::arg("qkv_bias"), py::arg("head_norms"), py::arg("o_proj"), py::arg("o_bias"), py::arg("routers"),
+           py::arg("gate_up"), py::arg("down"), py::arg("top_k"), py::arg("renormalize"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
+           py::arg("eps"))
+      .def("forward", &DecoderLayers::forward, "final-normed hidden states [rows, hidden] of a step's embedded rows, every layer in one call",
+           py::arg("embedded"), py::arg("caches"), py::arg("cos"), py::arg("sin"), py::arg("write_slots"), py::arg("block_tables"), py::arg("context_lens"),
+           py::arg("block_size"), no_gil);
   m.def(
       "takeover_pool_stats",
       [] {
@@ -62,5 +72,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "set_takeover_helper_stall_us", [](int64_t us) { takeover_pool::stats().helper_stall_us.store(us); },
       "tests: each pool helper stalls this long before committing an item (0: never), as a preemption would");
+  m.def("rms_norm_heads_", &rms_norm_heads_, "RMSNorm each head of x [tokens, heads, head_dim] in place by its row of weight [heads, head_dim] (fp32, CPU)",
+        py::arg("x"), py::arg("weight"), py::arg("eps"), no_gil);
   m.def("rotary_", &rotary_, "rotate x [tokens, heads, rotary_dim] in place by cos/sin [tokens, 1, rotary_dim] (fp32, CPU)", no_gil);
 }

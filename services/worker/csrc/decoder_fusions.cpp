@@ -5,6 +5,7 @@
 // - add_rms_norm: h = x + residual written over x, then RMSNorm(h) * weight into a new tensor.
 // - silu_and_mul: silu(gate) * up of [gate | up] rows [T, 2I] -> [T, I].
 // - rotary_: q and k heads rotated in place, x' = x * cos + roll(x, D/2) * sin, the sign folded into sin.
+// - rms_norm_heads_: each q and k head RMSNorm-ed in place by its own weight row (Qwen3's q/k norms).
 //
 // Rows are split over threads only when a call has enough of them to pay for waking the pool, and never in
 // a step whose big calls run on the takeover pool (csrc/takeover_pool.h).
@@ -149,6 +150,29 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x_in,
     }
   });
   return {out, x};
+}
+
+void rms_norm_heads_(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  check_float_cpu(x, "x");
+  check_float_cpu(weight, "weight");
+  TORCH_CHECK(x.dim() == 3, "x must be [tokens, heads, head_dim], got ", x.dim(), " dims");
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == heads && weight.size(1) == dim, "weight must be [heads, head_dim] = [", heads, ", ", dim, "], got ",
+              weight.sizes());
+  TORCH_CHECK(x.stride(2) == 1 && at::has_internal_overlap(x) != at::MemOverlap::Yes, "x is normed in place, so its heads need unit stride and their own memory");
+  const auto w = weight.contiguous();
+  float* x_ptr = x.data_ptr<float>();
+  const float* w_ptr = w.data_ptr<float>();
+  const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
+  const float epsf = static_cast<float>(eps);
+  at::parallel_for(0, tokens * heads, grain(tokens * heads, tokens, dim), [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item % heads;
+      float* head = x_ptr + (item / heads) * token_stride + h * head_stride;
+      const float squares = add_and_square_sum(head, nullptr, dim);
+      scale_by_weight(head, w_ptr + h * dim, 1.f / std::sqrt(squares / static_cast<float>(dim) + epsf), head, dim);
+    }
+  });
 }
 
 torch::Tensor silu_and_mul(const torch::Tensor& gate_up_in) {

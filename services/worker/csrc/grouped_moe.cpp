@@ -26,6 +26,7 @@
 #include <torch/extension.h>
 
 #include "avx2_exp.h"
+#include "avx2_sum.h"
 #include "block_panels.h"
 #include "kernels.h"
 
@@ -216,6 +217,22 @@ QuantizedRows<T> round_rows(const float* x, int64_t rows, int64_t k, bool on_cal
   return a;
 }
 
+// a . b over n floats, in one fixed order (the same bits on every thread and at every row count).
+float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float sum = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  sum = hsum(_mm256_add_ps(acc0, acc1));
+#endif
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
 // Each token's top-k experts and weights from its router logits: softmax in fp32, the k largest (ties:
 // the lower expert first), optionally renormalised to sum to 1.
 void route(const float* logits, int64_t tokens, int64_t stride, int64_t experts, int64_t top_k, bool renormalize, std::vector<int64_t>& ids,
@@ -366,6 +383,24 @@ int64_t routed_experts(const torch::Tensor& router_logits, int64_t num_experts) 
 }
 
 }  // namespace
+
+torch::Tensor router_logits(const torch::Tensor& x_in, const torch::Tensor& weight_in) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32 && x_in.device().is_cpu(), "x must be [tokens, hidden] float32 on the CPU, got ", x_in.sizes());
+  TORCH_CHECK(weight_in.dim() == 2 && weight_in.scalar_type() == torch::kFloat32 && weight_in.size(1) == x_in.size(1),
+              "the router's weight must be [experts, hidden] float32 with hidden = ", x_in.size(1), ", got ", weight_in.sizes());
+  const auto x = x_in.contiguous(), weight = weight_in.contiguous();
+  const int64_t tokens = x.size(0), experts = weight.size(0), hidden = x.size(1);
+  auto out = torch::empty({tokens, experts}, x.options());
+  const float *x_ptr = x.data_ptr<float>(), *w_ptr = weight.data_ptr<float>();
+  float* o_ptr = out.data_ptr<float>();
+  // A decode step's few rows stay on the calling thread: a step on the takeover pool wakes no OpenMP region.
+  const int64_t grain = takeover_pool::keeps_to_caller(tokens) ? std::max<int64_t>(tokens, 1) : 8;
+  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t e = 0; e < experts; ++e) o_ptr[t * experts + e] = dot(x_ptr + t * hidden, w_ptr + e * hidden, hidden);
+  });
+  return out;
+}
 
 std::tuple<torch::Tensor, torch::Tensor> route_experts(const torch::Tensor& router_logits, int64_t top_k, bool renormalize, int64_t num_experts) {
   const int64_t experts = routed_experts(router_logits, num_experts), tokens = router_logits.size(0);

@@ -25,6 +25,7 @@ torch::Tensor grouped_moe(const torch::Tensor& x, const torch::Tensor& router_lo
                           const torch::Tensor& down, const std::optional<torch::Tensor>& shared_gate_up, const std::optional<torch::Tensor>& shared_down,
                           const std::optional<torch::Tensor>& residual, int64_t activation_bits, const std::optional<torch::Tensor>& topk_weights,
                           const std::optional<torch::Tensor>& topk_ids, const std::optional<torch::Tensor>& expert_slots);
+torch::Tensor router_logits(const torch::Tensor& x, const torch::Tensor& weight);
 std::tuple<torch::Tensor, torch::Tensor> route_experts(const torch::Tensor& router_logits, int64_t top_k, bool renormalize, int64_t num_experts);
 void set_block_quant_pair_tiles(bool on);
 void set_weight_prefetch_keep(bool keep);
@@ -33,9 +34,27 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x, co
                                                       double eps);
 torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
 void rotary_(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
-torch::Tensor dense_decoder_layers(const torch::Tensor& embedded, const std::vector<torch::Tensor>& norms, const std::vector<torch::Tensor>& qkv,
-                                   const std::vector<std::optional<torch::Tensor>>& qkv_bias, const std::vector<torch::Tensor>& o_proj,
-                                   const std::vector<std::optional<torch::Tensor>>& o_bias, const std::vector<torch::Tensor>& gate_up,
-                                   const std::vector<torch::Tensor>& down, const std::vector<torch::Tensor>& caches, const torch::Tensor& cos,
-                                   const torch::Tensor& sin, const torch::Tensor& write_slots, const torch::Tensor& block_tables,
-                                   const torch::Tensor& context_lens, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, double eps);
+void rms_norm_heads_(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+// A decoder's layers (decoder_layers.cpp), their weights held from load: per layer a dense SwiGLU (routers[i]
+// none; gate_up / down its panels) or a sparse MoE (routers[i] its [experts, hidden] weight; gate_up / down its
+// experts' stacked panels), q/k head norms where head_norms[i] is given.
+class DecoderLayers {
+ public:
+  DecoderLayers(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> qkv, std::vector<std::optional<torch::Tensor>> qkv_bias,
+                std::vector<std::optional<torch::Tensor>> head_norms, std::vector<torch::Tensor> o_proj, std::vector<std::optional<torch::Tensor>> o_bias,
+                std::vector<std::optional<torch::Tensor>> routers, std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down, int64_t top_k,
+                bool renormalize, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps);
+  torch::Tensor forward(const torch::Tensor& embedded, const std::vector<torch::Tensor>& caches, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& write_slots, const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t block_size) const;
+
+ private:
+  std::vector<torch::Tensor> norms_, qkv_;
+  std::vector<std::optional<torch::Tensor>> qkv_bias_, head_norms_;
+  std::vector<torch::Tensor> o_proj_;
+  std::vector<std::optional<torch::Tensor>> o_bias_, routers_;
+  std::vector<torch::Tensor> gate_up_, down_;
+  int64_t top_k_;
+  bool renormalize_;
+  int64_t heads_, kv_heads_, head_dim_;
+  double eps_;
+};

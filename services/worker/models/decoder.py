@@ -8,6 +8,7 @@ layer's MLP is built, and (Qwen3-Next) zero-centred norms, partial rotary and it
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -25,6 +26,7 @@ from services.worker.rotary import RotaryEmbedding, apply_rotary_, rope_config
 
 Weights = dict[str, torch.Tensor | BlockQuantized]  # a projection may come in its blocks (a GGUF's); other tensors are float
 RotateFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # apply_rotary_ or its fusion: (q/k heads, cos, sin), in place
+NormHeadsFn = Callable[[torch.Tensor, torch.Tensor, float], None]  # the q/k norms' fusion: (q/k heads, weight [heads, dim], eps), in place
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,14 @@ class Attention:
     """Input-normed hidden states → ``residual + o_proj(attention)`` over the paged KV cache."""
 
     def __init__(
-        self, w: Weights, prefix: str, cfg: DecoderConfig, qk_norm: bool, attend: AttentionFn = paged_attention, rotate: RotateFn = apply_rotary_
+        self,
+        w: Weights,
+        prefix: str,
+        cfg: DecoderConfig,
+        qk_norm: bool,
+        attend: AttentionFn = paged_attention,
+        rotate: RotateFn = apply_rotary_,
+        norm_heads: NormHeadsFn | None = None,
     ) -> None:
         p = prefix + "self_attn."
         self.attend, self.rotate = attend, rotate
@@ -80,11 +89,13 @@ class Attention:
         qkv_bias = torch.cat([w[f"{p}{x}_proj.bias"] for x in "qkv"]) if cfg.attention_bias else None
         self.qkv = Linear(cat_rows([w[f"{p}{x}_proj.weight"] for x in "qkv"]), cfg.threads, qkv_bias)  # hidden -> (heads + 2 kv_heads) * dim
         self.o_proj = Linear(w[p + "o_proj.weight"], cfg.threads, w[p + "o_proj.bias"] if cfg.attention_bias else None)
-        self.qk_norm, self._norm_weights = None, []
+        self.head_norms: torch.Tensor | None = None  # [heads + kv_heads, dim]: row j is head j's own q_norm or k_norm
+        self.norm_qk: Callable[[torch.Tensor], None] | None = None  # q and k heads normed in place, in one call
+        self._norm_weights = []
         if qk_norm:
             q_norm, k_norm = w[p + "q_norm.weight"], w[p + "k_norm.weight"]
-            # One norm call over q and k heads together: row j of the weight is head j's own q_norm or k_norm.
-            self.qk_norm = RMSNorm(torch.cat([q_norm.expand(self.heads, -1), k_norm.expand(self.kv_heads, -1)]), cfg.eps)
+            self.head_norms = torch.cat([q_norm.expand(self.heads, -1), k_norm.expand(self.kv_heads, -1)])
+            self.norm_qk = RMSNorm(self.head_norms, cfg.eps).norm_ if norm_heads is None else functools.partial(norm_heads, weight=self.head_norms, eps=cfg.eps)
             self._norm_weights = [q_norm, k_norm]
 
     def tensors(self) -> list[torch.Tensor]:
@@ -97,8 +108,8 @@ class Attention:
         total, heads, kv_heads, dim = x.shape[0], self.heads, self.kv_heads, self.dim
         qkv = self.qkv(x).view(total, heads + 2 * kv_heads, dim)
         qk = qkv[:, : heads + kv_heads]
-        if self.qk_norm is not None:
-            self.qk_norm.norm_(qk)
+        if self.norm_qk is not None:
+            self.norm_qk(qk)
         self.rotate(qk, cos, sin)
         out = self.attend(qkv[:, :heads], qkv[:, heads:].view(total, 2, kv_heads, dim), cache, meta)
         return self.o_proj(out, residual=residual)
@@ -189,7 +200,7 @@ class DecoderForCausalLM:
         p = f"model.layers.{index}."
         return DecoderLayer(
             input_norm=self.rms_norm(w[p + "input_layernorm.weight"]),
-            attn=Attention(w, p, self.cfg, self.QK_NORM, ATTENTION_BACKENDS[self.attention_backend], self.rotate),
+            attn=Attention(w, p, self.cfg, self.QK_NORM, ATTENTION_BACKENDS[self.attention_backend], self.rotate, self.fusions.norm_heads),
             post_norm=self.rms_norm(w[p + "post_attention_layernorm.weight"]),
             mlp=self.mlp(w, p, index),
         )

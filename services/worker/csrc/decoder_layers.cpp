@@ -1,0 +1,84 @@
+// A decoder's layers for a step, as one call: the same kernels, in the same order and with the same
+// arguments as DecoderForCausalLM.forward_fused over weights in blocks (Python's per-layer glue, a dozen
+// calls per layer, costs as much as a layer's attention at batch 1, and 3-7 % of a 8-32 row decode step).
+// The projections are q4_0 / q4_1 / q8_0 panels (block_quant.to_panels) multiplied with int16
+// activations, so under int4-a8 (int8 activations beyond a few rows) only few-row steps come here.
+//
+// Per layer, on normed x and the running residual:
+//   qkv = x @ Wqkv (+ b); q, k heads RMSNorm-ed by their own weights (Qwen3's q/k norms, where the layer
+//   has them) and rotated in place; k, v stored in the cache; every row attends over the cache up to its
+//   own position; x, residual = add_rms_norm(attn @ Wo (+ b), residual);
+//   mlp = down(silu(gate) * up) (a dense SwiGLU), or grouped_moe over the router's logits (a sparse MoE);
+//   x, residual = add_rms_norm(mlp, residual) with the next layer's (or the final) norm.
+// The layers' weights are held from construction (once, at load); a step passes only what changes.
+
+#include "kernels.h"
+
+#include <cmath>
+
+namespace {
+
+constexpr int64_t INT16 = 16;  // activation bits: few-row steps keep 4-bit blocks as accurate as their weights
+constexpr int64_t BLOCK_FEATURES = 32;  // input features per panel block (down: [panels, intermediate / 32, ...])
+
+}  // namespace
+
+DecoderLayers::DecoderLayers(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> qkv, std::vector<std::optional<torch::Tensor>> qkv_bias,
+                             std::vector<std::optional<torch::Tensor>> head_norms, std::vector<torch::Tensor> o_proj,
+                             std::vector<std::optional<torch::Tensor>> o_bias, std::vector<std::optional<torch::Tensor>> routers,
+                             std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down, int64_t top_k, bool renormalize, int64_t heads,
+                             int64_t kv_heads, int64_t head_dim, double eps)
+    : norms_(std::move(norms)), qkv_(std::move(qkv)), qkv_bias_(std::move(qkv_bias)), head_norms_(std::move(head_norms)), o_proj_(std::move(o_proj)),
+      o_bias_(std::move(o_bias)), routers_(std::move(routers)), gate_up_(std::move(gate_up)), down_(std::move(down)), top_k_(top_k),
+      renormalize_(renormalize), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps) {
+  const size_t layers = qkv_.size();
+  TORCH_CHECK(norms_.size() == 2 * layers + 1, "norms: input and post-attention norm of every layer, then the final norm");
+  TORCH_CHECK(qkv_bias_.size() == layers && head_norms_.size() == layers && o_proj_.size() == layers && o_bias_.size() == layers &&
+                  routers_.size() == layers && gate_up_.size() == layers && down_.size() == layers,
+              "one qkv, qkv bias, head norm, o_proj, o bias, router, gate_up and down per layer");
+  for (size_t i = 0; i < layers; ++i) {
+    if (head_norms_[i]) {
+      TORCH_CHECK(head_norms_[i]->dim() == 2 && head_norms_[i]->size(0) == heads + kv_heads && head_norms_[i]->size(1) == head_dim,
+                  "layer ", i, "'s head norms must be [heads + kv_heads, head_dim], got ", head_norms_[i]->sizes());
+    }
+    // A MoE layer's experts are stacked [experts, panels, blocks, record]; a dense layer's panels [panels, blocks, record].
+    const int64_t expected = routers_[i] ? 4 : 3;
+    TORCH_CHECK(gate_up_[i].dim() == expected && down_[i].dim() == expected, "layer ", i, (routers_[i] ? "'s experts" : "'s MLP"), " panels must have ",
+                expected, " dims, got ", gate_up_[i].dim(), " and ", down_[i].dim());
+    if (routers_[i]) {
+      TORCH_CHECK(top_k >= 1 && top_k <= routers_[i]->size(0), "top_k must be in 1..", routers_[i]->size(0), ", got ", top_k);
+    }
+  }
+}
+
+torch::Tensor DecoderLayers::forward(const torch::Tensor& embedded, const std::vector<torch::Tensor>& caches, const torch::Tensor& cos,
+                                     const torch::Tensor& sin, const torch::Tensor& write_slots, const torch::Tensor& block_tables,
+                                     const torch::Tensor& context_lens, int64_t block_size) const {
+  const int64_t layers = static_cast<int64_t>(qkv_.size());
+  TORCH_CHECK(caches.size() == qkv_.size(), "one cache per layer: ", layers, " layers, ", caches.size(), " caches");
+  TORCH_CHECK(embedded.dim() == 2, "embedded must be [rows, hidden]");
+  const int64_t rows = embedded.size(0), hidden = embedded.size(1), attn_width = heads_ * head_dim_;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
+  const int64_t qkv_width = (heads_ + 2 * kv_heads_) * head_dim_;
+  auto [x, residual] = add_rms_norm(embedded, std::nullopt, norms_[0], eps_);
+  for (int64_t i = 0; i < layers; ++i) {
+    const auto qkv_rows = block_quant_gemm(x, qkv_[i], qkv_width, qkv_bias_[i], std::nullopt, INT16).view({rows, heads_ + 2 * kv_heads_, head_dim_});
+    const auto qk = qkv_rows.narrow(1, 0, heads_ + kv_heads_);
+    if (head_norms_[i]) rms_norm_heads_(qk, *head_norms_[i], eps_);
+    rotary_(qk, cos, sin);
+    const auto kv = qkv_rows.narrow(1, heads_, 2 * kv_heads_).view({rows, 2, kv_heads_, head_dim_});
+    store_kv_(caches[i], kv, write_slots);
+    const auto attended = paged_decode_attention(qkv_rows.narrow(1, 0, heads_), caches[i], block_tables, context_lens, block_size, scale).view({rows, attn_width});
+    std::tie(x, residual) = add_rms_norm(block_quant_gemm(attended, o_proj_[i], hidden, o_bias_[i], std::nullopt, INT16), residual, norms_[2 * i + 1], eps_);
+    torch::Tensor mlp_out;
+    if (routers_[i]) {
+      mlp_out = grouped_moe(x, router_logits(x, *routers_[i]), top_k_, renormalize_, gate_up_[i], down_[i], std::nullopt, std::nullopt, std::nullopt, INT16,
+                            std::nullopt, std::nullopt, std::nullopt);
+    } else {
+      const auto activated = silu_and_mul(block_quant_gemm(x, gate_up_[i], 2 * BLOCK_FEATURES * down_[i].size(1), std::nullopt, std::nullopt, INT16));
+      mlp_out = block_quant_gemm(activated, down_[i], hidden, std::nullopt, std::nullopt, INT16);
+    }
+    std::tie(x, residual) = add_rms_norm(mlp_out, residual, norms_[2 * i + 2], eps_);
+  }
+  return x;
+}
