@@ -118,11 +118,17 @@ class SchedulerConfig:
     gdn_checkpoint_bytes: int = _opt(0, "GDN state checkpoints' size in bytes (0: use gdn_checkpoint_slots)", minimum=0)
     gdn_checkpoint_interval: int = _opt(512, "tokens between GDN state checkpoints of a prefill, rounded up to whole blocks", minimum=1)
     pipeline_depth: int = _opt(2, "step plans in flight at once (1: strictly alternate plan and result)", minimum=1)
-    speculative_method: str = _opt("", "proposer of the tokens a decode step verifies (default: none, no speculation)", choices=("", "ngram"))
+    speculative_method: str = _opt("", "proposer of the tokens a decode step verifies (default: none, no speculation)", choices=("", "ngram", "draft"))
+    draft_model: str = _opt("", "small model of the same tokenizer that speculative_method draft proposes with")
     num_speculative_tokens: int = _opt(3, "most proposed tokens one decode step verifies", minimum=1)
     ngram_min: int = _opt(2, "shortest n-gram of a request's last tokens that ngram looks up in its earlier tokens", minimum=1)
     ngram_max: int = _opt(4, "longest such n-gram (the longest that matches proposes)", minimum=1)
     speculative_max_batch: int = _opt(4, "requests may speculate only while at most this many run", minimum=1)
+
+    @property
+    def draft_kv_blocks(self) -> int:
+        """The draft model's KV blocks (speculative_method draft): kv_cache_tokens' worth, whatever sizes the model's."""
+        return max(1, self.kv_cache_tokens // self.block_size)
 
 
 @dataclass(frozen=True)

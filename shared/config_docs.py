@@ -72,6 +72,7 @@ READERS: dict[str, tuple[str, ...]] = {
     "gdn_checkpoint_interval": ("scheduler",),
     "pipeline_depth": ("scheduler",),
     "speculative_method": ("scheduler", "worker"),
+    "draft_model": ("worker", "launcher"),
     "num_speculative_tokens": ("scheduler",),
     "ngram_min": ("worker",),
     "ngram_max": ("worker",),

@@ -181,6 +181,7 @@ class Slice(_Part):
     # chunk copies its state at each (position, checkpoint) of ``checkpoints`` (positions in (start, start + num_tokens]).
     restore: int = -1
     checkpoints: list[tuple[int, int]] = []
+    draft_blocks: list[int] = []  # --speculative-method draft: appended to the request's draft model block table before the step
 
 
 class StepPlan(_Frame):

@@ -89,6 +89,18 @@ def check_speculative(config: StackConfig) -> None:
         return
     if config.tensor_parallel_size > 1:
         raise SystemExit("tokenyard: speculative decoding does not run with tensor parallelism: leave --tensor-parallel-size at 1")
+    if config.speculative_method == "draft":
+        if not config.draft_model:
+            raise SystemExit("tokenyard: --speculative-method draft needs --draft-model, the directory of a small model with the model's tokenizer")
+        try:
+            draft = load_model_info(config.draft_model)
+        except (OSError, ValueError, KeyError) as exc:
+            raise SystemExit(f"tokenyard: --draft-model {config.draft_model} is not a model ({exc})") from None
+        vocab = load_model_info(config.model).vocab_size
+        if draft.vocab_size != vocab:
+            raise SystemExit(
+                f"tokenyard: --draft-model has a vocabulary of {draft.vocab_size} tokens but the model {vocab}: a draft must share the model's tokenizer"
+            )
 
 
 def check_expert_cache(config: StackConfig) -> None:

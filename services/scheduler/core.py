@@ -13,7 +13,9 @@ names it. Its prefix cache (with a ``CheckpointPool``) keeps GDN state checkpoin
 prefill chunk saves the state at each checkpoint position it passes (every ``checkpoint_interval``
 tokens and at the blocks where the prompt's chat messages end, ``Submit.anchors``, rounded down to
 whole blocks), and an admission resumes after the longest cached prefix that ends at a checkpoint,
-its first slice restoring that checkpoint into the request's own slot.
+its first slice restoring that checkpoint into the request's own slot. With a draft model
+(``--speculative-method draft``) a speculating request also holds draft KV blocks (draft_blocks.py),
+cut back and given back with its own.
 
 While nothing waits or prefills, a plan of decodes alone may run several decode steps
 (decode_runs.py), its result arriving once for them all.
@@ -30,6 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.scheduler.decode_runs import DecodeRuns
+from services.scheduler.draft_blocks import DraftBlocks
 from services.scheduler.kv_blocks import BlockPool
 from services.scheduler.requests import Phase, Request
 from services.scheduler.speculation import Speculation, blocks_kept
@@ -69,6 +72,7 @@ class Scheduler:
         checkpoints: CheckpointPool | None = None,
         checkpoint_interval: int = 512,
         speculation: Speculation | None = None,
+        draft_blocks: DraftBlocks | None = None,
     ) -> None:
         self.slots = slots  # GDN state slots: hybrid models only
         self.checkpoints = checkpoints  # GDN state checkpoints: hybrid models with a prefix cache only
@@ -81,6 +85,7 @@ class Scheduler:
         self.step_cost = StepCost(mixed_step_target_s)  # sizes the prefill of steps that carry decodes
         self.decode_runs = DecodeRuns(decode_plan_s)  # how many steps a plan of decodes alone runs
         self.speculation = speculation or Speculation()  # which decodes verify proposed tokens (speculation.py)
+        self.draft_blocks = draft_blocks  # a draft model's KV blocks: speculative_method draft only
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.requests: dict[str, Request] = {}
@@ -148,6 +153,8 @@ class Scheduler:
                 draft = min(drafts.get(request.rid, 0), budget - 1)
                 if request.verifying or (draft and request.pending_samples):
                     continue  # a verify waits for the tokens in flight, and is waited for: its positions are known from its result
+                if draft and self.draft_blocks is not None and not self.draft_blocks.grow(request, request.num_scheduled + 1 + draft):
+                    draft = 0  # no room for its draft's KV: a plain decode this step
                 if self._grow_for_decode(request, decode_steps + draft):
                     slices.append(self._slice(request, 1 + draft, decode_steps=decode_steps))
                     request.verifying = draft
@@ -277,6 +284,7 @@ class Scheduler:
         stop_token_ids = [] if sampling is None else request.stop_token_ids  # for the worker's runs
         new_blocks = request.blocks[request.blocks_sent :]  # the worker's table grows by these
         request.blocks_sent = len(request.blocks)
+        draft_blocks, request.draft_blocks_sent = request.draft_blocks[request.draft_blocks_sent :], len(request.draft_blocks)
         self._register_full_blocks(request)
         restore, request.restore = (-1 if request.restore is None else request.restore.slot), None
         checkpoints = self._checkpoints_of(request, start) if token_ids and self.checkpoints is not None else []
@@ -295,6 +303,7 @@ class Scheduler:
             stop_token_ids=stop_token_ids,
             restore=restore,
             checkpoints=checkpoints,
+            draft_blocks=draft_blocks,
         )
 
     def _checkpoints_of(self, request: Request, start: int) -> list[tuple[int, int]]:
@@ -333,6 +342,7 @@ class Scheduler:
         self.pool.free(request.blocks)
         request.blocks, request.block_hashes, request.blocks_sent = [], [], 0
         self._free_slot(request)
+        self._free_draft(request)
         request.num_scheduled = 0
         request.restore = None
         request.sampling_sent = False
@@ -353,6 +363,10 @@ class Scheduler:
         if request.slot >= 0:
             self.slots.free(request.slot)
             request.slot = -1
+
+    def _free_draft(self, request: Request) -> None:
+        if self.draft_blocks is not None:
+            self.draft_blocks.free(request)
 
     # Results and endings. --------------------------------------------------------------
 
@@ -399,6 +413,8 @@ class Scheduler:
             self.pool.free(request.blocks[keep:])
             del request.blocks[keep:]
             request.blocks_sent = min(request.blocks_sent, keep)
+            if self.draft_blocks is not None:
+                self.draft_blocks.trim(request, keep)
         for i, sampled in enumerate(run):
             request.output_ids.append(sampled.token_id)
             reason = request.end_rule.ends_at(sampled.token_id, len(request.output_ids))
@@ -445,5 +461,6 @@ class Scheduler:
         self.pool.free(request.blocks)
         request.blocks, request.block_hashes = [], []
         self._free_slot(request)
+        self._free_draft(request)
         request.phase = Phase.FINISHED
         del self.requests[request.rid]

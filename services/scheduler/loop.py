@@ -17,6 +17,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from services.scheduler.core import AdmissionError, Outcome, Scheduler
 from services.scheduler.kv_blocks import BlockPool
+from services.scheduler.draft_blocks import DraftBlocks
 from services.scheduler.speculation import Speculation
 from services.scheduler.state_slots import CheckpointPool, SlotPool
 from services.scheduler.traces import RequestTraces
@@ -113,6 +114,7 @@ class SchedulerLoop:
             if config.tensor_parallel_size > 1:
                 raise ValueError("speculative decoding does not run with tensor parallelism")
             speculation = Speculation(config.num_speculative_tokens, config.speculative_max_batch)
+        draft_blocks = DraftBlocks(config.draft_kv_blocks, config.block_size) if config.speculative_method == "draft" else None
         self.core = Scheduler(
             pool,
             config.max_num_seqs,
@@ -124,6 +126,7 @@ class SchedulerLoop:
             checkpoints,
             config.gdn_checkpoint_interval,
             speculation=speculation,
+            draft_blocks=draft_blocks,
         )
         self._counted_queries = self._counted_hits = self._counted_restores = 0
         ctx = zmq.Context()
@@ -518,6 +521,7 @@ class SchedulerLoop:
                 "method": self.config.speculative_method,
                 "num_speculative_tokens": core.speculation.num_tokens,
                 "max_batch": core.speculation.max_batch,
+                **(core.draft_blocks.describe() if core.draft_blocks is not None else {}),
             }
             if core.speculation.enabled
             else None,

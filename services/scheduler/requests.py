@@ -24,6 +24,8 @@ class Request:
     blocks: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the leading full blocks
     blocks_sent: int = 0  # how many of ``blocks`` the worker's block table has
+    draft_blocks: list[int] = field(default_factory=list)  # the draft model's blocks while it speculates (draft_blocks.py)
+    draft_blocks_sent: int = 0  # how many of ``draft_blocks`` the worker's draft table has
     num_scheduled: int = 0  # positions whose KV is computed or in a plan already sent
     prefill_len: int = 0  # positions to prefill since admission: the prompt, plus outputs when recomputed
     pending_samples: int = 0  # sampling slices sent whose token has not come back

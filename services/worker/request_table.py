@@ -36,6 +36,7 @@ class RequestState:
     bias: LogitBias | None = None
     prompt_len: int = 0  # prefill positions before this are prompt, later ones recomputed outputs
     table: list[int] = field(default_factory=list)
+    draft_table: list[int] = field(default_factory=list)  # the draft model's blocks (speculative_method draft)
     last_token: int | None = None
     end: int = 0  # positions computed so far: where the next slice must start
     slot: int = -1  # GDN state slot (hybrid models)
@@ -82,6 +83,7 @@ class PlanLimits:
     vocab_size: int
     num_slots: int | None  # GDN state slots the scheduler hands out; None: the model has no GDN layers
     num_checkpoints: int = 0  # GDN state checkpoints of the prefix cache
+    num_draft_blocks: int = 0  # the draft model's KV blocks (speculative_method draft)
 
 
 class RequestTable:
@@ -114,6 +116,7 @@ class RequestTable:
                     request.grammar = grammars.start(request.params)
                 request.record_prefill(0, s.prefix_ids, grammars)
             request.table.extend(s.new_blocks)
+            request.draft_table.extend(s.draft_blocks)
             request.record_prefill(s.start, s.token_ids, grammars)
             request.end = s.start + s.num_tokens
             if hybrid:
@@ -162,6 +165,8 @@ class RequestTable:
                 grammars.check(s.sampling)  # a grammar it cannot compile: a bad plan (compiled ahead, it is a cache hit)
             if any(not 0 <= b < limits.num_blocks for b in s.new_blocks):
                 raise ValueError(f"slice for {s.rid!r} names blocks outside 0..{limits.num_blocks - 1}: {s.new_blocks}")
+            if any(not 0 <= b < limits.num_draft_blocks for b in s.draft_blocks):
+                raise ValueError(f"slice for {s.rid!r} names draft blocks outside 0..{limits.num_draft_blocks - 1}: {s.draft_blocks}")
             capacity = (len(request.table) if request else 0) + len(s.new_blocks)
             if s.start + s.num_tokens > capacity * block_size:
                 raise ValueError(

@@ -34,6 +34,7 @@ from services.worker.kernel_settings import CpuKernelSettings
 from services.worker.linear import held_bytes, linears_of, resolve_weight_quant
 from services.worker.request_table import PlanLimits, RequestState, RequestTable
 from services.worker.sampler import Sampler
+from services.worker.speculative.draft import DraftProposer
 from services.worker.speculative.speculator import Speculator, Verify
 from services.worker.structured import StructuredOutputs
 from services.worker.tensor_parallel import TensorParallelGroup
@@ -69,6 +70,8 @@ class RunnerConfig:
     speculative_method: str = ""  # "": decode slices verify nothing (services/worker/speculative/)
     verify_states: int = 0  # a hybrid model's GDN states a step's verifies roll back to: speculative_max_batch × k (gdn_state.py)
     ngram: tuple[int, int] = (2, 4)  # the n-gram lengths prompt lookup matches
+    draft_model: str = ""  # speculative_method "draft": the draft model's directory (speculative/draft.py)
+    draft_kv_blocks: int = 0  # its KV cache's blocks, the scheduler's draft pool (0: num_blocks)
     expert_cache_bytes: str = "0"  # a MoE model's experts in a bank of slots over a spill file (expert_cache.py); "0": all resident
     expert_cache_dir: str = ""  # where the spill file goes ("": expert_cache.default_store_dir())
     expert_cache_policy: str = "lfu"  # which expert the bank evicts (expert_cache.POLICIES)
@@ -82,6 +85,7 @@ class RunnerConfig:
             gdn_checkpoint_slots=gdn_checkpoints(load_model_info(config.model), config), speculative_method=config.speculative_method, ngram=(config.ngram_min, config.ngram_max),
             verify_states=min(config.speculative_max_batch, config.max_num_seqs) * config.num_speculative_tokens if config.speculative_method else 0,
             expert_cache_bytes=config.expert_cache_bytes, expert_cache_dir=config.expert_cache_dir, expert_cache_policy=config.expert_cache_policy,
+            draft_model=config.draft_model, draft_kv_blocks=config.draft_kv_blocks,
         )  # fmt: skip
 
 
@@ -109,8 +113,7 @@ class ModelRunner:
         self.last_step_graphed = False
         self.activation_profile: ActivationProfile | None = None
         self.requests = RequestTable()
-        self.speculator = Speculator(config.speculative_method, *config.ngram, config.block_size) if config.speculative_method else None
-        if self.speculator is not None and tp is not None:
+        if config.speculative_method and tp is not None:
             raise ValueError("speculative decoding does not run with tensor parallelism")
 
         model_config, self.model, self.weight_quant, self.quantized_linears = load_model(config.model, DTYPES[dtype], self.device, weight_quant, tp)
@@ -119,6 +122,13 @@ class ModelRunner:
         self.expert_cache = attach_expert_cache(
             self.model, self.family, config.expert_cache_bytes, store_dir, self.device, tp is not None, config.expert_cache_policy
         )
+        draft = None
+        if config.speculative_method == "draft":  # before a device budget sizes the KV cache: the draft's weights and KV come off it
+            draft_blocks = config.draft_kv_blocks or num_blocks
+            draft = DraftProposer.load(
+                config.draft_model, config.model, self.model, self.requests, DTYPES[dtype], weight_quant, kv_dtype, draft_blocks, block_size
+            )
+        self.speculator = Speculator(config.speculative_method, *config.ngram, block_size, draft) if config.speculative_method else None
         self.sampler = Sampler(self.device, config.model, self.model.vocab_size)
         self._grammars = self.sampler if tp is None or tp.leader else None  # only the leader samples
         self.decoder = select_decoder_backend(self.model, sharded=tp is not None)  # the weights are in their final form
@@ -228,7 +238,10 @@ class ModelRunner:
     def _plan_limits(self) -> PlanLimits:
         """What plans must stay within, for the cache and state pool of now."""
         slots, checkpoints = (None, 0) if self.states is None else (self.num_slots, self.states.num_checkpoints)
-        return PlanLimits(self.max_num_seqs, self.block_size, self.num_blocks, self.model.vocab_size, slots, checkpoints)
+        draft = None if self.speculator is None else self.speculator.draft
+        return PlanLimits(
+            self.max_num_seqs, self.block_size, self.num_blocks, self.model.vocab_size, slots, checkpoints, 0 if draft is None else draft.num_blocks
+        )
 
     @property
     def num_slots(self) -> int:

@@ -5,7 +5,8 @@ scheduler's choice: ``services/scheduler/speculation.py``). The speculator keeps
 its proposer, asks it for proposals, and turns each such slice into a chunk of the request's last token and
 its proposal, whose logits at every position the verifier reads. A slice with no proposal runs as a plain
 decode. After the step the request's computed positions end at its last accepted token, and its block table
-drops the blocks past them, as the scheduler's does (``services/scheduler/speculation.py``, ``blocks_kept``).
+drops the blocks past them, as the scheduler's does (``services/scheduler/speculation.py``, ``blocks_kept``); so
+does its draft model's table with method ``draft`` (``draft.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from prometheus_client import Counter
 
 from services.worker.gdn_state import SlotMetadata
 from services.worker.request_table import RequestState, RequestTable
+from services.worker.speculative.draft import DraftProposer
 from services.worker.speculative.ngram import NgramProposer
 from services.worker.speculative.verifier import Verified, verify
 from shared.frames import Slice
@@ -30,7 +32,7 @@ DRAFT_TOKENS = Counter(f"{PREFIX}spec_decode_num_draft_tokens", "Proposed tokens
 ACCEPTED_TOKENS = Counter(f"{PREFIX}spec_decode_num_accepted_tokens", "Proposed tokens accepted")
 ACCEPTED_PER_POSITION = Counter(f"{PREFIX}spec_decode_num_accepted_tokens_per_pos", "Proposed tokens accepted, by position in the proposal", ["position"])
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")
 
 
 class Verify(NamedTuple):
@@ -39,6 +41,7 @@ class Verify(NamedTuple):
     slice: Slice
     request: RequestState
     proposal: list[int]
+    probs: torch.Tensor | None = None  # the proposer's distribution of each proposed token [len(proposal), V]; None: each one certain
 
     @property
     def token_ids(self) -> list[int]:
@@ -46,11 +49,14 @@ class Verify(NamedTuple):
 
 
 class Speculator:
-    def __init__(self, method: str, ngram_min: int, ngram_max: int, block_size: int) -> None:
-        if method != "ngram":
-            raise ValueError(f"speculative method {method!r} is not one this worker runs (choices: {', '.join(SPECULATIVE_METHODS)})")
+    def __init__(self, method: str, ngram_min: int, ngram_max: int, block_size: int, draft: DraftProposer | None = None) -> None:
+        """``draft``: the loaded draft model, which method "draft" proposes with (its KV blocks come in ``Slice.draft_blocks``)."""
+        if method not in SPECULATIVE_METHODS or (method == "draft") != (draft is not None):
+            raise ValueError(f"speculative method {method!r} is not one this worker runs (choices: {', '.join(SPECULATIVE_METHODS)}; draft with a draft model)")
         self.method = method
-        self.proposer = NgramProposer(ngram_min, ngram_max)
+        self.proposer = draft or NgramProposer(ngram_min, ngram_max)
+        self.draft = draft
+        self._probs = draft.probs if draft is not None else lambda rid: None
         self.ngram = [ngram_min, ngram_max]
         self.block_size = block_size
         self.drafts = self.draft_tokens = self.accepted_tokens = 0
@@ -71,6 +77,11 @@ class Speculator:
                     raise ValueError(
                         f"speculative slice for {s.rid!r} reaches position {s.start + s.num_tokens - 1} but its {capacity} blocks hold {capacity * self.block_size} tokens"
                     )
+                drafted = (len(request.draft_table) if request else 0) + len(s.draft_blocks)
+                if self.draft is not None and s.start + s.num_tokens > drafted * self.block_size:
+                    raise ValueError(
+                        f"speculative slice for {s.rid!r} reaches position {s.start + s.num_tokens - 1} but its {drafted} draft blocks hold {drafted * self.block_size} tokens"
+                    )
 
     def observe(self, slices: list[Slice]) -> None:
         """The tokens the step's prefill chunks bring (and, on a request's first slice, its cached prefix)."""
@@ -88,7 +99,7 @@ class Speculator:
         proposals = self.proposer.propose({rid: s.num_tokens - 1 for rid, s in speculative.items() if table[rid].grammar is None})
         for rid in speculative.keys() - proposals.keys():  # a plain decode: its blocks past its next position go back
             self._trim(table[rid])
-        return {rid: Verify(speculative[rid], table[rid], proposal) for rid, proposal in proposals.items()}
+        return {rid: Verify(speculative[rid], table[rid], proposal, self._probs(rid)) for rid, proposal in proposals.items()}
 
     def sampled(self, rids: Sequence[str], tokens: Sequence[int]) -> None:
         for rid, token in zip(rids, tokens):
@@ -99,7 +110,7 @@ class Speculator:
         and with a hybrid model's ``states`` its GDN slot holds the state after that token."""
         out = {}
         for i, (v, rows) in enumerate(zip(verifies, logits)):
-            verified = out[v.slice.rid] = verify(rows, v.proposal, v.request)
+            verified = out[v.slice.rid] = verify(rows, v.proposal, v.request, v.probs)
             if states is not None:
                 states.keep_accepted(i, verified.accepted)
             v.request.end = v.slice.start + len(verified.tokens)
@@ -109,8 +120,9 @@ class Speculator:
         return out
 
     def _trim(self, request: RequestState) -> None:
-        """The request's block table keeps the blocks of its computed positions (the scheduler's ``blocks_kept``)."""
-        del request.table[-(-request.end // self.block_size) :]
+        """The request's block tables (its draft's too) keep the blocks of its computed positions (the scheduler's ``blocks_kept``)."""
+        keep = -(-request.end // self.block_size)
+        del request.table[keep:], request.draft_table[keep:]
 
     def _count(self, proposed: int, accepted: int) -> None:
         self.drafts += 1
@@ -133,6 +145,7 @@ class Speculator:
         return {
             "method": self.method,
             "ngram": self.ngram,
+            "draft": None if self.draft is None else self.draft.describe(),
             "drafts": self.drafts,
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,

@@ -82,7 +82,12 @@ def _choose(row: torch.Tensor, params: SamplingParams, generator: torch.Generato
         p = (p - q.double()).clamp_(min=0) if q is not None else p.clone().index_fill_(0, torch.tensor([proposed]), 0.0)
         if float(p.sum()) <= 0:  # p == q up to rounding: nothing left to draw, and x was as likely as anything
             return proposed
-    return _draw(p, _uniform(generator))
+    return draw(p, generator)
+
+
+def draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
+    """A token drawn in proportion to ``weights`` with one uniform of ``generator`` (None: the global one)."""
+    return _draw(weights, _uniform(generator))
 
 
 def _uniform(generator: torch.Generator | None) -> float:
