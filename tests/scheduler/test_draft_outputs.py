@@ -1,8 +1,9 @@
-"""Speculative decoding with a draft model (``--speculative-method draft``) changes no greedy output: a second tiny
-checkpoint of the same vocabulary, or the target itself, proposes; under chunked prefill, mixed batches,
-preemption and aborts the outputs are transformers' greedy continuation token for token, and every target and draft
-block goes back to its pool. The target as its own draft proposes the target's tokens, so nearly all are accepted:
-its KV is in step with the request's tokens through catch-ups, verifies and recomputes."""
+"""Speculative decoding with a draft model (``--speculative-method draft``) changes no greedy output of llama, qwen3,
+qwen3_moe and qwen3_next targets: a second tiny checkpoint of the same vocabulary, or the target itself, proposes;
+under chunked prefill, mixed batches, preemption and aborts the outputs are transformers' greedy continuation token
+for token, and every target and draft block goes back to its pool. The target as its own draft proposes the
+target's tokens, so nearly all are accepted: its KV is in step with the request's tokens through catch-ups, verifies
+and recomputes."""
 
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ from services.scheduler.core import Scheduler
 from services.scheduler.draft_blocks import DraftBlocks
 from services.scheduler.kv_blocks import BlockPool
 from services.scheduler.speculation import Speculation
+from services.scheduler.state_slots import SlotPool
 from services.worker.runner import ModelRunner, RunnerConfig
 from shared.devtools.inprocess_engine import InProcessEngine
 from shared.frames import FinishReason, SamplingParams, StepResult, Submit
-from tests.worker.harness import GREEDY, build_tiny
+from shared.model_info import load_model_info
+from tests.worker.harness import GREEDY, TINY_QWEN3_NEXTS, build_tiny
 
 NEW_TOKENS = 20
 BLOCK_SIZE = 4
@@ -61,7 +64,11 @@ def layers_of(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
 
 
 def engine(target: str, draft: str, num_blocks: int, budget: int, depth: int, k: int, draft_blocks: int = 64, decode_plan_s: float = 0.0):
-    config = RunnerConfig(target, num_blocks=num_blocks, block_size=BLOCK_SIZE, speculative_method="draft", draft_model=draft, draft_kv_blocks=draft_blocks)
+    """A scheduler and runner of 8 requests at most; a hybrid model's with its GDN state slots and the states its verifies roll back to."""
+    hybrid = load_model_info(target).uses_state_slots
+    config = RunnerConfig(
+        target, num_blocks=num_blocks, block_size=BLOCK_SIZE, speculative_method="draft", draft_model=draft, draft_kv_blocks=draft_blocks, verify_states=8 * k
+    )
     runner = ModelRunner(config)
     scheduler = Scheduler(
         BlockPool(num_blocks, BLOCK_SIZE),
@@ -71,6 +78,7 @@ def engine(target: str, draft: str, num_blocks: int, budget: int, depth: int, k:
         decode_plan_s=decode_plan_s,
         speculation=Speculation(k, 8),
         draft_blocks=DraftBlocks(draft_blocks, BLOCK_SIZE),
+        slots=SlotPool(8) if hybrid else None,
     )
     return InProcessEngine(scheduler, runner, depth), scheduler, runner
 
@@ -114,6 +122,28 @@ def test_greedy_outputs_equal_transformers_with_a_draft_model(
     assert_all_given_back(scheduler, runner)
     if num_blocks == 14:
         assert scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+def test_moe_and_hybrid_targets_give_their_greedy_outputs_with_a_draft_model(tmp_path: Path, family: str) -> None:
+    """A MoE target as its own draft; a hybrid target with a llama draft of its vocabulary (a draft holds KV alone),
+    whose rejected proposals roll the target's GDN state back; under chunked prefill and preemption."""
+    reference = build_tiny(family, str(tmp_path / "target"), **(TINY_QWEN3_NEXTS["gqa-dense-layer"] if family == "qwen3_next" else {}))
+    draft = str(tmp_path / "target")
+    if family == "qwen3_next":
+        draft = str(tmp_path / "draft")
+        build_tiny("llama", draft)
+    run_engine, scheduler, runner = engine(str(tmp_path / "target"), draft, 14, 7, 2, 3)
+    result = run_engine.run(submits())
+    for i, prompt in enumerate(PROMPTS):
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert result.outputs[f"r{i}"] == out[0, len(prompt) :].tolist()[: NEW_TOKENS - (i == 2)]
+    spec = runner.speculator
+    assert spec.drafts > 0 and scheduler.num_preemptions > 0
+    if family == "qwen3_moe":
+        assert spec.accepted_tokens >= 0.95 * spec.draft_tokens, spec.describe()
+    assert_all_given_back(scheduler, runner)
 
 
 def test_each_proposal_is_the_draft_checkpoints_own_greedy_continuation(models) -> None:
