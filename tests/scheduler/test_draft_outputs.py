@@ -8,6 +8,9 @@ and recomputes."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import shutil
 from collections import deque
 from pathlib import Path
 
@@ -23,6 +26,7 @@ from services.scheduler.speculation import Speculation
 from services.scheduler.state_slots import SlotPool
 from services.worker.runner import ModelRunner, RunnerConfig
 from shared.devtools.inprocess_engine import InProcessEngine
+from shared.devtools.random_model import build_random_smollm
 from shared.frames import FinishReason, SamplingParams, StepResult, Submit
 from shared.model_info import load_model_info
 from tests.worker.harness import GREEDY, TINY_QWEN3_NEXTS, build_tiny
@@ -234,3 +238,19 @@ def test_a_draft_of_another_vocabulary_is_refused_at_start(tmp_path: Path) -> No
         ModelRunner(config)
     with pytest.raises(ValueError, match="needs --draft-model"):
         ModelRunner(dataclasses.replace(config, draft_model=""))
+
+
+def test_a_draft_with_another_tokenizer_of_the_same_size_is_refused_at_start(tmp_path: Path) -> None:
+    target = build_random_smollm(str(tmp_path / "target"))
+    draft = tmp_path / "draft"  # the model's config and tokenizer files: a draft's tokenizer is checked before its weights load
+    draft.mkdir()
+    for name in os.listdir(target):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(target, name), draft)
+    tokenizer = json.loads((draft / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab["hello"], vocab["world"] = vocab["world"], vocab["hello"]
+    (draft / "tokenizer.json").write_text(json.dumps(tokenizer))
+    config = RunnerConfig(target, num_blocks=16, block_size=BLOCK_SIZE, speculative_method="draft", draft_model=str(draft))
+    with pytest.raises(ValueError, match="does not share the model's tokenizer: 2 tokens have other ids or are missing"):
+        ModelRunner(config)

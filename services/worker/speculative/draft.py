@@ -33,7 +33,7 @@ from services.worker.request_table import RequestState, RequestTable
 from services.worker.sampling import row_argmax
 from services.worker.speculative.verifier import draw, target_probs
 from services.worker.weights_loading import load_model
-from shared.model_info import is_gguf
+from shared.model_info import is_gguf, load_model_info
 from shared.tokenizer import load_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -72,14 +72,15 @@ class DraftProposer:
             raise ValueError("speculative method 'draft' needs --draft-model, the directory of a small model with the model's tokenizer")
         if not os.path.exists(path):
             raise ValueError(f"draft model {path!r} does not exist")
-        _, model, _, _ = load_model(path, dtype, target.embed.device, weight_quant, None)
-        if model.vocab_size != target.vocab_size:
+        vocab_size = load_model_info(path).vocab_size
+        if vocab_size != target.vocab_size:
             raise ValueError(
-                f"draft model {path!r} has a vocabulary of {model.vocab_size} tokens but the model {target.vocab_size}: a draft must share the model's tokenizer"
+                f"draft model {path!r} has a vocabulary of {vocab_size} tokens but the model {target.vocab_size}: a draft must share the model's tokenizer"
             )
         why = _tokenizers_differ(path, target_path)
         if why:
             raise ValueError(f"draft model {path!r} does not share the model's tokenizer: {why}")
+        _, model, _, _ = load_model(path, dtype, target.embed.device, weight_quant, None)
         if model.gdn_shape is not None:
             raise ValueError(f"draft model {path!r} has Gated DeltaNet layers: a draft must be a model of attention layers alone")
         if kv_dtype == torch.int8:  # the model's quantized KV needs a kernel and a head_dim the draft may not have
