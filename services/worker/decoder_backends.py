@@ -8,16 +8,15 @@ first of ``DECODER_BACKENDS`` that runs its model:
   without Python's per-layer glue: the fused forward's own kernel sequence, the same logits to the bit. It
   runs the shared decoder's attention layers (q/k norms or none, rotary over whole heads) with SwiGLU or
   sparse MoE MLPs (experts resident in blocks, no shared expert: Llama, Qwen3, Qwen3-MoE) on the CPU kernels
-  with weights in blocks (int4, or a GGUF's), not sharded. Its kernel rounds activations to int16 at every
-  row count; under int4-a8, whose products round steps of more than ``BLOCK_QUANT_MAX_ROWS`` rows to int8,
-  only few-row steps take it, the rest ``fused``.
+  with weights in blocks (int4, or a GGUF's), not sharded, at every row count. It rounds each projection's
+  activations as the per-layer path does: to int16 in steps of up to ``BLOCK_QUANT_MAX_ROWS`` rows, beyond
+  them to int8 where int4-a8 says so.
 - ``fused``: layer by layer, each residual add folded into the RMSNorm after it, where the fusion kernels are on.
 - ``layers``: layer by layer, unfused: the reference, and every model's fallback.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Protocol
 
 import torch
@@ -27,15 +26,15 @@ from services.worker.attention import AttentionMetadata, KVCache
 from services.worker.cpu_kernels import cpu_kernels
 from services.worker.gdn_state import SlotMetadata
 from services.worker.linear import BLOCK_QUANT_MAX_ROWS
-from services.worker.models.decoder import Attention, DecoderForCausalLM, DenseMLP
+from services.worker.models.decoder import Attention, DecoderForCausalLM, DecoderLayer, DenseMLP
 from services.worker.moe import SparseMoE
 
 
 class DecoderBackend(Protocol):
-    """A model's forward bound at load; ``one_call_rows``: the most rows of a step that runs all layers in one call (0: none)."""
+    """A model's forward bound at load; ``one_call``: whether every step runs all layers in one C++ call."""
 
     name: str
-    one_call_rows: int
+    one_call: bool
 
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache, slots: SlotMetadata | None = None
@@ -43,7 +42,7 @@ class DecoderBackend(Protocol):
 
 
 class Layers:
-    name, one_call_rows = "layers", 0
+    name, one_call = "layers", False
 
     @staticmethod
     def why_not(model: DecoderForCausalLM, sharded: bool) -> str | None:
@@ -94,12 +93,11 @@ class OneCallCpp:
         return None
 
     def __init__(self, model: DecoderForCausalLM) -> None:
-        self._model, self._larger = model, FusedLayers(model)
+        self._model = model
+        self.one_call = True
         layers = model.layers
         attn, mlp = [layer.attn for layer in layers], [layer.mlp for layer in layers]
         moe = [m for m in mlp if isinstance(m, SparseMoE)]
-        sixteen_bits = all(p.activation_bits == 16 for p in _projections(model)) and not any(m.int8_activations for m in moe)
-        self.one_call_rows = sys.maxsize if sixteen_bits else BLOCK_QUANT_MAX_ROWS
         self._layers = cpu_kernels()[0].DecoderLayers(
             norms=[weight for layer in layers for weight in (layer.input_norm.weight, layer.post_norm.weight)] + [model.norm.weight],
             qkv=[a.qkv.panels for a in attn], qkv_bias=[a.qkv.bias for a in attn], head_norms=[a.head_norms for a in attn],
@@ -107,6 +105,7 @@ class OneCallCpp:
             routers=[m.router if isinstance(m, SparseMoE) else None for m in mlp],
             gate_up=[m.panels.gate_up if isinstance(m, SparseMoE) else m.gate_up.panels for m in mlp],
             down=[m.panels.down if isinstance(m, SparseMoE) else m.down.panels for m in mlp],
+            many_row_bits=[_many_row_bits(layer) for layer in layers], few_rows=BLOCK_QUANT_MAX_ROWS,
             top_k=moe[0].top_k if moe else 1, renormalize=bool(moe and moe[0].renormalize),
             heads=model.num_heads, kv_heads=model.num_kv_heads, head_dim=model.head_dim, eps=model.cfg.eps,
         )  # fmt: skip
@@ -114,13 +113,19 @@ class OneCallCpp:
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache, slots: SlotMetadata | None = None
     ) -> torch.Tensor:
-        if input_ids.shape[0] > self.one_call_rows:
-            return self._larger(input_ids, positions, attn, kv_cache, slots)
         model = self._model
         cos, sin = model.rotary.lookup(positions, attn.max_position)
         return self._layers.forward(
             F.embedding(input_ids, model.embed), kv_cache.layers, cos, sin, attn.write_slots, attn.row_block_tables, attn.row_context_lens, attn.block_size
         )
+
+
+def _many_row_bits(layer: DecoderLayer) -> list[int]:
+    """The activation bits of a layer's qkv, o_proj, gate_up and down in steps of more than ``BLOCK_QUANT_MAX_ROWS``
+    rows, as its per-layer path rounds them (a MoE layer: its experts' at gate_up and down)."""
+    mlp = layer.mlp
+    mlp_bits = [8 if mlp.int8_activations else 16] * 2 if isinstance(mlp, SparseMoE) else [mlp.gate_up.activation_bits, mlp.down.activation_bits]
+    return [layer.attn.qkv.activation_bits, layer.attn.o_proj.activation_bits, *mlp_bits]
 
 
 def _projections(model: DecoderForCausalLM) -> list:

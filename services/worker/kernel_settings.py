@@ -17,8 +17,6 @@ from services.worker.cpu_cache import keep_weights_cached, l3_cache_bytes
 from services.worker.cpu_kernels import cpu_kernels
 from services.worker.linear import held_bytes, linears_of
 
-POOL_FEW_ROWS = 8  # the takeover pool's limit where only few-row steps run all layers in one call (int4-a8)
-
 
 @dataclass(frozen=True)
 class CpuKernelSettings:
@@ -28,18 +26,17 @@ class CpuKernelSettings:
     weight_prefetch: str  # the prefetch's choice and why, for /instrumentation
 
     @classmethod
-    def for_model(cls, model: Any, one_call_rows: int, weight_prefetch: str) -> CpuKernelSettings | None:
-        """A CPU model's settings (None where the C++ kernels did not build). Decode-sized steps run on the pool
-        where all their parallel kernels do: steps up to the pool's limit where every step runs all layers in
-        one call (``one_call_rows``: the most rows of such a step), only few-row steps where the rest take the
-        per-layer path (int4-a8), whose torch glue may wake OpenMP's threads. ``weight_prefetch``: auto, keep or stream."""
+    def for_model(cls, model: Any, one_call: bool, weight_prefetch: str) -> CpuKernelSettings | None:
+        """A CPU model's settings (None where the C++ kernels did not build). Decode-sized steps (up to the pool's
+        limit) run on the pool where all their parallel kernels do: where every step runs all layers in one call
+        (``one_call``), not where the per-layer path's torch glue may wake OpenMP's threads. ``weight_prefetch``:
+        auto, keep or stream."""
         kernels = cpu_kernels()[0]
         if kernels is None:
             return None
-        pool_rows = kernels.TAKEOVER_POOL_MAX_ROWS if one_call_rows >= kernels.TAKEOVER_POOL_MAX_ROWS else POOL_FEW_ROWS
         panels = sum(held_bytes(linear)["panels"] for linear in linears_of(model))
         keep, why = keep_weights_cached(weight_prefetch, panels, l3_cache_bytes())
-        return cls(one_call_rows > 0, pool_rows, keep, why)
+        return cls(one_call, kernels.TAKEOVER_POOL_MAX_ROWS, keep, why)
 
     def apply(self) -> None:
         kernels = cpu_kernels()[0]

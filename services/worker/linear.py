@@ -33,7 +33,9 @@ Weight storage formats (``--weight-quant``), chosen per deployment:
 - ``none``: the checkpoint's dtype as loaded.
 
 A GGUF's Q4_0 / Q4_1 / Q8_0 weights arrive in their blocks (``block_quant.BlockQuantized``) and are
-multiplied in them whatever the format chosen here, which applies to the float weights beside them.
+multiplied in them whatever the format chosen here, which applies to the float weights beside them;
+under ``int4-a8`` the GGUF's 4-bit blocks (q4_0 / q4_1: llama.cpp's own q4 x q8 arithmetic) also take int8
+activations beyond ``BLOCK_QUANT_MAX_ROWS`` rows.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from shared.choices import WEIGHT_QUANTS
 
 SPLIT_MAX_ROWS = 8  # measured: the split wins up to 8 rows, plain GEMM beyond
 INT8_ACTIVATION_BLOCK = 32  # features per activation scale in csrc/int8_linear.cpp
-BLOCK_QUANT_MAX_ROWS = 4  # "few rows": int4-a8 keeps int16 activations (and so may run all layers in one C++ call)
+BLOCK_QUANT_MAX_ROWS = 4  # "few rows": int4-a8 keeps int16 activations in steps of up to this many rows
 
 
 def _slices(size: int, threads: int) -> int:
@@ -82,6 +84,7 @@ def fp16_packing_available() -> bool:
 
 
 BLOCK_QUANTS = ("int4", "int4-a8")  # the formats that keep q4_1 / q8_0 blocks
+FOUR_BIT_FORMATS = ("q4_0", "q4_1")  # the block formats whose products may round activations to int8
 KERNEL_BLOCK_FORMATS = ("q4_0", "q4_1", "q8_0")  # the block formats csrc/block_quant_gemm.cpp and grouped_moe.cpp multiply
 
 
@@ -186,10 +189,17 @@ class Linear:
         self.hold_blocks(BlockQuantized("q4_1", blocks, in_features), int8_activations)
 
     def hold_blocks(self, blocks: BlockQuantized, int8_activations: bool = False) -> None:
-        """From now on the panels of ``blocks`` serve every step (``int8_activations``: q4_1 only, see ``quantize_int4``)."""
-        self.panels, self._gemm_kernel = blocks.panels(), cpu_kernels()[0].block_quant_gemm
-        self.activation_bits = 8 if int8_activations and blocks.fmt == "q4_1" else 16  # in steps of more than BLOCK_QUANT_MAX_ROWS rows
+        """From now on the panels of ``blocks`` serve every step (``int8_activations``: see ``round_activations_to_int8``)."""
+        self.panels, self._gemm_kernel, self.block_format = blocks.panels(), cpu_kernels()[0].block_quant_gemm, blocks.fmt
+        self.activation_bits = 16  # in steps of more than BLOCK_QUANT_MAX_ROWS rows
+        if int8_activations:
+            self.round_activations_to_int8()
         self.weight, self.split, self._sliced, self.slices = _packed_placeholder(*blocks.shape), False, None, 1
+
+    def round_activations_to_int8(self) -> None:
+        """Steps of more than ``BLOCK_QUANT_MAX_ROWS`` rows round activations to int8 (4-bit blocks only: q8_0 keeps int16)."""
+        if self.block_format in FOUR_BIT_FORMATS:
+            self.activation_bits = 8
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
@@ -316,6 +326,10 @@ def convert_weights(model: object, weight_quant: str) -> tuple[str, int]:
     from services.worker.moe import convert_experts  # moe imports this module
 
     convert_experts(model, weight_quant)  # first: a shared expert that joins the experts' call leaves its linears behind
+    if weight_quant == "int4-a8":  # a GGUF's 4-bit blocks too
+        for linear in linears_of(model):
+            if isinstance(linear, Linear) and linear.panels is not None:
+                linear.round_activations_to_int8()
     linears = [linear for linear in linears_of(model) if linear.panels is None]
     if weight_quant in ("auto", *BLOCK_QUANTS):
         blocks = [_int4_blocks(linear, check_exact=weight_quant == "auto") for linear in linears]

@@ -414,7 +414,7 @@ class WorkerLoop:
 
 
 WARMUP_MAX_TOKENS = 2048  # past this a prefill's one-off costs are lost in its own run time
-CPU_WARMUP_LENGTHS = (1, 2, 5, 9, 33)  # one past each row limit: BLOCK_QUANT_MAX_ROWS (4), SPLIT_MAX_ROWS and POOL_FEW_ROWS (8), the takeover pool's (32)
+CPU_WARMUP_LENGTHS = (1, 2, 5, 9, 33)  # one past each row limit: BLOCK_QUANT_MAX_ROWS (4), SPLIT_MAX_ROWS (8), the takeover pool's (32)
 
 
 def warmup_lengths(budget: int, capacity: int, device_type: str = "cpu") -> list[int]:

@@ -370,9 +370,12 @@ def describe_experts(model: object) -> dict[str, int]:
 
 def convert_experts(model: object, weight_quant: str) -> dict[str, int]:
     """The float experts of ``model`` switch to blocks where ``weight_quant`` says so (``int4``, ``int4-a8``:
-    q4_1; ``auto``: the format they round-trip through exactly, if any) and the grouped kernel runs;
+    q4_1; ``auto``: the format they round-trip through exactly, if any) and the grouped kernel runs, experts
+    already in blocks (a GGUF's) taking int8 activations in many-row steps under ``int4-a8`` as well;
     returns ``describe_experts``."""
     for layer, moe in zip(moe_layers(model), routed_experts(model)):
+        if moe.panels is not None and weight_quant == "int4-a8":  # a GGUF's blocks (the kernel rounds only 4-bit ones to int8)
+            moe.int8_activations = True
         floats = moe.float_experts()
         if floats is not None and grouped_kernel_runs(moe.router.device, moe.router.dtype):
             gate_up, down = floats

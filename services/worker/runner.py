@@ -134,7 +134,7 @@ class ModelRunner:
         self.decoder = select_decoder_backend(self.model, sharded=tp is not None)  # the weights are in their final form
         self.kernel_settings = None
         if self.device.type == "cpu":
-            self.kernel_settings = CpuKernelSettings.for_model(self.model, self.decoder.one_call_rows, config.weight_prefetch)
+            self.kernel_settings = CpuKernelSettings.for_model(self.model, self.decoder.one_call, config.weight_prefetch)
         self.apply_kernel_settings()
         self._attention_backend = self.model.attention_backend
         if kv_dtype == torch.int8 and self._attention_backend != "cpp":

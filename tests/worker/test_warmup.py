@@ -3,7 +3,6 @@ each row limit where the kernels change path; bounded by the budget and the cach
 
 from __future__ import annotations
 
-from services.worker.kernel_settings import POOL_FEW_ROWS
 from services.worker.linear import BLOCK_QUANT_MAX_ROWS, SPLIT_MAX_ROWS
 from services.worker.loop import WARMUP_MAX_TOKENS, warmup_lengths
 
@@ -15,7 +14,7 @@ def test_gpu_ladder_covers_short_lengths_and_powers_of_two_up_to_the_budget() ->
 
 def test_cpu_lengths_step_past_every_row_limit_of_the_kernels_and_stay_short() -> None:
     lengths = warmup_lengths(512, 16384, "cpu")
-    for limit in (BLOCK_QUANT_MAX_ROWS, SPLIT_MAX_ROWS, POOL_FEW_ROWS, 32):  # 32: the takeover pool's (csrc/takeover_pool.h)
+    for limit in (BLOCK_QUANT_MAX_ROWS, SPLIT_MAX_ROWS, 32):  # 32: the takeover pool's (csrc/takeover_pool.h)
         assert limit in lengths or limit + 1 in lengths, (limit, lengths)
     assert 1 in lengths and sum(lengths) < 100  # the first request's stall is what warm-up saves; it must not cost seconds
 

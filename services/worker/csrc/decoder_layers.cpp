@@ -1,8 +1,9 @@
 // A decoder's layers for a step, as one call: the same kernels, in the same order and with the same
 // arguments as DecoderForCausalLM.forward_fused over weights in blocks (Python's per-layer glue, a dozen
 // calls per layer, costs as much as a layer's attention at batch 1, and 3-7 % of a 8-32 row decode step).
-// The projections are q4_0 / q4_1 / q8_0 panels (block_quant.to_panels) multiplied with int16
-// activations, so under int4-a8 (int8 activations beyond a few rows) only few-row steps come here.
+// The projections are q4_0 / q4_1 / q8_0 panels (block_quant.to_panels), their activations rounded as the
+// per-layer path rounds them: to int16 in steps of up to few_rows rows, else to each projection's
+// many_row_bits (8 for 4-bit blocks under int4-a8: llama.cpp's arithmetic, 16 otherwise).
 //
 // Per layer, on normed x and the running residual:
 //   qkv = x @ Wqkv (+ b); q, k heads RMSNorm-ed by their own weights (Qwen3's q/k norms, where the layer
@@ -19,6 +20,7 @@
 namespace {
 
 constexpr int64_t INT16 = 16;  // activation bits: few-row steps keep 4-bit blocks as accurate as their weights
+constexpr int64_t QKV = 0, O_PROJ = 1, GATE_UP = 2, DOWN = 3;  // a layer's many_row_bits (a MoE layer: its experts' at GATE_UP)
 constexpr int64_t BLOCK_FEATURES = 32;  // input features per panel block (down: [panels, intermediate / 32, ...])
 
 }  // namespace
@@ -26,17 +28,20 @@ constexpr int64_t BLOCK_FEATURES = 32;  // input features per panel block (down:
 DecoderLayers::DecoderLayers(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> qkv, std::vector<std::optional<torch::Tensor>> qkv_bias,
                              std::vector<std::optional<torch::Tensor>> head_norms, std::vector<torch::Tensor> o_proj,
                              std::vector<std::optional<torch::Tensor>> o_bias, std::vector<std::optional<torch::Tensor>> routers,
-                             std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down, int64_t top_k, bool renormalize, int64_t heads,
-                             int64_t kv_heads, int64_t head_dim, double eps)
+                             std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down, std::vector<std::vector<int64_t>> many_row_bits,
+                             int64_t few_rows, int64_t top_k, bool renormalize, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
     : norms_(std::move(norms)), qkv_(std::move(qkv)), qkv_bias_(std::move(qkv_bias)), head_norms_(std::move(head_norms)), o_proj_(std::move(o_proj)),
-      o_bias_(std::move(o_bias)), routers_(std::move(routers)), gate_up_(std::move(gate_up)), down_(std::move(down)), top_k_(top_k),
+      o_bias_(std::move(o_bias)), routers_(std::move(routers)), gate_up_(std::move(gate_up)), down_(std::move(down)),
+      many_row_bits_(std::move(many_row_bits)), few_rows_(few_rows), top_k_(top_k),
       renormalize_(renormalize), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps) {
   const size_t layers = qkv_.size();
   TORCH_CHECK(norms_.size() == 2 * layers + 1, "norms: input and post-attention norm of every layer, then the final norm");
   TORCH_CHECK(qkv_bias_.size() == layers && head_norms_.size() == layers && o_proj_.size() == layers && o_bias_.size() == layers &&
-                  routers_.size() == layers && gate_up_.size() == layers && down_.size() == layers,
-              "one qkv, qkv bias, head norm, o_proj, o bias, router, gate_up and down per layer");
+                  routers_.size() == layers && gate_up_.size() == layers && down_.size() == layers && many_row_bits_.size() == layers,
+              "one qkv, qkv bias, head norm, o_proj, o bias, router, gate_up, down and many_row_bits per layer");
   for (size_t i = 0; i < layers; ++i) {
+    TORCH_CHECK(many_row_bits_[i].size() == 4, "layer ", i, "'s many_row_bits must be [qkv, o_proj, gate_up, down]");
+    for (int64_t bits : many_row_bits_[i]) TORCH_CHECK(bits == 8 || bits == 16, "layer ", i, "'s many_row_bits must be 8 or 16, got ", bits);
     if (head_norms_[i]) {
       TORCH_CHECK(head_norms_[i]->dim() == 2 && head_norms_[i]->size(0) == heads + kv_heads && head_norms_[i]->size(1) == head_dim,
                   "layer ", i, "'s head norms must be [heads + kv_heads, head_dim], got ", head_norms_[i]->sizes());
@@ -62,21 +67,22 @@ torch::Tensor DecoderLayers::forward(const torch::Tensor& embedded, const std::v
   const int64_t qkv_width = (heads_ + 2 * kv_heads_) * head_dim_;
   auto [x, residual] = add_rms_norm(embedded, std::nullopt, norms_[0], eps_);
   for (int64_t i = 0; i < layers; ++i) {
-    const auto qkv_rows = block_quant_gemm(x, qkv_[i], qkv_width, qkv_bias_[i], std::nullopt, INT16).view({rows, heads_ + 2 * kv_heads_, head_dim_});
+    const auto bits = [&](int64_t projection) { return rows <= few_rows_ ? INT16 : many_row_bits_[i][projection]; };
+    const auto qkv_rows = block_quant_gemm(x, qkv_[i], qkv_width, qkv_bias_[i], std::nullopt, bits(QKV)).view({rows, heads_ + 2 * kv_heads_, head_dim_});
     const auto qk = qkv_rows.narrow(1, 0, heads_ + kv_heads_);
     if (head_norms_[i]) rms_norm_heads_(qk, *head_norms_[i], eps_);
     rotary_(qk, cos, sin);
     const auto kv = qkv_rows.narrow(1, heads_, 2 * kv_heads_).view({rows, 2, kv_heads_, head_dim_});
     store_kv_(caches[i], kv, write_slots);
     const auto attended = paged_decode_attention(qkv_rows.narrow(1, 0, heads_), caches[i], block_tables, context_lens, block_size, scale).view({rows, attn_width});
-    std::tie(x, residual) = add_rms_norm(block_quant_gemm(attended, o_proj_[i], hidden, o_bias_[i], std::nullopt, INT16), residual, norms_[2 * i + 1], eps_);
+    std::tie(x, residual) = add_rms_norm(block_quant_gemm(attended, o_proj_[i], hidden, o_bias_[i], std::nullopt, bits(O_PROJ)), residual, norms_[2 * i + 1], eps_);
     torch::Tensor mlp_out;
     if (routers_[i]) {
-      mlp_out = grouped_moe(x, router_logits(x, *routers_[i]), top_k_, renormalize_, gate_up_[i], down_[i], std::nullopt, std::nullopt, std::nullopt, INT16,
+      mlp_out = grouped_moe(x, router_logits(x, *routers_[i]), top_k_, renormalize_, gate_up_[i], down_[i], std::nullopt, std::nullopt, std::nullopt, bits(GATE_UP),
                             std::nullopt, std::nullopt, std::nullopt);
     } else {
-      const auto activated = silu_and_mul(block_quant_gemm(x, gate_up_[i], 2 * BLOCK_FEATURES * down_[i].size(1), std::nullopt, std::nullopt, INT16));
-      mlp_out = block_quant_gemm(activated, down_[i], hidden, std::nullopt, std::nullopt, INT16);
+      const auto activated = silu_and_mul(block_quant_gemm(x, gate_up_[i], 2 * BLOCK_FEATURES * down_[i].size(1), std::nullopt, std::nullopt, bits(GATE_UP)));
+      mlp_out = block_quant_gemm(activated, down_[i], hidden, std::nullopt, std::nullopt, bits(DOWN));
     }
     std::tie(x, residual) = add_rms_norm(mlp_out, residual, norms_[2 * i + 2], eps_);
   }

@@ -37,13 +37,15 @@ void rotary_(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tens
 void rms_norm_heads_(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 // A decoder's layers (decoder_layers.cpp), their weights held from load: per layer a dense SwiGLU (routers[i]
 // none; gate_up / down its panels) or a sparse MoE (routers[i] its [experts, hidden] weight; gate_up / down its
-// experts' stacked panels), q/k head norms where head_norms[i] is given.
+// experts' stacked panels), q/k head norms where head_norms[i] is given; activations rounded to int16 in steps
+// of up to few_rows rows, else to many_row_bits.
 class DecoderLayers {
  public:
   DecoderLayers(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> qkv, std::vector<std::optional<torch::Tensor>> qkv_bias,
                 std::vector<std::optional<torch::Tensor>> head_norms, std::vector<torch::Tensor> o_proj, std::vector<std::optional<torch::Tensor>> o_bias,
-                std::vector<std::optional<torch::Tensor>> routers, std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down, int64_t top_k,
-                bool renormalize, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps);
+                std::vector<std::optional<torch::Tensor>> routers, std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down,
+                std::vector<std::vector<int64_t>> many_row_bits, int64_t few_rows, int64_t top_k, bool renormalize, int64_t heads, int64_t kv_heads,
+                int64_t head_dim, double eps);
   torch::Tensor forward(const torch::Tensor& embedded, const std::vector<torch::Tensor>& caches, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& write_slots, const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t block_size) const;
 
@@ -53,7 +55,8 @@ class DecoderLayers {
   std::vector<torch::Tensor> o_proj_;
   std::vector<std::optional<torch::Tensor>> o_bias_, routers_;
   std::vector<torch::Tensor> gate_up_, down_;
-  int64_t top_k_;
+  std::vector<std::vector<int64_t>> many_row_bits_;  // per layer: qkv, o_proj, gate_up (a MoE layer: its experts'), down
+  int64_t few_rows_, top_k_;
   bool renormalize_;
   int64_t heads_, kv_heads_, head_dim_;
   double eps_;
