@@ -25,6 +25,7 @@ from services.scheduler.kv_blocks import BlockPool
 from services.scheduler.speculation import Speculation
 from services.scheduler.state_slots import SlotPool
 from services.worker.runner import ModelRunner, RunnerConfig
+from services.worker.speculative import draft as draft_module
 from shared.devtools.inprocess_engine import InProcessEngine
 from shared.devtools.random_model import build_random_smollm
 from shared.frames import FinishReason, SamplingParams, StepResult, Submit
@@ -150,10 +151,12 @@ def test_moe_and_hybrid_targets_give_their_greedy_outputs_with_a_draft_model(tmp
     assert_all_given_back(scheduler, runner)
 
 
-def test_each_proposal_is_the_draft_checkpoints_own_greedy_continuation(models) -> None:
+@pytest.mark.parametrize("catch_up", [draft_module.CATCH_UP_TOKENS, 5], ids=["whole-catch-up", "catch-up-in-pieces"])
+def test_each_proposal_is_the_draft_checkpoints_own_greedy_continuation(models, monkeypatch, catch_up: int) -> None:
     """The draft's KV is in step with each request's tokens: every proposal equals transformers' greedy continuation
     of the draft checkpoint over the request's tokens so far, after verifies that accepted all, some or none of
-    its proposals, over chunked prefill and recomputes after preemption."""
+    its proposals, over chunked prefill and recomputes after preemption, and with catch-ups in pieces."""
+    monkeypatch.setattr(draft_module, "CATCH_UP_TOKENS", catch_up)
     target, small, _, draft = models
     run_engine, scheduler, runner = engine(target, small, 14, 7, 2, 3)
     proposer = runner.speculator.proposer

@@ -6,9 +6,9 @@ Its KV lives in a cache of its own, in blocks the scheduler hands out from a sec
 ``Slice.draft_blocks`` into the request's ``draft_table``, cut back after a verify as the target's table is, and
 gone with the request (finish, abort, preemption). The draft catches up lazily: it hears every token of each
 request, as prompt lookup does, and keeps the positions it has computed. A proposal first runs it over the
-tokens it has not computed (the whole prompt the first time; after a verify, the tokens past its accepted
-proposals), in one batch over the step's speculating requests, then chains decode steps, batched the same way,
-until each request has its k tokens. A greedy request gets the draft's argmax; a sampled one a draw from the
+tokens it has not computed (the whole prompt the first time, a long one in pieces; after a verify, the tokens past
+its accepted proposals), in one batch over the step's speculating requests, then chains decode steps, batched the
+same way, until each request has its k tokens. A greedy request gets the draft's argmax; a sampled one a draw from the
 draft's distribution q (its temperature, top-k, top-p and min-p over the draft's logits), and q goes to the
 rejection sampler (``verifier.verify``'s ``draft_probs``), so its tokens keep the target's distribution.
 
@@ -37,6 +37,7 @@ from shared.model_info import is_gguf, load_model_info
 from shared.tokenizer import load_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+CATCH_UP_TOKENS = 512  # the most of one request's tokens a draft forward computes: a longer catch-up runs in pieces first
 
 
 @dataclass
@@ -101,6 +102,7 @@ class DraftProposer:
     def propose(self, wanted: dict[str, int]) -> dict[str, list[int]]:
         """``wanted[rid]`` tokens for each request, one batched draft forward per token."""
         self._probs = {}
+        self._catch_up([rid for rid, count in wanted.items() if count > 0])
         # The catch-up's single tokens first: attention runs them as one decode batch.
         active = sorted((rid for rid, count in wanted.items() if count > 0), key=lambda rid: self._catch_up_is_chunk(self._tracks[rid]))
         inputs = {rid: self._tracks[rid].tokens[self._tracks[rid].computed :] for rid in active}
@@ -131,6 +133,16 @@ class DraftProposer:
 
     def describe(self) -> dict[str, Any]:
         return {"model": self.path, "kv_blocks": self.num_blocks, "kv_cache_bytes": self.kv_cache.nbytes, "vocab_size": self.model.vocab_size}
+
+    def _catch_up(self, rids: list[str]) -> None:
+        """Computes the requests' unseen tokens but the last ``CATCH_UP_TOKENS``, that many at a time (the proposing
+        forward computes the rest), so a long prompt never makes one huge forward."""
+        while rids := [rid for rid in rids if len(self._tracks[rid].tokens) - self._tracks[rid].computed > CATCH_UP_TOKENS]:
+            tracks = [self._tracks[rid] for rid in rids]
+            pieces = [t.tokens[t.computed : t.computed + CATCH_UP_TOKENS] for t in tracks]
+            self._forward([t.computed for t in tracks], pieces, [self.requests[rid].draft_table for rid in rids])
+            for track in tracks:
+                track.computed += CATCH_UP_TOKENS
 
     @staticmethod
     def _catch_up_is_chunk(track: _Track) -> bool:
