@@ -118,7 +118,7 @@ class SchedulerConfig:
     gdn_checkpoint_bytes: int = _opt(0, "GDN state checkpoints' size in bytes (0: use gdn_checkpoint_slots)", minimum=0)
     gdn_checkpoint_interval: int = _opt(512, "tokens between GDN state checkpoints of a prefill, rounded up to whole blocks", minimum=1)
     pipeline_depth: int = _opt(2, "step plans in flight at once (1: strictly alternate plan and result)", minimum=1)
-    speculative_method: str = _opt("", "proposer of the tokens a decode step verifies (default: none, no speculation)", choices=("", "ngram", "draft"))
+    speculative_method: str = _opt("", "proposer of the tokens a decode step verifies (default: none, no speculation)", choices=("", "ngram", "draft", "mtp"))
     draft_model: str = _opt("", "small model of the same tokenizer that speculative_method draft proposes with")
     num_speculative_tokens: int = _opt(3, "most proposed tokens one decode step verifies", minimum=1)
     ngram_min: int = _opt(2, "shortest n-gram of a request's last tokens that ngram looks up in its earlier tokens", minimum=1)

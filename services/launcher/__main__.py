@@ -101,6 +101,12 @@ def check_speculative(config: StackConfig) -> None:
             raise SystemExit(
                 f"tokenyard: --draft-model has a vocabulary of {draft.vocab_size} tokens but the model {vocab}: a draft must share the model's tokenizer"
             )
+    if config.speculative_method == "mtp":
+        from services.worker.speculative.mtp import MTP_FAMILIES
+
+        family = load_model_info(config.model).family
+        if family not in MTP_FAMILIES:
+            raise SystemExit(f"tokenyard: --speculative-method mtp runs the MTP layer of {', '.join(MTP_FAMILIES)} checkpoints; a {family} model has none")
 
 
 def check_expert_cache(config: StackConfig) -> None:

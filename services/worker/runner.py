@@ -35,6 +35,7 @@ from services.worker.linear import held_bytes, linears_of, resolve_weight_quant
 from services.worker.request_table import PlanLimits, RequestState, RequestTable
 from services.worker.sampler import Sampler
 from services.worker.speculative.draft import DraftProposer
+from services.worker.speculative.mtp import MTPProposer
 from services.worker.speculative.speculator import Speculator, Verify
 from services.worker.structured import StructuredOutputs
 from services.worker.tensor_parallel import TensorParallelGroup
@@ -81,7 +82,7 @@ class RunnerConfig:
         """A worker's runner on ``device``, with a KV cache of ``num_blocks`` (CUDA graphs only on CUDA)."""
         return cls(
             config.model, num_blocks, config.block_size, config.dtype, config.max_num_seqs, config.weight_quant, config.kv_cache_dtype, device,
-            config.cuda_graph_max_batch if torch.device(device).type == "cuda" else 0, config.max_model_len, config.weight_prefetch,
+            config.cuda_graph_max_batch if torch.device(device).type == "cuda" and config.speculative_method != "mtp" else 0, config.max_model_len, config.weight_prefetch,
             gdn_checkpoint_slots=gdn_checkpoints(load_model_info(config.model), config), speculative_method=config.speculative_method, ngram=(config.ngram_min, config.ngram_max),
             verify_states=min(config.speculative_max_batch, config.max_num_seqs) * config.num_speculative_tokens if config.speculative_method else 0,
             expert_cache_bytes=config.expert_cache_bytes, expert_cache_dir=config.expert_cache_dir, expert_cache_policy=config.expert_cache_policy,
@@ -128,7 +129,12 @@ class ModelRunner:
             draft = DraftProposer.load(
                 config.draft_model, config.model, self.model, self.requests, DTYPES[dtype], weight_quant, kv_dtype, draft_blocks, block_size
             )
-        self.speculator = Speculator(config.speculative_method, *config.ngram, block_size, draft) if config.speculative_method else None
+        self._mtp = None  # the MTP layer hears every step's hidden states (speculative/mtp.py)
+        if config.speculative_method == "mtp":
+            if config.cuda_graph_max_batch > 0:
+                raise ValueError("speculative method 'mtp' reads every step's hidden states, which a decode graph does not give: leave CUDA graphs off")
+            self._mtp = MTPProposer.load(config.model, self.family, self.model, self.requests, block_size)
+        self.speculator = Speculator(config.speculative_method, *config.ngram, block_size, draft, self._mtp) if config.speculative_method else None
         self.sampler = Sampler(self.device, config.model, self.model.vocab_size)
         self._grammars = self.sampler if tp is None or tp.leader else None  # only the leader samples
         self.decoder = select_decoder_backend(self.model, sharded=tp is not None)  # the weights are in their final form
@@ -164,6 +170,8 @@ class ModelRunner:
             cache_blocks = num_blocks + 1 if graphed else num_blocks
             self.kv_cache = KVCache(self.model.num_kv_layers, cache_blocks, block_size, self.model.num_kv_heads, self.model.head_dim, kv_dtype, self.device)
             self.kv_block_bytes = self.kv_cache.nbytes // cache_blocks
+            if self._mtp is not None:
+                self._mtp.allocate(cache_blocks, kv_dtype)
         if graphed:
             context = config.max_model_len or model_config.get("max_position_embeddings", 2048)
             width = min(-(-context // block_size), num_blocks)
@@ -313,6 +321,8 @@ class ModelRunner:
                 dtype, self.kv_cache = self.kv_cache.tensor.dtype, None  # the old tensor goes before the new one is made
                 model = self.model
                 self.kv_cache = KVCache(model.num_kv_layers, blocks, self.block_size, model.num_kv_heads, model.head_dim, dtype, self.device)
+                if self._mtp is not None:
+                    self._mtp.allocate(blocks, dtype)
                 self.num_blocks = blocks
                 self._limits = self._plan_limits()
             if expert_cache_bytes >= 0:
@@ -405,6 +415,8 @@ class ModelRunner:
                 self.states, [s.slot for s in ordered], starts, lens, num_decodes, [s.checkpoints for s in ordered[first_prefill:]], len(verifies)
             )
         hidden = self.decoder(torch.tensor(input_ids, device=self.device), meta.positions, meta, self.kv_cache, slots)
+        if self._mtp is not None:  # the MTP layer's inputs: the target's hidden state at every position
+            self._mtp.keep_hidden([(s.rid, s.start, n) for s, n in zip(ordered, lens)], hidden)
 
         to_sample = [j for j, s in enumerate(ordered) if s.sample and s.rid not in verifies]
         ends = list(itertools.accumulate(lens))

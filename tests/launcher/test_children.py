@@ -64,6 +64,15 @@ def test_speculation_starts_for_a_hybrid_model_but_not_under_tensor_parallelism(
         child_argvs(StackConfig(model=str(tmp_path), speculative_method="ngram", tensor_parallel_size=2))
 
 
+def test_mtp_speculation_is_refused_at_once_for_a_family_without_an_mtp_layer(tmp_path) -> None:
+    config = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64, "vocab_size": 100}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit, match="a llama model has none"):
+        child_argvs(StackConfig(model=str(tmp_path), speculative_method="mtp"))
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_next"}))
+    assert child_argvs(StackConfig(model=str(tmp_path), speculative_method="mtp"))
+
+
 @pytest.mark.parametrize(
     "config_json, reason",
     [

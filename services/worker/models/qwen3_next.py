@@ -206,8 +206,15 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
         return int(self.cfg.head_dim * factor)
 
     def _layer(self, w: Weights, index: int) -> DecoderLayer:
-        p = f"model.layers.{index}."
-        if self.layer_types[index] == FULL_ATTENTION:
+        return self._decoder_layer(w, f"model.layers.{index}.", index, self.layer_types[index])
+
+    def mtp_layer(self, w: Weights) -> DecoderLayer:
+        """The checkpoint's multi-token-prediction layer (``mtp.layers.0.``): gated full attention and the MLP of a
+        layer of index 0, as vLLM numbers it (``speculative/mtp.py`` runs it)."""
+        return self._decoder_layer(w, "mtp.layers.0.", 0, FULL_ATTENTION)
+
+    def _decoder_layer(self, w: Weights, p: str, index: int, kind: str) -> DecoderLayer:
+        if kind == FULL_ATTENTION:
             attend = ATTENTION_BACKENDS[self.attention_backend]
             mixer: GatedAttention | GatedDeltaNet = GatedAttention(w, p, self.cfg, self.rotary_dim(self._config), attend, self.rotate)
         else:

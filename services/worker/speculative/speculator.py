@@ -21,6 +21,7 @@ from prometheus_client import Counter
 from services.worker.gdn_state import SlotMetadata
 from services.worker.request_table import RequestState, RequestTable
 from services.worker.speculative.draft import DraftProposer
+from services.worker.speculative.mtp import MTPProposer
 from services.worker.speculative.ngram import NgramProposer
 from services.worker.speculative.verifier import Verified, verify
 from shared.frames import Slice
@@ -32,7 +33,7 @@ DRAFT_TOKENS = Counter(f"{PREFIX}spec_decode_num_draft_tokens", "Proposed tokens
 ACCEPTED_TOKENS = Counter(f"{PREFIX}spec_decode_num_accepted_tokens", "Proposed tokens accepted")
 ACCEPTED_PER_POSITION = Counter(f"{PREFIX}spec_decode_num_accepted_tokens_per_pos", "Proposed tokens accepted, by position in the proposal", ["position"])
 
-SPECULATIVE_METHODS = ("ngram", "draft")
+SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
 
 
 class Verify(NamedTuple):
@@ -49,12 +50,17 @@ class Verify(NamedTuple):
 
 
 class Speculator:
-    def __init__(self, method: str, ngram_min: int, ngram_max: int, block_size: int, draft: DraftProposer | None = None) -> None:
-        """``draft``: the loaded draft model, which method "draft" proposes with (its KV blocks come in ``Slice.draft_blocks``)."""
-        if method not in SPECULATIVE_METHODS or (method == "draft") != (draft is not None):
-            raise ValueError(f"speculative method {method!r} is not one this worker runs (choices: {', '.join(SPECULATIVE_METHODS)}; draft with a draft model)")
+    def __init__(
+        self, method: str, ngram_min: int, ngram_max: int, block_size: int, draft: DraftProposer | None = None, mtp: MTPProposer | None = None
+    ) -> None:
+        """``draft``: the loaded draft model, which method "draft" proposes with (its KV blocks come in ``Slice.draft_blocks``);
+        ``mtp``: the checkpoint's MTP layer, which method "mtp" proposes with."""
+        if method not in SPECULATIVE_METHODS or (method == "draft") != (draft is not None) or (method == "mtp") != (mtp is not None):
+            raise ValueError(
+                f"speculative method {method!r} is not one this worker runs (choices: {', '.join(SPECULATIVE_METHODS)}; draft with a draft model, mtp with an MTP layer)"
+            )
         self.method = method
-        self.proposer = draft or NgramProposer(ngram_min, ngram_max)
+        self.proposer = draft or mtp or NgramProposer(ngram_min, ngram_max)
         self.draft = draft
         self._probs = draft.probs if draft is not None else lambda rid: None
         self.ngram = [ngram_min, ngram_max]
