@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's llama-server, the peer that bench.serve compares tokenyard against, and llama-quantize
-# (which bench.moe_model uses to write its GGUFs) from the llama.cpp sources vendored in the llama-cpp-python
+# Builds llama.cpp's llama-server, the peer that bench.serve compares tokenyard against, llama-perplexity (which
+# bench.perplexity_peer compares accuracy with) and llama-quantize (which bench.moe_model uses to write its
+# GGUFs) from the llama.cpp sources vendored in the llama-cpp-python
 # sdist (so it needs only the pip index and cmake). Those sources also hold convert_hf_to_gguf.py.
 #
-#   bench/peer/build_llama_server.sh            # -> bench/peer/build/bin/llama-server, llama-quantize
+#   bench/peer/build_llama_server.sh            # -> bench/peer/build/bin/llama-server, llama-perplexity, llama-quantize
 #
 # Settings (environment): LLAMA_CPP_PYTHON_VERSION (default 0.3.36), PEER_DIR (default bench/peer/build,
 # gitignored), PEER_ISA=auto|avx2|avx512 (default auto: AVX-512, VNNI and BF16 only where /proc/cpuinfo
@@ -54,13 +55,13 @@ cmake -S "$llama_src" -B "$peer_dir/cmake" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF
-cmake --build "$peer_dir/cmake" --target llama-server llama-quantize -j "$jobs"
+cmake --build "$peer_dir/cmake" --target llama-server llama-quantize llama-perplexity -j "$jobs"
 
 mkdir -p "$peer_dir/bin"
-cp "$peer_dir/cmake/bin/llama-server" "$peer_dir/cmake/bin/llama-quantize" "$peer_dir/bin/"
+cp "$peer_dir/cmake/bin/llama-server" "$peer_dir/cmake/bin/llama-quantize" "$peer_dir/cmake/bin/llama-perplexity" "$peer_dir/bin/"
 ln -sfn "$llama_src" "$peer_dir/llama.cpp"
 printf 'llama-cpp-python %s\nAVX2=ON AVX_VNNI=%s AVX512=%s AVX512_VNNI=%s AVX512_BF16=%s AVX512_VBMI=%s AMX=OFF NATIVE=OFF\n' \
   "$version" "$avx_vnni" "$avx512" "$vnni" "$bf16" "$vbmi" > "$peer_dir/bin/BUILD_INFO"
 "$peer_dir/bin/llama-server" --version 2>&1 | tail -n 2 >> "$peer_dir/bin/BUILD_INFO" || true
-echo "built $peer_dir/bin/llama-server and llama-quantize; llama.cpp sources at $peer_dir/llama.cpp"
+echo "built $peer_dir/bin/llama-server, llama-perplexity and llama-quantize; llama.cpp sources at $peer_dir/llama.cpp"
 cat "$peer_dir/bin/BUILD_INFO"
