@@ -1,7 +1,8 @@
 """Speculative decoding with a qwen3_next checkpoint's MTP layer (``--speculative-method mtp``) on a tiny random model
 whose MTP weights are random too: greedy outputs are the same with and without it under chunked prefill, mixed
-batches and preemption; a proposal does not depend on how the request's positions were computed (chunks, verifies
-with rejected tokens, plain decodes); and the worker refuses it where it cannot run."""
+batches and preemption; its proposals are the MTP layer as vLLM defines it (computed on transformers' decoder
+layer), chained; a proposal does not depend on how the request's positions were computed (chunks, verifies with
+rejected tokens, plain decodes); and the worker refuses it where it cannot run."""
 
 from __future__ import annotations
 
@@ -129,3 +130,44 @@ def test_the_worker_refuses_mtp_without_an_mtp_layer_or_with_decode_graphs(tiny_
     build_tiny("llama", str(tmp_path))
     with pytest.raises(ValueError, match="a llama model has none"):
         ModelRunner(RunnerConfig(str(tmp_path), num_blocks=16, block_size=BLOCK, speculative_method="mtp"))
+
+
+def reference_proposal(tiny: Checkpoint, mtp_path: str, tokens: list[int], count: int) -> list[int]:
+    """The MTP layer as vLLM defines it, on transformers' decoder layer and norms over the whole sequence: token p + 1's
+    embedding and the target's final-normed hidden state at p, each normed, through fc, the layer and its norm; then
+    chained on its own output and argmax."""
+    from safetensors.torch import load_file
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer, Qwen3NextRMSNorm
+
+    model, config = tiny.reference, tiny.reference.config
+    weights = load_file(os.path.join(mtp_path, "mtp.safetensors"))
+    layer = Qwen3NextDecoderLayer(config, layer_idx=1).eval()  # layer 1: full attention, MoE
+    layer.load_state_dict({name.removeprefix("mtp.layers.0."): w for name, w in weights.items() if name.startswith("mtp.layers.0.")})
+    norms = {}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        norms[name] = Qwen3NextRMSNorm(config.hidden_size, config.rms_norm_eps).eval()
+        norms[name].load_state_dict({"weight": weights[f"mtp.{name}.weight"]})
+    with torch.no_grad():
+        hidden = model.model(torch.tensor([tokens[:-1]])).last_hidden_state[0]  # positions 0..n-1
+        inputs = list(tokens[1:])  # token p + 1 at position p
+        proposals = []
+        for _ in range(count):
+            n = len(inputs)
+            x = torch.cat([norms["pre_fc_norm_embedding"](model.model.embed_tokens(torch.tensor(inputs))), norms["pre_fc_norm_hidden"](hidden)], -1)
+            x = (x @ weights["mtp.fc.weight"].T)[None]
+            positions = torch.arange(n)[None]
+            mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+            out = norms["norm"](layer(x, position_embeddings=model.model.rotary_emb(x, positions), attention_mask=mask, position_ids=positions))[0]
+            proposals.append(int(model.lm_head(out[-1]).argmax()))
+            inputs.append(proposals[-1])
+            hidden = torch.cat([hidden, out[-1:]])
+    return proposals
+
+
+def test_proposals_are_the_mtp_layer_chained_as_vllm_defines_it(tiny_qwen3_nexts: dict[str, Checkpoint], mtp_model: str) -> None:
+    runner = ModelRunner(RunnerConfig(mtp_model, num_blocks=64, block_size=BLOCK, max_num_seqs=2, speculative_method="mtp", verify_states=K))
+    recorder = runner.speculator.proposer = Recorder(runner.speculator.proposer)
+    prompt = prompt_of(41, 11)
+    tokens = prompt + step(runner, Slice("r", 0, 11, prompt, blocks(runner, "r", 11), sampling=GREEDY, slot=0))
+    step(runner, Slice("r", 11, 1 + K, new_blocks=blocks(runner, "r", 12 + K), slot=0))
+    assert recorder.proposals[-1]["r"] == reference_proposal(tiny_qwen3_nexts["gqa-dense-layer"], mtp_model, tokens, K)
