@@ -59,9 +59,11 @@ class KernelBuildError(RuntimeError):
     """A build that failed; the message is one line: the first compiler error, then where the full log is."""
 
 
-def _isa_flags() -> list[str]:
+def isa_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
+    """The compiler's ISA flags for the CPU that ``cpuinfo`` describes (its first ``flags`` line): AVX2 + FMA + F16C
+    where it lists them all, AVX-512 VNNI beside them where it lists that too; none otherwise (portable loops)."""
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     except OSError:
         flags = []
@@ -204,7 +206,7 @@ def cpu_kernels() -> tuple[ModuleType | None, str]:
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     try:
         # -fopenmp: at::parallel_for's OpenMP loop is inlined from the headers; without it, one thread.
-        module = build_extension("tokenyard_cpu_kernels", SOURCES, HEADERS, cflags=["-O3", "-fopenmp", *_isa_flags()], ldflags=["-fopenmp"])
+        module = build_extension("tokenyard_cpu_kernels", SOURCES, HEADERS, cflags=["-O3", "-fopenmp", *isa_flags()], ldflags=["-fopenmp"])
     except Exception as exc:  # no compiler, no ninja, a failed build: the torch paths still work
         why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"  # a KernelBuildError is one line
         log.warning("cpu_kernels_unavailable", why=why)

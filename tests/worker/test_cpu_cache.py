@@ -1,5 +1,6 @@
 """Whether the CPU worker's weight prefetch keeps the weights in the caches: the L3's size as Linux
-reports it, the setting's choice, what the worker reports, and the same results either way."""
+reports it, the setting's choice, what the worker reports, and the same results either way; and, per CPU
+class (its /proc/cpuinfo flags and sysfs caches fed as fixtures), the kernels' instructions and prefetch."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from services.worker import block_quant
 from services.worker.cpu_cache import keep_weights_cached, l3_cache_bytes
-from services.worker.cpu_kernels import cpu_kernels
+from services.worker.cpu_kernels import cpu_kernels, isa_flags
 
 kernels = pytest.mark.skipif(cpu_kernels()[0] is None, reason=f"CPU kernels unavailable: {cpu_kernels()[1]}")
 
@@ -37,6 +38,39 @@ def test_auto_keeps_weights_that_take_at_most_half_the_l3_and_the_setting_overri
     assert keep_weights_cached("auto", 1 * mb, 0)[0] is False  # no L3 reported: non-temporal
     assert keep_weights_cached("keep", 10_000 * mb, 32 * mb) == (True, "keep: asked for")
     assert keep_weights_cached("stream", 1 * mb, 300 * mb) == (False, "stream: asked for")
+
+
+AVX2 = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma avx2 bmi2"
+AVX512 = "avx512f avx512dq avx512cd avx512bw avx512vl"
+CPU_CLASSES = (
+    {  # flags (as /proc/cpuinfo lists them), L3 as sysfs reports it, the compile flags and the default model's prefetch
+        "EPYC Zen 1 (AVX2 only, 8 MB L3)": (AVX2, "8192K", ["-mavx2", "-mfma", "-mf16c"], "stream"),
+        "EPYC Zen 4 (AVX-512 VNNI, 32 MB L3)": (f"{AVX2} {AVX512} avx512_vnni avx512_bf16", "32768K", ["-mavx2", "-mfma", "-mf16c", *VNNI], "stream"),
+        "Xeon Sapphire Rapids (AVX-512 VNNI, AMX, 300 MB L3)": (
+            f"{AVX2} {AVX512} avx512_vnni amx_int8",
+            "307200K",
+            ["-mavx2", "-mfma", "-mf16c", *VNNI],
+            "keep",
+        ),
+        "Xeon, AVX-512 without VNNI (Skylake-SP, 32 MB L3)": (f"{AVX2} {AVX512}", "33792K", ["-mavx2", "-mfma", "-mf16c"], "stream"),
+        "no FMA (portable loops)": ("fpu sse sse2 avx avx2 f16c", "4096K", [], "stream"),
+    }
+    if (VNNI := ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"])
+    else {}
+)
+DEFAULT_MODEL_PANELS = 101 << 20  # the default model's quantized weights in panels
+
+
+@pytest.mark.parametrize("cpu", list(CPU_CLASSES))
+def test_each_cpu_class_gets_the_kernels_and_prefetch_its_cpuinfo_and_caches_call_for(cpu: str, tmp_path) -> None:
+    """A tuning for one class cannot silently reach another: the build's instructions follow the listed flags only
+    (VNNI only where avx512_vnni is listed with the AVX-512 it runs on), the prefetch the L3 sysfs reports."""
+    flags, l3, compile_flags, prefetch = CPU_CLASSES[cpu]
+    (tmp_path / "cpuinfo").write_text(f"processor\t: 0\nmodel name\t: {cpu}\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
+    _cache_index(tmp_path, "index0", "1", "48K")
+    _cache_index(tmp_path, "index3", "3", l3)
+    assert isa_flags(str(tmp_path / "cpuinfo")) == compile_flags
+    assert keep_weights_cached("auto", DEFAULT_MODEL_PANELS, l3_cache_bytes(str(tmp_path)))[1].startswith(prefetch)
 
 
 @kernels
