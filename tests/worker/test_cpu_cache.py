@@ -42,22 +42,16 @@ def test_auto_keeps_weights_that_take_at_most_half_the_l3_and_the_setting_overri
 
 AVX2 = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma avx2 bmi2"
 AVX512 = "avx512f avx512dq avx512cd avx512bw avx512vl"
-CPU_CLASSES = (
-    {  # flags (as /proc/cpuinfo lists them), L3 as sysfs reports it, the compile flags and the default model's prefetch
-        "EPYC Zen 1 (AVX2 only, 8 MB L3)": (AVX2, "8192K", ["-mavx2", "-mfma", "-mf16c"], "stream"),
-        "EPYC Zen 4 (AVX-512 VNNI, 32 MB L3)": (f"{AVX2} {AVX512} avx512_vnni avx512_bf16", "32768K", ["-mavx2", "-mfma", "-mf16c", *VNNI], "stream"),
-        "Xeon Sapphire Rapids (AVX-512 VNNI, AMX, 300 MB L3)": (
-            f"{AVX2} {AVX512} avx512_vnni amx_int8",
-            "307200K",
-            ["-mavx2", "-mfma", "-mf16c", *VNNI],
-            "keep",
-        ),
-        "Xeon, AVX-512 without VNNI (Skylake-SP, 32 MB L3)": (f"{AVX2} {AVX512}", "33792K", ["-mavx2", "-mfma", "-mf16c"], "stream"),
-        "no FMA (portable loops)": ("fpu sse sse2 avx avx2 f16c", "4096K", [], "stream"),
-    }
-    if (VNNI := ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"])
-    else {}
-)
+BUILD_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+BUILD_VNNI = [*BUILD_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
+# Per class: its flags as /proc/cpuinfo lists them, its L3 as sysfs reports it, the build's flags, the default model's prefetch.
+CPU_CLASSES = {
+    "EPYC Zen 1 (AVX2 only, 8 MB L3)": (AVX2, "8192K", BUILD_AVX2, "stream"),
+    "EPYC Zen 4 (AVX-512 VNNI, 32 MB L3)": (f"{AVX2} {AVX512} avx512_vnni avx512_bf16", "32768K", BUILD_VNNI, "stream"),
+    "Xeon Sapphire Rapids (AVX-512 VNNI, AMX, 300 MB L3)": (f"{AVX2} {AVX512} avx512_vnni amx_int8", "307200K", BUILD_VNNI, "keep"),
+    "Xeon Skylake-SP (AVX-512 without VNNI, 32 MB L3)": (f"{AVX2} {AVX512}", "33792K", BUILD_AVX2, "stream"),
+    "no FMA (portable loops)": ("fpu sse sse2 avx avx2 f16c", "4096K", [], "stream"),
+}
 DEFAULT_MODEL_PANELS = 101 << 20  # the default model's quantized weights in panels
 
 
