@@ -1,7 +1,8 @@
 """Random Llama checkpoints with SmolLM2's vocabulary and tokenizer files, built here with no network:
 ``tiny`` (2 layers of 64: steps take milliseconds; the stack tests' model) and ``smollm2-135m`` (the default
 model's exact shapes: serving runs on a machine the 540 MB weights cannot travel to, such as a lent GPU), and
-a tiny hybrid ``qwen3_next`` (``--shape hybrid``: Gated DeltaNet and full attention, the hybrid stack tests' model).
+a tiny hybrid ``qwen3_next`` (``--shape hybrid``: Gated DeltaNet and full attention, the hybrid stack tests' model;
+``--mtp`` adds a random MTP layer for ``--speculative-method mtp``).
 
     python -m shared.devtools.random_model DIR [--shape tiny|smollm2-135m] [--dtype float32|bfloat16] [--initializer-range 0.02]
 
@@ -67,16 +68,30 @@ HYBRID_SHAPE: dict[str, object] = dict(
 )
 
 
-def build_random_qwen3_next(path: str, initializer_range: float = 0.2, tokenizer_dir: str = DEFAULT_MODEL_DIR, **overrides: object) -> str:
-    """A seeded random hybrid (qwen3_next) checkpoint with SmolLM2's vocabulary and tokenizer files at ``path``."""
+def build_random_qwen3_next(path: str, initializer_range: float = 0.2, tokenizer_dir: str = DEFAULT_MODEL_DIR, mtp: bool = False, **overrides: object) -> str:
+    """A seeded random hybrid (qwen3_next) checkpoint with SmolLM2's vocabulary and tokenizer files at ``path``; with
+    ``mtp``, also a random multi-token-prediction layer (``mtp.*``, shaped as its last full-attention layer, in
+    ``mtp.safetensors``), which transformers' model does not hold."""
     import torch
+    from safetensors.torch import save_file
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     config = Qwen3NextConfig(
         vocab_size=49152, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, initializer_range=initializer_range, **{**HYBRID_SHAPE, **overrides}
     )
     torch.manual_seed(0)
-    Qwen3NextForCausalLM(config).save_pretrained(path)
+    model = Qwen3NextForCausalLM(config)
+    model.save_pretrained(path)
+    if mtp:
+        full = max(i for i, kind in enumerate(config.layer_types) if kind == "full_attention")
+        layer = f"model.layers.{full}."
+        weights = {
+            "mtp.layers.0." + n.removeprefix(layer): torch.randn(t.shape) * initializer_range for n, t in model.state_dict().items() if n.startswith(layer)
+        }
+        weights["mtp.fc.weight"] = torch.randn(config.hidden_size, 2 * config.hidden_size) * initializer_range
+        for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            weights[f"mtp.{norm}.weight"] = torch.zeros(config.hidden_size)  # zero-centred: scales by 1
+        save_file(weights, os.path.join(path, "mtp.safetensors"))
     for name in os.listdir(tokenizer_dir):
         if name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(os.path.join(tokenizer_dir, name), path)
@@ -90,9 +105,10 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--initializer-range", type=float, default=0.02)
     parser.add_argument("--tokenizer", default=DEFAULT_MODEL_DIR, help="directory holding SmolLM2's tokenizer files")
+    parser.add_argument("--mtp", action="store_true", help="hybrid: also a random MTP layer (for --speculative-method mtp)")
     args = parser.parse_args()
     if args.shape == "hybrid":
-        print(build_random_qwen3_next(args.path, args.initializer_range, args.tokenizer))
+        print(build_random_qwen3_next(args.path, args.initializer_range, args.tokenizer, args.mtp))
     else:
         print(build_random_smollm(args.path, args.shape, args.initializer_range, args.dtype, args.tokenizer))
 
