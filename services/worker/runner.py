@@ -157,6 +157,8 @@ class ModelRunner:
         pool_slots = max_num_seqs + (self._dummy_slot is not None)
         if budget is not None:
             fit = self._plan_memory(budget, pool_slots + config.gdn_checkpoint_slots + config.verify_states if shape is not None else 0, DTYPES[dtype])
+            if self._mtp is not None:  # the MTP layer's KV is one more layer per block
+                fit = fit * self.model.num_kv_layers // (self.model.num_kv_layers + 1)
             num_blocks = fit - 1 if graphed else fit  # the scheduler's share: the dummy block is the worker's
             if num_blocks < 1:
                 raise ValueError(f"the device memory budget leaves room for {fit} KV blocks; raise --gpu-memory-utilization")

@@ -171,3 +171,11 @@ def test_proposals_are_the_mtp_layer_chained_as_vllm_defines_it(tiny_qwen3_nexts
     tokens = prompt + step(runner, Slice("r", 0, 11, prompt, blocks(runner, "r", 11), sampling=GREEDY, slot=0))
     step(runner, Slice("r", 11, 1 + K, new_blocks=blocks(runner, "r", 12 + K), slot=0))
     assert recorder.proposals[-1]["r"] == reference_proposal(tiny_qwen3_nexts["gqa-dense-layer"], mtp_model, tokens, K)
+
+
+def test_under_a_device_budget_the_mtp_layers_kv_comes_off_the_blocks(mtp_model: str) -> None:
+    """The tiny model has one full-attention layer: with the MTP layer's beside it, a block costs twice as much."""
+    from services.worker.device_memory import KVBudget
+
+    runner = ModelRunner(RunnerConfig(mtp_model, 1, BLOCK, max_num_seqs=2, speculative_method="mtp", verify_states=K), budget=KVBudget(lambda *_: 40))
+    assert runner.num_blocks == 20 and runner.kv_cache.num_blocks == 20 and runner.speculator.proposer.kv_cache.num_blocks == 20

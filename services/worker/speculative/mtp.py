@@ -9,7 +9,8 @@ its own output hidden state and its guess are the next position's inputs.
 
 Its KV is one attention layer's, in a cache of its own laid out as the target's (same block size and count) and
 addressed through the request's own block table: position p of the MTP layer lives where position p of the target
-does, so the scheduler hands out nothing more and a request's MTP KV comes and goes with its blocks.
+does, so the scheduler hands out nothing more and a request's MTP KV comes and goes with its blocks. Under a device
+memory budget it comes off the KV cache's share (a block costs one layer more).
 
 Its positions: the runner hands it the target's hidden states of every position a step computes (``keep_hidden``).
 MTP position p is computed once token p + 1 is known, in one batch over the requests: after the step's forward,
