@@ -174,8 +174,12 @@ def test_proposals_are_the_mtp_layer_chained_as_vllm_defines_it(tiny_qwen3_nexts
 
 
 def test_under_a_device_budget_the_mtp_layers_kv_comes_off_the_blocks(mtp_model: str) -> None:
-    """The tiny model has one full-attention layer: with the MTP layer's beside it, a block costs twice as much."""
+    """The profile step runs before any KV cache exists; then, as the tiny model has one full-attention layer, a block
+    with the MTP layer's KV beside it costs twice as much."""
     from services.worker.device_memory import KVBudget
 
-    runner = ModelRunner(RunnerConfig(mtp_model, 1, BLOCK, max_num_seqs=2, speculative_method="mtp", verify_states=K), budget=KVBudget(lambda *_: 40))
+    from .test_device import GIB, FakeProbe
+
+    budget = KVBudget(lambda *_: 40, profile_tokens=8, probe=FakeProbe(GIB, GIB, GIB))
+    runner = ModelRunner(RunnerConfig(mtp_model, 1, BLOCK, max_num_seqs=2, speculative_method="mtp", verify_states=K), budget=budget)
     assert runner.num_blocks == 20 and runner.kv_cache.num_blocks == 20 and runner.speculator.proposer.kv_cache.num_blocks == 20

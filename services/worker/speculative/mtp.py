@@ -114,6 +114,8 @@ class MTPProposer:
     def keep_hidden(self, spans: list[tuple[str, int, int]], hidden: torch.Tensor) -> None:
         """The step's target hidden states [rows, hidden]: ``spans`` gives each slice's (rid, first position, rows) in
         row order. Then every position whose next token is known is computed."""
+        if self.kv_cache is None:  # the profile step of a device budget, before any KV cache exists
+            return
         row = 0
         for rid, start, n in spans:
             track = self._tracks.setdefault(rid, _Track())
