@@ -513,6 +513,8 @@ class ModelRunner:
                 "bytes_per_slot": self.states.bytes_per_slot,
                 "checkpoints_total": self.states.num_checkpoints,  # the prefix cache's, past the running slots
                 "checkpoint_bytes": self.states.checkpoint_bytes,
+                "verify_states": self.states.num_verify_states,  # what speculative verifies roll back to, past the checkpoints
+                "verify_state_bytes": self.states.verify_state_bytes,
             },
             "prefix_cache": {"enabled": True} if self.states.num_checkpoints else {"enabled": False, "reason": HYBRID_PREFIX_CACHE_OFF},
         }

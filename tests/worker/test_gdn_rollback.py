@@ -127,3 +127,5 @@ def test_a_step_verifying_more_than_the_pool_keeps_is_refused_untouched(referenc
     with pytest.raises(ValueError, match="roll back"):
         drive.run(drive.decode("a", len(prompt), slot=0, draft=K))
     assert all(torch.equal(x, y) for x, y in zip(slot_state(runner, 0), before)) and runner.requests["a"].end == len(prompt)
+    facts = runner.describe()["gdn_state"]
+    assert facts["verify_states"] == K - 1 and facts["verify_state_bytes"] == (K - 1) * facts["bytes_per_slot"]

@@ -67,7 +67,8 @@ def test_greedy_outputs_are_the_same_with_mtp_speculation(mtp_model: str, num_bl
     off = engine(mtp_model, num_blocks, budget, 0)[0].run(work).outputs
     run, scheduler, runner = engine(mtp_model, num_blocks, budget, K)
     assert run.run(work[:2], arrivals={3: work[2:]}).outputs == off
-    assert runner.speculator.drafts > 0 and runner.describe()["speculative"]["method"] == "mtp"
+    facts = runner.describe()["speculative"]
+    assert runner.speculator.drafts > 0 and facts["method"] == "mtp" and facts["mtp"]["kv_cache_bytes"] == runner.kv_cache.nbytes  # one layer
     assert scheduler.pool.num_used == 0
     if num_blocks == 14:
         assert scheduler.num_preemptions > 0

@@ -61,7 +61,7 @@ class Speculator:
             )
         self.method = method
         self.proposer = draft or mtp or NgramProposer(ngram_min, ngram_max)
-        self.draft = draft
+        self.draft, self.mtp = draft, mtp
         self._probs = draft.probs if draft is not None else lambda rid: None
         self.ngram = [ngram_min, ngram_max]
         self.block_size = block_size
@@ -152,6 +152,7 @@ class Speculator:
             "method": self.method,
             "ngram": self.ngram,
             "draft": None if self.draft is None else self.draft.describe(),
+            "mtp": None if self.mtp is None else self.mtp.describe(),
             "drafts": self.drafts,
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
