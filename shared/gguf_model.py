@@ -86,12 +86,15 @@ class GGUFWeight:
     def block_format(self) -> str | None:
         return BLOCK_TYPES.get(self.ggml_type)
 
-    def float32(self) -> np.ndarray:
-        """The values as float32 (blocks dequantized)."""
+    def float32(self, rows: int = 4096) -> np.ndarray:
+        """The values as float32 (blocks dequantized ``rows`` rows at a time: a table's temporaries stay small)."""
         if self.ggml_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             return self.array.astype(np.float32)
-        rows = self.array.shape[:-1]
-        return dequantize(self.array.reshape(-1, self.array.shape[-1]), self.ggml_type).reshape(*rows, self.in_features)
+        flat = self.array.reshape(-1, self.array.shape[-1])
+        out = np.empty((flat.shape[0], self.in_features), dtype=np.float32)
+        for start in range(0, flat.shape[0], rows):
+            out[start : start + rows] = dequantize(flat[start : start + rows], self.ggml_type)
+        return out.reshape(*self.array.shape[:-1], self.in_features)
 
     def map_rows(self, fn: Callable[[np.ndarray], np.ndarray]) -> GGUFWeight:
         """``fn`` applied to the rows ([rows, width] -> [rows', width]): a reordering that keeps each row whole."""

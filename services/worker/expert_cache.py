@@ -1,5 +1,6 @@
 """The bounded expert cache of a CPU worker (``--expert-cache-bytes``): a MoE model's experts in blocks are
-written once, at load, to a spill file (``ExpertStore``), and one bank of slots in RAM, shared by every MoE
+written once, at load, to a spill file (``ExpertStore``), each layer's as that layer is built (``ExpertSpill``), so
+that loading never holds the whole model's; and one bank of slots in RAM, shared by every MoE
 layer under one replacement policy (``--expert-cache-policy``: ``SlotLRU`` or the scan-resistant ``SlotLFU``), holds
 the experts that the steps route to.
 
@@ -84,6 +85,11 @@ def _open_direct(path: str) -> int:
     return os.open(path, os.O_RDONLY | os.O_DIRECT)
 
 
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
 def _buffer(nbytes: int) -> mmap.mmap:
     """Anonymous, page-aligned memory (O_DIRECT's buffers must be aligned), touched only when written."""
     return mmap.mmap(-1, max(nbytes, 1))
@@ -93,38 +99,56 @@ class ExpertStore:
     """Every MoE layer's experts as fixed-size records of one spill file, record ``layer * E + expert`` at
     ``record`` bytes times that: its gate_up panels, then its down panels, zero-padded to ``ALIGN``.
 
-    The file is unlinked once open (it lives as long as the worker); whole records are read into page-aligned
-    slots of ``record`` bytes, bypassing the page cache (O_DIRECT) where the filesystem allows, else each read
-    is followed by ``POSIX_FADV_DONTNEED`` so that the page cache does not quietly keep the whole model
+    A store is created empty with its record layout (``empty``: the first layer's formats and shapes, and how
+    many layers), written a layer at a time as the model loads (``append``), then ``seal``ed for reads. The file
+    is unlinked once open (it lives as long as the worker); whole records are read into page-aligned slots of
+    ``record`` bytes, bypassing the page cache (O_DIRECT) where the filesystem allows, else each read is
+    followed by ``POSIX_FADV_DONTNEED`` so that the page cache does not quietly keep the whole model
     (``read_mode`` says which, and why)."""
 
     def __init__(self, directory: str, layers: list[ExpertPanels]) -> None:
-        first = layers[0]
+        """A sealed store of ``layers``' experts."""
+        self._create(directory, layers[0], len(layers))
+        for panels in layers:
+            self.append(panels)
+        self.seal()
+
+    @classmethod
+    def empty(cls, directory: str, first: ExpertPanels, layers: int) -> ExpertStore:
+        """A store of ``layers`` MoE layers laid out as ``first``'s experts, to ``append`` them to in layer order."""
+        store = cls.__new__(cls)
+        store._create(directory, first, layers)
+        return store
+
+    def _create(self, directory: str, first: ExpertPanels, layers: int) -> None:
         self.formats = first.formats
-        self.num_layers, self.num_experts = len(layers), first.gate_up.shape[0]
+        self.num_layers, self.num_experts = layers, first.gate_up.shape[0]
         self.gate_up_shape, self.down_shape = tuple(first.gate_up.shape[1:]), tuple(first.down.shape[1:])
         self.gate_up_bytes, self.down_bytes = first.gate_up[0].nbytes, first.down[0].nbytes
         self.record = padded(self.gate_up_bytes + self.down_bytes)
+        self.written, self.read_mode, self.direct = 0, "", False  # read_mode and direct: once sealed
         os.makedirs(directory, exist_ok=True)
         if (free := shutil.disk_usage(directory).free) < self.nbytes:
             raise ValueError(f"the expert store needs {self.nbytes} bytes in {directory}, which has {free} free: give --expert-cache-dir a larger disk")
+        self._fds: list[int] = []  # closed with the store
+        weakref.finalize(self, _close_all, self._fds)
         fd, self.path = tempfile.mkstemp(prefix="experts-", suffix=".bin", dir=directory)
+        self._fds.append(fd)
+        self.fd = fd
+        self._direct: int | None = None  # an O_DIRECT descriptor, opened while the file has a name, tried at seal
+        self._buffered_why = ""  # why reads go through the page cache, where they do
         try:
-            pad = bytes(self.record - self.gate_up_bytes - self.down_bytes)
-            for layer, panels in enumerate(layers):
-                for expert in range(self.num_experts):
-                    parts = [memoryview(t[expert].numpy()).cast("B") for t in (panels.gate_up, panels.down)]
-                    os.pwritev(fd, [*parts, pad], self.offset(layer, expert))
-            os.fsync(fd)  # dirty pages would stay in the page cache whatever DONTNEED says
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            self.fd, self.read_mode = self._open_for_reads(fd)
-            self.direct = self.read_mode == "O_DIRECT"
-        except BaseException:
-            os.close(fd)
-            raise
+            self._direct = _open_direct(self.path)
+            self._fds.append(self._direct)
+        except (OSError, AttributeError) as exc:
+            self._buffered_why = f"buffered + DONTNEED (this filesystem refuses O_DIRECT: {exc})"
         finally:
             os.unlink(self.path)
-        weakref.finalize(self, os.close, self.fd)
+
+    @property
+    def layout(self) -> tuple[tuple[str, str], tuple[int, ...], tuple[int, ...]]:
+        """The formats and [E, ...] shapes of gate_up and down that every layer's experts must have."""
+        return self.formats, (self.num_experts, *self.gate_up_shape), (self.num_experts, *self.down_shape)
 
     @property
     def nbytes(self) -> int:
@@ -133,20 +157,37 @@ class ExpertStore:
     def offset(self, layer: int, expert: int) -> int:
         return (layer * self.num_experts + expert) * self.record
 
-    def _open_for_reads(self, fd: int) -> tuple[int, str]:
-        """An O_DIRECT descriptor where one read of a record into a page-aligned slot succeeds, else ``fd``."""
-        try:
-            direct = _open_direct(self.path)
-        except (OSError, AttributeError) as exc:
-            return fd, f"buffered + DONTNEED (this filesystem refuses O_DIRECT: {exc})"
-        try:
-            if os.preadv(direct, [_buffer(self.record)], 0) != self.record:
-                raise OSError("a short read")
-        except OSError as exc:
-            os.close(direct)
-            return fd, f"buffered + DONTNEED (O_DIRECT reads fail here: {exc})"
-        os.close(fd)
-        return direct, "O_DIRECT"
+    def append(self, panels: ExpertPanels) -> None:
+        """Writes the next MoE layer's experts, laid out as the first's (ValueError otherwise, or past the last layer)."""
+        layout = (panels.formats, tuple(panels.gate_up.shape), tuple(panels.down.shape))
+        if layout != self.layout:
+            raise ValueError(f"--expert-cache-bytes needs every MoE layer's experts in one format and shape, got {sorted({self.layout, layout})}")
+        if self.written == self.num_layers:
+            raise ValueError(f"the expert store holds {self.num_layers} MoE layers: no more are written to it")
+        pad = bytes(self.record - self.gate_up_bytes - self.down_bytes)
+        for expert in range(self.num_experts):
+            parts = [memoryview(t[expert].numpy()).cast("B") for t in (panels.gate_up, panels.down)]
+            os.pwritev(self.fd, [*parts, pad], self.offset(self.written, expert))
+        self.written += 1
+
+    def seal(self) -> None:
+        """Every layer written: from now on the store is read (O_DIRECT where one read of a record into a page-aligned slot succeeds)."""
+        if self.written != self.num_layers:
+            raise ValueError(f"the expert store was written {self.written} of its {self.num_layers} MoE layers")
+        os.fsync(self.fd)  # dirty pages would stay in the page cache whatever DONTNEED says
+        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if self._direct is not None:
+            try:
+                if os.preadv(self._direct, [_buffer(self.record)], 0) != self.record:
+                    raise OSError("a short read")
+            except OSError as exc:
+                self._buffered_why = f"buffered + DONTNEED (O_DIRECT reads fail here: {exc})"
+        self.read_mode, self.direct = self._buffered_why or "O_DIRECT", not self._buffered_why
+        keep, drop = (self._direct, self.fd) if self.direct else (self.fd, self._direct)
+        if drop is not None:
+            self._fds.remove(drop)
+            os.close(drop)
+        self.fd = keep
 
     def read_into(self, layer: int, first: int, slots: list[memoryview]) -> int:
         """Reads the whole records of ``layer``'s experts ``first``, ``first + 1``, ... into their slots (page-aligned
@@ -468,45 +509,76 @@ class ExpertCache:
         }
 
 
-def attach_expert_cache(model: object, family: str, spec: str, directory: str, device: torch.device, sharded: bool, policy: str) -> ExpertCache | None:
-    """``model``'s MoE layers run from an expert cache of ``spec`` (``cache_bytes``) under replacement ``policy``
-    (``POLICIES``) whose store is written under ``directory``, their panels dropped from memory; None where ``spec`` is 0 (all resident).
-    Refuses (ValueError, naming why) what the cache cannot serve."""
-    if cache_bytes(spec, 1 << 60) == 0:  # 0 or 0%
-        return None
-    if family not in FAMILIES:
-        raise ValueError(f"--expert-cache-bytes serves {' and '.join(FAMILIES)} models, not {family}")
-    if device.type != "cpu":
-        raise ValueError("--expert-cache-bytes runs on a CPU worker only (there is no GPU expert cache yet)")
-    if sharded:
-        raise ValueError("--expert-cache-bytes does not run with tensor parallelism: leave --tensor-parallel-size at 1")
-    layers = routed_experts(model)
-    if not layers or any(moe.panels is None for moe in layers):
-        raise ValueError(
-            "--expert-cache-bytes needs every MoE layer's experts in q4_0 / q4_1 / q8_0 blocks on the grouped C++ kernel "
-            "(--weight-quant int4 or int4-a8, or a GGUF's blocks, with the CPU kernels built)"
-        )
-    shapes = {(moe.panels.formats, tuple(moe.panels.gate_up.shape), tuple(moe.panels.down.shape)) for moe in layers}
-    if len(shapes) > 1:
-        raise ValueError(f"--expert-cache-bytes needs every MoE layer's experts in one format and shape, got {sorted(shapes)}")
-    panels = layers[0].panels
-    num_experts, top_k = panels.gate_up.shape[0], layers[0].top_k
-    slot_bytes = padded(panels.gate_up[0].nbytes + panels.down[0].nbytes)
-    budget = cache_bytes(spec, slot_bytes * num_experts * len(layers))
-    if budget == 0:
-        return None
-    slots = min(budget // slot_bytes, num_experts * len(layers))
-    if slots < top_k:
-        raise ValueError(
-            f"--expert-cache-bytes {spec} holds {slots} experts of {slot_bytes} bytes, fewer than one layer's top-k ({top_k}): give at least {top_k * slot_bytes}"
-        )
-    if policy not in POLICIES:
-        raise ValueError(f"--expert-cache-policy is one of {', '.join(POLICIES)}, not {policy!r}")
-    cache = ExpertCache(ExpertStore(directory, [moe.panels for moe in layers]), slots, top_k, budget, policy)
-    for layer, moe in enumerate(layers):
-        moe.stream_from(cache, layer)
-    _return_freed_memory()
-    return cache
+def moe_layer_count(config: dict[str, Any]) -> int:
+    """How many of a qwen3_moe / qwen3_next config's layers are MoE layers (those ``Qwen3MoeForCausalLM.is_sparse`` picks)."""
+    if not config.get("num_experts", config.get("num_local_experts", 0)):
+        return 0
+    step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers") or [])
+    return sum(i not in dense and (i + 1) % step == 0 for i in range(config["num_hidden_layers"]))
+
+
+class ExpertSpill:
+    """A worker's expert cache planned before its weights are read (``plan``): while the model loads, each MoE layer's
+    experts go to the store as that layer's blocks are made (``moe.EXPERT_SINK``, set by ``weights_loading.load_model``),
+    so that loading never holds more than about one layer's experts; ``attach`` then runs the MoE layers from a bank
+    of slots over that store. Refuses (ValueError, naming why) what the cache cannot serve, each as soon as it is known."""
+
+    def __init__(self, spec: str, directory: str, policy: str) -> None:
+        self.spec, self.directory, self.policy = spec, directory, policy
+        self.store: ExpertStore | None = None
+        self.layers = self.top_k = self.slots = self.budget = 0
+
+    @classmethod
+    def plan(cls, spec: str, directory: str, policy: str, device: torch.device, sharded: bool) -> ExpertSpill | None:
+        """The spill of ``spec`` (``cache_bytes``) under replacement ``policy`` (``POLICIES``), its store under ``directory``;
+        None where ``spec`` is 0 (all resident)."""
+        if cache_bytes(spec, 1 << 60) == 0:  # 0 or 0%
+            return None
+        if device.type != "cpu":
+            raise ValueError("--expert-cache-bytes runs on a CPU worker only (there is no GPU expert cache yet)")
+        if sharded:
+            raise ValueError("--expert-cache-bytes does not run with tensor parallelism: leave --tensor-parallel-size at 1")
+        if policy not in POLICIES:
+            raise ValueError(f"--expert-cache-policy is one of {', '.join(POLICIES)}, not {policy!r}")
+        return cls(spec, directory, policy)
+
+    def begin(self, config: dict[str, Any]) -> None:
+        """The model's config, read before its weights: its family, MoE layers and top-k."""
+        if (family := config.get("model_type", "llama")) not in FAMILIES:
+            raise ValueError(f"--expert-cache-bytes serves {' and '.join(FAMILIES)} models, not {family}")
+        self.layers, self.top_k = moe_layer_count(config), config["num_experts_per_tok"]
+
+    def append(self, panels: ExpertPanels) -> None:
+        """The next MoE layer's experts, into the store (created on the first layer: the bank's size is known from there)."""
+        if self.store is None:
+            slot_bytes = padded(panels.gate_up[0].nbytes + panels.down[0].nbytes)
+            experts = panels.gate_up.shape[0] * self.layers
+            self.budget = cache_bytes(self.spec, slot_bytes * experts)
+            if (slots := min(self.budget // slot_bytes, experts)) < self.top_k:
+                raise ValueError(
+                    f"--expert-cache-bytes {self.spec} holds {slots} experts of {slot_bytes} bytes, fewer than one layer's top-k ({self.top_k}): "
+                    f"give at least {self.top_k * slot_bytes}"
+                )
+            self.slots, self.store = slots, ExpertStore.empty(self.directory, panels, self.layers)
+        self.store.append(panels)
+        _trim_heap()  # the previous layer's copies, freed between longer-lived tensors: else the heap keeps every layer's pages
+
+    def attach(self, model: object) -> ExpertCache:
+        """``model``'s MoE layers run from a bank over the store, which now holds every layer's experts."""
+        layers = routed_experts(model)
+        if not layers or self.store is None or any(moe.panels is None for moe in layers):
+            raise ValueError(
+                "--expert-cache-bytes needs every MoE layer's experts in q4_0 / q4_1 / q8_0 blocks on the grouped C++ kernel "
+                "(--weight-quant int4 or int4-a8, or a GGUF's blocks, with the CPU kernels built)"
+            )
+        if len(layers) != self.store.num_layers:
+            raise ValueError(f"the model has {len(layers)} MoE layers where its config says {self.store.num_layers}")
+        self.store.seal()
+        cache = ExpertCache(self.store, self.slots, self.top_k, self.budget, self.policy)
+        for layer, moe in enumerate(layers):
+            moe.stream_from(cache, layer)
+        _return_freed_memory()
+        return cache
 
 
 def _panels(records: torch.Tensor, shape: tuple[int, ...], offset: int) -> torch.Tensor:
@@ -519,5 +591,9 @@ def _return_freed_memory() -> None:
     """Hands the heap's free pages back to the system (glibc keeps freed tensors' memory otherwise, and the
     dropped panels would still count in the worker's RSS)."""
     gc.collect()
+    _trim_heap()
+
+
+def _trim_heap() -> None:
     if (libc := ctypes.util.find_library("c")) is not None and hasattr(lib := ctypes.CDLL(libc), "malloc_trim"):
         lib.malloc_trim(0)

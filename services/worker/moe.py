@@ -19,6 +19,7 @@ kernel's own routing has named them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
@@ -125,6 +126,20 @@ class ExpertPanels(NamedTuple):
     def nbytes(self) -> int:
         return self.gate_up.nbytes + self.down.nbytes
 
+    def placeholders(self) -> ExpertPanels:
+        """The same formats and shapes, with no storage (the experts live elsewhere: an expert cache's store)."""
+        return ExpertPanels(self.formats, *(_placeholder(tuple(t.shape), torch.uint8) for t in self[1:]))
+
+
+class ExpertSink(Protocol):
+    """Takes each MoE layer's experts, in layer order, as ``SparseMoE.hold_blocks`` makes them (an expert cache's store
+    while the model loads: ``expert_cache.ExpertSpill``); the layer then keeps only their shapes."""
+
+    def append(self, panels: ExpertPanels) -> None: ...
+
+
+EXPERT_SINK: ContextVar[ExpertSink | None] = ContextVar("expert_sink", default=None)
+
 
 def _placeholder(shape: tuple[int, ...], dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """The shape of weights held only in blocks (their parameter count), with no storage."""
@@ -226,9 +241,12 @@ class SparseMoE:
 
     def hold_blocks(self, gate_up: BlockQuantized, down: BlockQuantized, int8_activations: bool = False) -> None:
         """From now on the experts run from these blocks in one C++ call per layer (the float weights are
-        dropped); ``int8_activations``: steps of more than ``BLOCK_QUANT_MAX_ROWS`` rows round the
+        dropped; the blocks go to ``EXPERT_SINK`` where one is set); ``int8_activations``: steps of more than ``BLOCK_QUANT_MAX_ROWS`` rows round the
         activations of 4-bit experts to int8."""
         self.panels = ExpertPanels.of(gate_up, down)
+        if (sink := EXPERT_SINK.get()) is not None:  # loading into an expert cache: this layer's experts go to its store now
+            sink.append(self.panels)
+            self.panels = self.panels.placeholders()
         self.w_gate_up, self.w_down = _placeholder(tuple(gate_up.shape)), _placeholder(tuple(down.shape))
         self.int8_activations = int8_activations
         self.backend = "grouped-cpp"
@@ -239,7 +257,7 @@ class SparseMoE:
     def stream_from(self, cache: ExpertCache, layer: int) -> None:
         """From now on the experts run from ``cache``'s bank as its MoE layer ``layer``; their panels (in the
         cache's store) are dropped from memory."""
-        self.panels = ExpertPanels(self.panels.formats, *(_placeholder(tuple(t.shape), torch.uint8) for t in self.panels[1:]))
+        self.panels = self.panels.placeholders()
         self.cache, self.cache_layer = cache, layer
         self._route = cpu_kernels()[0].route_experts
         self._grouped = self._from_cache

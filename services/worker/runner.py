@@ -28,7 +28,7 @@ from services.worker.cuda_graphs import Capture, CudaGraphCapture, DecodeGraphs
 from services.worker.decoder_backends import select_decoder_backend
 from services.worker.device import resolve_dtype
 from services.worker.device_memory import ActivationProfile, CudaMemoryProbe, KVBudget, MemoryProbe, profile_step
-from services.worker.expert_cache import attach_expert_cache, default_store_dir
+from services.worker.expert_cache import ExpertSpill, default_store_dir
 from services.worker.gdn_state import GDNStateCache, SlotMetadata
 from services.worker.kernel_settings import CpuKernelSettings
 from services.worker.linear import held_bytes, linears_of, resolve_weight_quant
@@ -117,12 +117,11 @@ class ModelRunner:
         if config.speculative_method and tp is not None:
             raise ValueError("speculative decoding does not run with tensor parallelism")
 
-        model_config, self.model, self.weight_quant, self.quantized_linears = load_model(config.model, DTYPES[dtype], self.device, weight_quant, tp)
-        self.family = model_config.get("model_type", "llama")
         store_dir = config.expert_cache_dir or default_store_dir()
-        self.expert_cache = attach_expert_cache(
-            self.model, self.family, config.expert_cache_bytes, store_dir, self.device, tp is not None, config.expert_cache_policy
-        )
+        spill = ExpertSpill.plan(config.expert_cache_bytes, store_dir, config.expert_cache_policy, self.device, tp is not None)
+        model_config, self.model, self.weight_quant, self.quantized_linears = load_model(config.model, DTYPES[dtype], self.device, weight_quant, tp, spill)
+        self.family = model_config.get("model_type", "llama")
+        self.expert_cache = None if spill is None else spill.attach(self.model)
         draft = None
         if config.speculative_method == "draft":  # before a device budget sizes the KV cache: the draft's weights and KV come off it
             draft_blocks = config.draft_kv_blocks or num_blocks

@@ -1,19 +1,24 @@
-"""Load a checkpoint's weights into one name→tensor dict: a Hugging Face directory's safetensors, or a GGUF
-file's tensors (``shared.gguf_model``) with its Q4_0 / Q4_1 / Q8_0 matrices kept in their blocks."""
+"""Load a checkpoint's weights into one name→tensor mapping: a Hugging Face directory's safetensors, or a GGUF
+file's tensors (``shared.gguf_model``) with its Q4_0 / Q4_1 / Q8_0 matrices kept in their blocks, a MoE layer's
+experts read from the file only when that layer is built (``DeferredWeights``)."""
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
+import mmap
 import os
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 from safetensors.torch import load_file
 
 from services.worker.block_quant import BLOCK_BYTES, CODE_BYTES, BlockQuantized
-from shared.gguf_model import GGUFModel, GGUFWeight
+from shared.gguf_model import GGUFModel, GGUFWeight, open_gguf
 
 _INDEX = "model.safetensors.index.json"
 
@@ -48,6 +53,37 @@ def load_weights(model_dir: str, dtype: torch.dtype, device: torch.device | str 
     return weights
 
 
+class DeferredWeights(MutableMapping[str, Any]):
+    """Tensors by name, some of them read only when looked up (``defer``): such an entry is read again at each
+    lookup and kept by whoever looked it up, so a model that builds its layers in turn holds one layer's at a time."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, Any] = {}
+        self._deferred: dict[str, Callable[[], Any]] = {}
+
+    def defer(self, name: str, read: Callable[[], Any]) -> None:
+        self.pop(name, None)
+        self._deferred[name] = read
+
+    def __getitem__(self, name: str) -> Any:
+        return self._deferred[name]() if name in self._deferred else self._held[name]
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self._deferred.pop(name, None)
+        self._held[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        if self._deferred.pop(name, None) is None:
+            del self._held[name]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._held
+        yield from self._deferred
+
+    def __len__(self) -> int:
+        return len(self._held) + len(self._deferred)
+
+
 def block_rows(weight: GGUFWeight) -> BlockQuantized:
     """A GGUF tensor's llama.cpp blocks (per block its fp16 scale(s), then its codes) rearranged, bit for bit,
     into block_quant's row layout (per row all its codes, then all its scales, then q4_1's minimums)."""
@@ -59,34 +95,51 @@ def block_rows(weight: GGUFWeight) -> BlockQuantized:
     return BlockQuantized(fmt, torch.cat([part.reshape(*rows, -1) for part in parts], dim=-1), weight.in_features)
 
 
-def load_gguf(
-    path: str, dtype: torch.dtype, device: torch.device | str, block_formats: tuple[str, ...]
-) -> tuple[dict[str, Any], dict[str, torch.Tensor | BlockQuantized]]:
+def load_gguf(path: str, dtype: torch.dtype, device: torch.device | str, block_formats: tuple[str, ...]) -> tuple[dict[str, Any], DeferredWeights]:
     """A GGUF's config and every tensor by its Hugging Face name: a matrix (or a stack of experts' matrices) in a
     block format of ``block_formats`` as ``BlockQuantized`` (its blocks as stored), anything else in ``dtype``
     on ``device`` (blocks of other formats dequantized). A MoE layer's experts come fused as
     ``experts.gate_up_proj`` [E, 2I, H] and ``experts.down_proj`` [E, H, I] (gate and up in different
-    formats: both dequantized). A tied embedding in blocks is also the lm_head's weight (the config then
-    says untied): lookups read its float copy, the logits its blocks."""
-    model = GGUFModel(path)
+    formats: both dequantized). A tied embedding in blocks is also the lm_head's weight (the config then says
+    untied): lookups read its float copy, the logits its blocks.
+
+    A tensor is read from the file when it is looked up (the embedding's float copy at once: it is looked up
+    more than once), copied out of the file's mapping, whose pages are then dropped from this process
+    (``MADV_DONTNEED``: they stay in the page cache, not in the worker's resident memory): a model that takes
+    each tensor into its own layout holds each once, and one MoE layer's experts at a time."""
+    model = open_gguf(path)  # the process's reader of the file's metadata: a second one would cost as much again
     config = model.config
-    weights: dict[str, torch.Tensor | BlockQuantized] = {}
-    for name, weight in model.weights():
-        if weight.block_format in block_formats:
-            weights[name] = block_rows(weight)
-        else:
-            weights[name] = torch.from_numpy(weight.float32()).to(device, dtype)
-    for name in [n for n in weights if n.endswith(".experts.gate_proj.weight")]:
+    read = functools.partial(_read_gguf, model, dtype, device, block_formats)
+    stored = dict(model.weights())
+    weights = DeferredWeights()
+    for name in [n for n in stored if n.endswith(".experts.gate_proj.weight")]:
         prefix = name.removesuffix("gate_proj.weight")
-        weights[prefix + "gate_up_proj"] = _cat_experts_rows(weights.pop(name), weights.pop(prefix + "up_proj.weight"), dtype, device)
-    for name in [n for n in weights if n.endswith(".experts.gate_up_proj.weight") or n.endswith(".experts.down_proj.weight")]:
-        weights[name.removesuffix(".weight")] = weights.pop(name)
+        gate, up = stored.pop(name), stored.pop(prefix + "up_proj.weight")
+        weights.defer(prefix + "gate_up_proj", lambda gate=gate, up=up: _cat_experts_rows(read(gate), read(up), dtype, device))
     if config["tie_word_embeddings"]:
-        if isinstance(weights["lm_head.weight"], BlockQuantized):
+        if stored["lm_head.weight"].block_format in block_formats:
             config = {**config, "tie_word_embeddings": False}
         else:
-            del weights["lm_head.weight"]
+            del stored["lm_head.weight"]
+    for name, weight in stored.items():
+        name = name.removesuffix(".weight") if name.endswith((".experts.gate_up_proj.weight", ".experts.down_proj.weight")) else name
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):  # looked up more than once; the tables' transients before any layer's
+            weights[name] = read(weight)
+        else:
+            weights.defer(name, functools.partial(read, weight))
     return config, weights
+
+
+def _read_gguf(model: GGUFModel, dtype: torch.dtype, device: torch.device | str, block_formats: tuple[str, ...], weight: GGUFWeight) -> Any:
+    """``weight`` of ``model``'s file, in its blocks where it is in one of ``block_formats``, else in ``dtype`` on ``device``."""
+    if weight.block_format in block_formats:
+        out = block_rows(weight)
+    else:  # float32 values that ``weights()`` made (an embedding table) are already this process's own: no second copy
+        owned = weight.ggml_type == GGMLQuantizationType.F32 and not np.may_share_memory(weight.array, model.reader.data)
+        out = torch.from_numpy(weight.array if owned else weight.float32()).to(device, dtype)
+    if (mapping := getattr(model.reader.data, "_mmap", None)) is not None:  # numpy's memmap of the whole file
+        mapping.madvise(mmap.MADV_DONTNEED)
+    return out
 
 
 def _cat_experts_rows(

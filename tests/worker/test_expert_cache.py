@@ -2,11 +2,13 @@
 never refills a slot that its own layer-step reads, never leaks a slot and never holds more than its bound, and LFU keeps a stable resident set under a cyclic scan
 larger than the bank, where LRU never hits; the store gives
 back every byte it was given, with O_DIRECT into padded slots where the filesystem allows and buffered reads where it refuses; tiny qwen3_moe and qwen3_next models with int4 experts give the same greedy
-tokens (and the same logits, bit for bit) at every cache size from one layer's top-k to all resident; and
-what the cache cannot serve is refused at start, naming why."""
+tokens (and the same logits, bit for bit) at every cache size from one layer's top-k to all resident; loading a
+GGUF into the cache holds about one layer's experts at a time; and what the cache cannot serve is refused at start, naming why."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import gc
 import mmap
@@ -20,6 +22,7 @@ from unittest import mock
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -33,6 +36,7 @@ from shared.config import StackConfig
 from shared.frames import Slice, StepPlan
 from shared.metrics import exposition
 
+from .gguf_files import tiny_gguf
 from .harness import GREEDY, Checkpoint, drive, prompt_of
 
 needs_kernels = pytest.mark.skipif(cpu_kernels()[0] is None, reason=f"CPU kernels unavailable: {cpu_kernels()[1]}")
@@ -277,8 +281,12 @@ def test_a_layer_with_its_shared_expert_gives_the_resident_bits_from_a_bank_of_t
     assert cache.misses > 0 and cache.describe()["slots_used"] == top_k
 
 
-def _greedy_and_logits(path: str, spec: str, store: str, policy: str = "lfu") -> tuple[dict[str, list[int]], torch.Tensor, ModelRunner]:
-    config = RunnerConfig(path, num_blocks=64, block_size=4, weight_quant="int4", expert_cache_bytes=spec, expert_cache_dir=store, expert_cache_policy=policy)
+def _greedy_and_logits(
+    path: str, spec: str, store: str, policy: str = "lfu", weight_quant: str = "int4"
+) -> tuple[dict[str, list[int]], torch.Tensor, ModelRunner]:
+    config = RunnerConfig(
+        path, num_blocks=64, block_size=4, weight_quant=weight_quant, expert_cache_bytes=spec, expert_cache_dir=store, expert_cache_policy=policy
+    )
     runner = ModelRunner(config)
     prompts = {f"r{i}": prompt_of(10 + i, n) for i, n in enumerate((3, 9, 14, 22))}
     out, stats = drive(runner, prompts, 10, chunk=6, seed=3, arrivals={"r0": 0, "r1": 0, "r2": 2, "r3": 5})
@@ -393,3 +401,47 @@ def test_what_the_cache_cannot_serve_is_refused_at_start_naming_why(
         with pytest.raises(ValueError, match=f"the expert store needs 65536 bytes in {tmp_path}, which has 1000 free"):
             start(moe, "50%")
     assert os.listdir(tmp_path) == []  # no store was left behind
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _allocated() -> int:
+    """The bytes malloc has handed out and not had back (tensors' and arrays' data among them), however much of the heap stays resident."""
+    mallinfo2 = ctypes.CDLL(ctypes.util.find_library("c")).mallinfo2
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+WIDE_LAYERS, WIDE_EXPERTS = 8, 64
+
+
+@pytest.fixture(scope="module")
+def wide_moe_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A qwen3_moe GGUF whose q4_0 experts (8 layers of 64, 864 KiB a layer) outweigh the rest of it many times over."""
+    overrides = {"num_hidden_layers": WIDE_LAYERS, "num_experts": WIDE_EXPERTS, "moe_intermediate_size": 128, "norm_topk_prob": True}
+    return tiny_gguf("qwen3_moe", str(tmp_path_factory.mktemp("wide-moe")), {"matrices": Q.Q4_0}, **overrides)[0]
+
+
+@needs_kernels
+def test_loading_into_an_expert_cache_holds_about_one_layer_of_experts_at_a_time_and_decodes_as_resident(wide_moe_gguf: str, disk_dir: str) -> None:
+    layer_bytes = WIDE_EXPERTS * (2 * 128 * 64 + 64 * 128) // 32 * 18  # q4_0: 18 bytes a block of 32
+    resident_out, resident_logits, resident = _greedy_and_logits(wide_moe_gguf, "0", disk_dir, weight_quant="none")
+    assert sum(moe.held_bytes() for moe in routed_experts(resident.model)) == WIDE_LAYERS * layer_bytes
+    del resident
+    gc.collect()
+    held, append = [], ExpertStore.append
+
+    def tracked(store: ExpertStore, panels: ExpertPanels) -> None:  # what the process holds as each layer's experts reach the store
+        held.append(_allocated() - before)
+        append(store, panels)
+
+    before = _allocated()
+    with mock.patch.object(ExpertStore, "append", tracked):
+        out, logits, runner = _greedy_and_logits(wide_moe_gguf, "25%", disk_dir, weight_quant="none")
+    assert len(held) == WIDE_LAYERS and runner.expert_cache.store.nbytes == 4 * runner.expert_cache.nbytes  # experts 4x the bank
+    assert max(held) < 3 * layer_bytes < WIDE_LAYERS * layer_bytes / 2, [round(h / layer_bytes, 2) for h in held]  # one layer in flight beside the rest of the model
+    assert all(moe.held_bytes() == 0 for moe in routed_experts(runner.model))
+    assert out == resident_out and torch.equal(logits, resident_logits)
