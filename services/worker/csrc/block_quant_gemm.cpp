@@ -55,7 +55,12 @@ struct FewRowsJob : takeover_pool::Job {
     const int64_t begin = item * panels_per_item, end = std::min(panel_count, begin + panels_per_item);
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * PANEL, cols = std::min(PANEL, out_features - n0);
-      for (int64_t r = 0; r < rows; ++r) std::memcpy(out + r * out_features + n0, scratch + ((p - begin) * rows + r) * PANEL, cols * sizeof(float));
+      const float* from = scratch + (p - begin) * rows * PANEL;
+      if (cols == PANEL) {  // a whole panel: a copy of constant size, inlined (a library call per row costs more than the copy)
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(out + r * out_features + n0, from + r * PANEL, PANEL * sizeof(float));
+      } else {
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(out + r * out_features + n0, from + r * PANEL, cols * sizeof(float));
+      }
     }
   }
 };
