@@ -26,9 +26,9 @@ the chunked kernels as before.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -234,15 +234,7 @@ class SlotMetadata:
         """``run(inputs, slots)``, a one-token-per-slot op that keeps its state in ``pool`` (one layer's), over the verify
         rows position by position; after each position, each verify that goes on past it saves its state. Rows come
         back in the order they went in."""
-        out = None
-        for p in self.verify_positions:
-            part = run([x.index_select(0, p.rows) for x in inputs], p.slots)
-            if out is None:
-                out = part.new_empty(inputs[0].shape[0], *part.shape[1:])
-            out.index_copy_(0, p.rows, part)
-            if p.save_to.numel():
-                pool.index_copy_(0, p.save_to, pool.index_select(0, p.save_from))
-        return out
+        return _in_parts(self.verify_positions, inputs, pool, lambda part_inputs, p: run(part_inputs, p.slots))
 
     def keep_accepted(self, verify: int, accepted: int) -> None:
         """Verify ``verify`` (counted in the step's order) accepted ``accepted`` proposed tokens: its slot goes back to
@@ -257,15 +249,7 @@ class SlotMetadata:
         checkpoints copied out of ``pool`` as soon as it ends. Rows come back in the order they went in."""
         if self.prefill_rounds is None:
             return run(inputs, self.prefill_cu_seqlens, self.prefill_slots, self.prefill_has_initial_state)
-        out = None
-        for r in self.prefill_rounds:
-            part = run([x.index_select(0, r.rows) for x in inputs], r.cu_seqlens, r.slots, r.has_initial_state)
-            if out is None:
-                out = part.new_empty(inputs[0].shape[0], *part.shape[1:])
-            out.index_copy_(0, r.rows, part)
-            if r.save_to.numel():
-                pool.index_copy_(0, r.save_to, pool.index_select(0, r.save_from))
-        return out
+        return _in_parts(self.prefill_rounds, inputs, pool, lambda part_inputs, r: run(part_inputs, r.cu_seqlens, r.slots, r.has_initial_state))
 
     @classmethod
     def for_decode(cls, cache: GDNStateCache, decode_slots: torch.Tensor) -> SlotMetadata:
@@ -279,3 +263,18 @@ class SlotMetadata:
             torch.zeros(1, dtype=torch.int32, device=device),
             torch.zeros(0, dtype=torch.bool, device=device),
         )
+
+
+def _in_parts(parts: Sequence[Any], inputs: list[torch.Tensor], pool: torch.Tensor, call: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """``call(part_inputs, part)`` over each part's rows of ``inputs`` in turn (prefill rounds, verify positions), the
+    results put back in the rows' order; after each part, the states it names copied within ``pool`` (``save_from`` →
+    ``save_to``)."""
+    out = None
+    for part in parts:
+        result = call([x.index_select(0, part.rows) for x in inputs], part)
+        if out is None:
+            out = result.new_empty(inputs[0].shape[0], *result.shape[1:])
+        out.index_copy_(0, part.rows, result)
+        if part.save_to.numel():
+            pool.index_copy_(0, part.save_to, pool.index_select(0, part.save_from))
+    return out
