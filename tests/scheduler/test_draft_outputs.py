@@ -11,7 +11,6 @@ import dataclasses
 import json
 import os
 import shutil
-from collections import deque
 from pathlib import Path
 
 import msgspec
@@ -28,8 +27,9 @@ from services.worker.runner import ModelRunner, RunnerConfig
 from services.worker.speculative import draft as draft_module
 from shared.devtools.inprocess_engine import InProcessEngine
 from shared.devtools.random_model import build_random_smollm
-from shared.frames import FinishReason, SamplingParams, StepResult, Submit
+from shared.frames import SamplingParams, Submit
 from shared.model_info import load_model_info
+from tests.scheduler.pipelined_aborts import run_with_aborts
 from tests.worker.harness import GREEDY, TINY_QWEN3_NEXTS, build_tiny
 
 NEW_TOKENS = 20
@@ -188,24 +188,7 @@ def test_each_proposal_is_the_draft_checkpoints_own_greedy_continuation(models, 
 def test_aborts_while_verifies_are_in_flight_free_every_draft_block(models) -> None:
     target, small, expected, _ = models
     run_engine, scheduler, runner = engine(target, small, 64, 256, 2, 3)
-    for submit in submits():
-        scheduler.submit(submit)
-    in_flight: deque[StepResult] = deque()
-    outputs: dict[str, list[int]] = {}
-    step = 0
-    while scheduler.requests or in_flight:
-        plan = scheduler.plan(step)
-        step += 1
-        if step == 8:  # aborted with a verify (or its pipelined decodes) in flight
-            for rid in ("r0", "r3"):
-                runner.release(scheduler.finish(rid, FinishReason.ABORT).released)
-        if plan.slices:
-            in_flight.append(run_engine.plan_runs.run(plan, lambda *_: None))
-        if in_flight and (len(in_flight) >= 2 or not plan.slices):
-            outcome = scheduler.on_result(in_flight.popleft())
-            for delta in outcome.deltas:
-                outputs.setdefault(delta.rid, []).extend(delta.token_ids)
-            runner.release(outcome.released)
+    outputs = run_with_aborts(run_engine, scheduler, runner, submits(), aborted=("r0", "r3"))
     for rid in ("r1", "r4"):
         assert outputs[rid] == expected[rid]
     for rid in ("r0", "r3"):

@@ -8,8 +8,6 @@ reference continuation with every ``wrong_every``-th token wrong."""
 
 from __future__ import annotations
 
-from collections import deque
-
 import msgspec
 import pytest
 import torch
@@ -21,8 +19,9 @@ from services.scheduler.speculation import Speculation
 from services.scheduler.state_slots import SlotPool
 from services.worker.runner import ModelRunner, RunnerConfig
 from shared.devtools.inprocess_engine import InProcessEngine
-from shared.frames import FinishReason, SamplingParams, StepResult, Submit
+from shared.frames import FinishReason, SamplingParams, Submit
 from shared.model_info import load_model_info
+from tests.scheduler.pipelined_aborts import run_with_aborts
 from tests.worker.harness import TINY_QWEN3_NEXTS, build_tiny
 
 NEW_TOKENS = 20
@@ -201,24 +200,7 @@ def test_beyond_max_batch_no_request_speculates(model) -> None:
 def test_aborts_while_verifies_are_in_flight_free_every_block(model) -> None:
     path, expected = model
     run_engine, scheduler, runner = engine(path, 64, 256, 2, 3, proposer=ReferenceProposer(expected, 3))
-    for submit in submits():
-        scheduler.submit(submit)
-    in_flight: deque[StepResult] = deque()
-    outputs: dict[str, list[int]] = {}
-    step = 0
-    while scheduler.requests or in_flight:
-        plan = scheduler.plan(step)
-        step += 1
-        if step == 8:  # aborted with a verify (or its pipelined decodes) in flight
-            for rid in ("r0", "r3"):
-                runner.release(scheduler.finish(rid, FinishReason.ABORT).released)
-        if plan.slices:
-            in_flight.append(run_engine.plan_runs.run(plan, lambda *_: None))
-        if in_flight and (len(in_flight) >= 2 or not plan.slices):
-            outcome = scheduler.on_result(in_flight.popleft())
-            for delta in outcome.deltas:
-                outputs.setdefault(delta.rid, []).extend(delta.token_ids)
-            runner.release(outcome.released)
+    outputs = run_with_aborts(run_engine, scheduler, runner, submits(), aborted=("r0", "r3"))
     for rid in ("r1", "r4"):
         assert outputs[rid] == expected[rid]
     for rid in ("r0", "r3"):
