@@ -235,6 +235,7 @@ class StepResult(_Frame):
     sampled: list[Sampled]
     forward_s: float = 0.0
     error: str = ""  # non-empty: the step failed and none of its slices produced a token
+    proposed: dict[str, int] = {}  # each speculative slice's proposed tokens (0: none, it ran as a plain decode)
 
 
 class TokenDelta(_Part):

@@ -397,16 +397,17 @@ class Scheduler:
             else:
                 self._end(request, outcome)
         for rid, run in verified.items():
-            self._take_verified(self.requests[rid], run, outcome)
+            request = self.requests[rid]
+            self._take_verified(request, run, result.proposed.get(rid, request.verifying), outcome)
         return outcome
 
-    def _take_verified(self, request: Request, run: list[Sampled], outcome: Outcome) -> None:
+    def _take_verified(self, request: Request, run: list[Sampled], proposed: int, outcome: Outcome) -> None:
         """A speculative step's tokens: the request's positions end at its last accepted token (its last token is
         fed next) and the blocks past them go back, as the worker's table drops them; then its tokens up to the
         one that ends it by the end rule."""
         request.pending_samples -= 1
         draft, request.verifying = request.verifying, 0
-        self.speculation.verified(request, draft, len(run))
+        self.speculation.verified(request, proposed, len(run))
         if request.phase is Phase.RUNNING:  # not preempted meanwhile
             request.num_scheduled -= 1 + draft - len(run)
             keep = blocks_kept(request.num_scheduled, self.pool.block_size)

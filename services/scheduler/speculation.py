@@ -14,8 +14,9 @@ The rule, per request and step: it speculates when
 - its end rule lets a run of ``1 + draft`` tokens go (``EndRule.run_limit``): never past ``max_tokens``, and not
   before its ``min_tokens`` are out, so a stop token inside an accepted run always ends it there;
 - it has no structured output (its grammar's mask would have to follow every proposed token);
-- its verifies pay: one that accepted nothing makes it decode plainly (pipelined, or in runs) for a number of
-  tokens that doubles with each such verify in a row, up to ``MAX_BACKOFF_TOKENS``; one that accepts resets it.
+- its verifies pay: one whose proposal was wholly rejected makes it decode plainly (pipelined, or in runs) for a
+  number of tokens that doubles with each such verify in a row, up to ``MAX_BACKOFF_TOKENS``; one that accepts
+  resets it, and one whose proposer had no guess (``StepResult.proposed``) counts as neither.
 """
 
 from __future__ import annotations
@@ -57,9 +58,12 @@ class Speculation:
             return 0
         return max(0, min(self.num_tokens, request.end_rule.run_limit(request.outputs_promised) - 1))
 
-    def verified(self, request: Request, draft: int, tokens: int) -> None:
-        """A verify of ``draft`` proposed tokens came back with ``tokens`` tokens (``tokens - 1`` accepted)."""
-        if tokens > 1 or draft == 0:
+    def verified(self, request: Request, proposed: int, tokens: int) -> None:
+        """A verify of ``proposed`` tokens came back with ``tokens`` tokens (``tokens - 1`` accepted); with none
+        proposed (its proposer had no guess) it says nothing of whether guesses pay."""
+        if proposed == 0:
+            return
+        if tokens > 1:
             request.speculation_backoff = 0
             return
         request.speculation_backoff = min(MAX_BACKOFF_TOKENS, max(1, 2 * request.speculation_backoff))

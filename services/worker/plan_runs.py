@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgspec
+
 from shared.frames import Sampled, Slice, StepPlan, StepResult
 from shared.stream_contract import ends_run
 
@@ -33,7 +35,7 @@ class PlanRuns:
                 return StepResult(step=plan.step, sampled=[])
         result = self.execute(plan)
         if len(result.sampled) > len(plan.slices):  # speculative steps' runs of tokens: each ends at its first stop token
-            result = StepResult(step=result.step, sampled=self._through_stops(result.sampled), forward_s=result.forward_s)
+            result = msgspec.structs.replace(result, sampled=self._through_stops(result.sampled))
         on_step(plan, result)
         if plan.decode_steps == 1 or result.error:
             return result

@@ -127,6 +127,18 @@ def test_verifies_that_accept_nothing_back_off_for_doubling_runs_of_plain_decode
     assert s.plan(step + 1).slices[0].num_tokens == 3
 
 
+def test_a_verify_whose_proposer_had_no_guess_is_no_rejection() -> None:
+    s = make(k=2, num_blocks=128)
+    decoding(s, "a", max_tokens=500)
+    for step in range(1, 6):  # the worker proposed nothing: one token each time, and no backing off
+        plan = s.plan(step)
+        assert plan.slices[0].num_tokens == 3
+        s.on_result(StepResult(step=plan.step, sampled=[Sampled("a", 9)], proposed={"a": 0}))
+    plan = s.plan(6)
+    s.on_result(StepResult(step=plan.step, sampled=[Sampled("a", 9)], proposed={"a": 2}))  # a guess, rejected
+    assert s.plan(7).slices[0].num_tokens == 1
+
+
 def test_a_verify_of_a_request_preempted_meanwhile_keeps_no_blocks() -> None:
     s = make(k=3)
     decoding(s, "a")

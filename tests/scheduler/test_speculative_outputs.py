@@ -177,6 +177,30 @@ def test_the_worker_counts_drafts_and_accepted_tokens_under_vllm_names(model) ->
     assert facts["method"] == "ngram" and facts["acceptance_rate"] == round(spec.accepted_tokens / spec.draft_tokens, 4)
 
 
+def test_each_result_says_what_its_verifies_proposed_and_no_guess_is_no_rejection(model) -> None:
+    """A request its proposer never has a guess for keeps its verifies (each a plain decode) rather than backing off."""
+    path, expected = model
+    proposer = ReferenceProposer(expected, 1000)
+    propose = proposer.propose
+    proposer.propose = lambda wanted: {rid: proposal for rid, proposal in propose(wanted).items() if rid != "r1"}
+    run_engine, scheduler, runner = engine(path, 64, 256, 2, 3, proposer=proposer)
+    seen: list[tuple[dict[str, int], dict[str, int]]] = []
+    execute = run_engine.plan_runs.execute
+
+    def recording(plan):
+        result = execute(plan)
+        seen.append(({s.rid: s.num_tokens - 1 for s in plan.slices if not s.token_ids and s.num_tokens > 1}, result.proposed))
+        return result
+
+    run_engine.plan_runs.execute = recording
+    result = run_engine.run(submits())
+    assert result.outputs == {**expected, "r2": expected["r2"][: NEW_TOKENS - 1]}
+    for drafts, proposed in seen:
+        assert proposed == {rid: 0 if rid == "r1" else draft for rid, draft in drafts.items()}
+    r1_verifies = sum("r1" in drafts for drafts, _ in seen)
+    assert r1_verifies >= NEW_TOKENS - 4  # every decode but those its end rule keeps plain
+
+
 def test_a_stop_token_inside_an_accepted_run_ends_the_request_there(model) -> None:
     path, expected = model
     # A token the continuation holds past the first few, so a run of accepted tokens may cross it.

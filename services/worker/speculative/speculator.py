@@ -107,6 +107,13 @@ class Speculator:
             self._trim(table[rid])
         return {rid: Verify(speculative[rid], table[rid], proposal, self._probs(rid)) for rid, proposal in proposals.items()}
 
+    @staticmethod
+    def proposed(slices: list[Slice], verifies: list[Verify]) -> dict[str, int]:
+        """Each speculative slice's proposed tokens, 0 where it got none (the scheduler backs off only after a rejected proposal)."""
+        proposed = {s.rid: 0 for s in slices if _speculative(s)}
+        proposed.update((v.slice.rid, len(v.proposal)) for v in verifies)
+        return proposed
+
     def sampled(self, rids: Sequence[str], tokens: Sequence[int]) -> None:
         for rid, token in zip(rids, tokens):
             self.proposer.extend(rid, [token])
