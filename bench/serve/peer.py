@@ -12,7 +12,7 @@ import importlib.util
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from shared.devtools.stack import free_port_block, stop_process, wait_healthy
@@ -40,7 +40,7 @@ def llama_server_binary() -> str:
     return binary
 
 
-def llama_server_command(binary: str, gguf: str, port: int, parallel: int, threads: int) -> list[str]:
+def llama_server_command(binary: str, gguf: str, port: int, parallel: int, threads: int, extra: Sequence[str] = ()) -> list[str]:
     return [
         binary,
         "-m", gguf,
@@ -52,14 +52,17 @@ def llama_server_command(binary: str, gguf: str, port: int, parallel: int, threa
         "-c", str(parallel * SLOT_CONTEXT),
         "--cont-batching",
         "--no-webui",
+        *extra,
     ]  # fmt: skip
 
 
 @contextmanager
-def running_llama_server(parallel: int, gguf: str | None = None, threads: int = 2, log_path: str | None = None, timeout_s: float = 300) -> Iterator[str]:
-    """Starts llama-server with --parallel slots on a free port; yields its base URL; stops it afterwards."""
+def running_llama_server(
+    parallel: int, gguf: str | None = None, threads: int = 2, log_path: str | None = None, timeout_s: float = 300, extra: Sequence[str] = ()
+) -> Iterator[str]:
+    """Starts llama-server with --parallel slots (and ``extra`` flags) on a free port; yields its base URL; stops it afterwards."""
     port = free_port_block(1)
-    command = llama_server_command(llama_server_binary(), gguf or default_gguf(), port, parallel, threads)
+    command = llama_server_command(llama_server_binary(), gguf or default_gguf(), port, parallel, threads, extra)
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

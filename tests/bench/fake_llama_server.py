@@ -17,11 +17,11 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, required=True)
     parser.add_argument("-t", type=int, required=True)
     parser.add_argument("-tb", type=int, required=True)
-    args, _ = parser.parse_known_args()
+    args, extra = parser.parse_known_args()
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     with FakeOpenAI(model=f"parallel-{args.parallel}", port=args.port):
-        print(f"fake llama-server: parallel {args.parallel} threads {args.t} model {args.m}", flush=True)
+        print(f"fake llama-server: parallel {args.parallel} threads {args.t} model {args.m} then {' '.join(extra)}", flush=True)
         stop.wait()
 
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from bench.serve.cli import main
+from bench.serve.cli import _endpoints, build_parser, main
 from bench.serve.peer import llama_server_command
 from bench.serve.workload import prompts_sha256
 from tests.bench.fake_openai import FakeBehaviour, FakeOpenAI
@@ -208,6 +208,28 @@ def test_bad_arguments_are_refused(args, workload, capsys):
     assert exit_info.value.code == 2
 
 
+def test_stack_variants_are_stacks_of_the_same_model_with_their_own_flags(workload, capsys):
+    args = build_parser().parse_args(
+        [
+            "--workload",
+            workload(),
+            "--start-stack",
+            "--stack-args",
+            "--speculative-method ngram",
+            "--stack-variant",
+            "off=",
+            "--stack-variant",
+            "k8=--num-speculative-tokens 8",
+        ]
+    )
+    endpoints = _endpoints(args)
+    assert [(e.name, e.flags) for e in endpoints] == [("tokenyard", "--speculative-method ngram"), ("off", ""), ("k8", "--num-speculative-tokens 8")]
+    assert len({e.model_path for e in endpoints}) == 1
+    with pytest.raises(SystemExit) as exit_info:  # a variant of no stack
+        main(["--workload", workload(), "--endpoint", "a=http://x", "--stack-variant", "off="])
+    assert exit_info.value.code == 2 and "--stack-variant needs --start-stack" in capsys.readouterr().err
+
+
 def test_an_unreachable_endpoint_is_a_labelled_failure_not_a_crash(tmp_path, workload):
     code, summary, _ = run(
         tmp_path, "--workload", workload(), "--endpoint", "gone=http://127.0.0.1:9", "--model-name", "m", "--num-requests", "1", "--warmup-requests", "0"
@@ -227,6 +249,7 @@ def test_the_started_peer_is_restarted_per_level_with_one_slot_per_stream(tmp_pa
     code, summary, rows = run(
         tmp_path,
         *("--workload", workload(), "--start-peer", "--peer-gguf", str(gguf), "--concurrency", "1", "3", "--num-requests", "3", "--warmup-requests", "0"),
+        *("--peer-args", "--spec-type ngram-simple --spec-draft-n-max 5"),
     )
     assert code == 0
     log = (tmp_path / "out" / "llama-server.log").read_text()
@@ -234,7 +257,8 @@ def test_the_started_peer_is_restarted_per_level_with_one_slot_per_stream(tmp_pa
         "fake llama-server: parallel 1",
         "fake llama-server: parallel 3",
     ]
-    assert f"threads 2 model {gguf}" in log
+    assert f"threads 2 model {gguf} then " in log and log.count("--no-webui --spec-type ngram-simple --spec-draft-n-max 5\n") == 2
+    assert summary["provenance"]["settings"]["peer_args"] == "--spec-type ngram-simple --spec-draft-n-max 5"
     assert [r["endpoint"] for r in summary["results"]] == ["llama.cpp", "llama.cpp"]
     assert len(rows) == 6 and all(r["ok"] for r in rows)
     assert summary["provenance"]["models"]["llama.cpp"]["sha256"] == hashlib.sha256(b"GGUF fake").hexdigest()

@@ -87,7 +87,7 @@ def test_rejection_sampling_preserves_the_target_distribution(params: SamplingPa
         after_accept.record_sampled(proposal[0])
         expected_second = target_probs(process_logits(logits[1:2].clone(), [params], [after_accept.history], [after_accept.bias])[0], params)
         for seed in range(samples):
-            tokens = verify(logits, proposal, state(params, seed)).tokens
+            tokens = verify(logits.clone(), proposal, state(params, seed)).tokens  # verify processes its logits in place
             first[tokens[0]] += 1
             if tokens[0] == proposal[0]:
                 second[tokens[1]] += 1

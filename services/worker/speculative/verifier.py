@@ -50,14 +50,14 @@ def target_probs(processed: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def verify(logits: torch.Tensor, proposal: list[int], request: RequestState, draft_probs: torch.Tensor | None = None) -> Verified:
-    """The tokens of a request's speculative step from its logits [len(proposal) + 1, V]; ``draft_probs``
+    """The tokens of a request's speculative step from its logits [len(proposal) + 1, V] (processed in place); ``draft_probs``
     [len(proposal), V] is the proposer's distribution of each proposed token (None: each one certain). Each
     token is recorded in the request's state (its history, its last token) as it is taken."""
     params = request.params
     tokens: list[int] = []
     logprobs: list[TokenLogprobs | None] = []
     for i in range(len(proposal) + 1):
-        row = process_logits(logits[i : i + 1].clone(), [params], [request.history], [request.bias])  # in place otherwise
+        row = process_logits(logits[i : i + 1], [params], [request.history], [request.bias])  # in place: each row is read once
         proposed = proposal[i] if i < len(proposal) else None
         token = _choose(row[0], params, request.generator, proposed, None if draft_probs is None or proposed is None else draft_probs[i])
         tokens.append(token)
