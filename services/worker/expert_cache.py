@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.worker.moe import ExpertPanels, routed_experts
+from services.worker.moe import BLOCKS_NEEDED, ExpertPanels, routed_experts
 from shared.choices import EXPERT_CACHE_POLICIES, keyed_by
 from shared.metrics import PREFIX
 
@@ -519,14 +519,16 @@ def moe_layer_count(config: dict[str, Any]) -> int:
 
 class ExpertSpill:
     """A worker's expert cache planned before its weights are read (``plan``): while the model loads, each MoE layer's
-    experts go to the store as that layer's blocks are made (``moe.EXPERT_SINK``, set by ``weights_loading.load_model``),
-    so that loading never holds more than about one layer's experts; ``attach`` then runs the MoE layers from a bank
-    of slots over that store. Refuses (ValueError, naming why) what the cache cannot serve, each as soon as it is known."""
+    experts go to the store as that layer's blocks are made (``moe.EXPERT_SINK``, set by ``weights_loading.load_model``:
+    a GGUF's blocks as read, a checkpoint's float experts once quantized under ``weight_quant``), so that loading never
+    holds more than about one layer's experts; ``attach`` then runs the MoE layers from a bank of slots over that
+    store. Refuses (ValueError, naming why) what the cache cannot serve, each as soon as it is known."""
 
     def __init__(self, spec: str, directory: str, policy: str) -> None:
         self.spec, self.directory, self.policy = spec, directory, policy
         self.store: ExpertStore | None = None
         self.layers = self.top_k = self.slots = self.budget = 0
+        self.weight_quant = "none"
 
     @classmethod
     def plan(cls, spec: str, directory: str, policy: str, device: torch.device, sharded: bool) -> ExpertSpill | None:
@@ -542,11 +544,12 @@ class ExpertSpill:
             raise ValueError(f"--expert-cache-policy is one of {', '.join(POLICIES)}, not {policy!r}")
         return cls(spec, directory, policy)
 
-    def begin(self, config: dict[str, Any]) -> None:
-        """The model's config, read before its weights: its family, MoE layers and top-k."""
+    def begin(self, config: dict[str, Any], weight_quant: str) -> None:
+        """The model's config, read before its weights (its family, MoE layers and top-k), and the format that float
+        experts take (``linear.resolve_weight_quant``'s)."""
         if (family := config.get("model_type", "llama")) not in FAMILIES:
             raise ValueError(f"--expert-cache-bytes serves {' and '.join(FAMILIES)} models, not {family}")
-        self.layers, self.top_k = moe_layer_count(config), config["num_experts_per_tok"]
+        self.layers, self.top_k, self.weight_quant = moe_layer_count(config), config["num_experts_per_tok"], weight_quant
 
     def append(self, panels: ExpertPanels) -> None:
         """The next MoE layer's experts, into the store (created on the first layer: the bank's size is known from there)."""
@@ -567,10 +570,7 @@ class ExpertSpill:
         """``model``'s MoE layers run from a bank over the store, which now holds every layer's experts."""
         layers = routed_experts(model)
         if not layers or self.store is None or any(moe.panels is None for moe in layers):
-            raise ValueError(
-                "--expert-cache-bytes needs every MoE layer's experts in q4_0 / q4_1 / q8_0 blocks on the grouped C++ kernel "
-                "(--weight-quant int4 or int4-a8, or a GGUF's blocks, with the CPU kernels built)"
-            )
+            raise ValueError(BLOCKS_NEEDED)
         if len(layers) != self.store.num_layers:
             raise ValueError(f"the model has {len(layers)} MoE layers where its config says {self.store.num_layers}")
         self.store.seal()

@@ -133,12 +133,21 @@ class ExpertPanels(NamedTuple):
 
 class ExpertSink(Protocol):
     """Takes each MoE layer's experts, in layer order, as ``SparseMoE.hold_blocks`` makes them (an expert cache's store
-    while the model loads: ``expert_cache.ExpertSpill``); the layer then keeps only their shapes."""
+    while the model loads: ``expert_cache.ExpertSpill``); the layer then keeps only their shapes. A layer whose
+    experts load as floats puts them in blocks under ``weight_quant`` (``expert_format``) as it is built (an expert
+    at a time where the checkpoint stores them so: ``SparseMoE.load``), so that the sink has each layer's before
+    the next layer's are read."""
+
+    weight_quant: str
 
     def append(self, panels: ExpertPanels) -> None: ...
 
 
 EXPERT_SINK: ContextVar[ExpertSink | None] = ContextVar("expert_sink", default=None)
+BLOCKS_NEEDED = (
+    "--expert-cache-bytes needs every MoE layer's experts in q4_0 / q4_1 / q8_0 blocks on the grouped C++ kernel "
+    "(--weight-quant int4 or int4-a8, or a GGUF's blocks, with the CPU kernels built)"
+)
 
 
 def _placeholder(shape: tuple[int, ...], dtype: torch.dtype = torch.float16) -> torch.Tensor:
@@ -177,6 +186,21 @@ def _stacked(w: dict, p: str, num_experts: int) -> tuple[torch.Tensor | BlockQua
     return gate_up, down
 
 
+def _experts_in_blocks(w: dict, p: str, num_experts: int, fmt: str) -> tuple[BlockQuantized, BlockQuantized]:
+    """A layer's experts stored one at a time (``{e}.{gate,up,down}_proj.weight``) in ``fmt``'s blocks, each expert
+    quantized as it is read (and popped from ``w``), so that the layer's float experts are never all held at once:
+    the same bytes as ``_stacked``'s stacks quantized (blocks are per row)."""
+    stacks: list[torch.Tensor] = []
+    for e in range(num_experts):
+        parts = torch.cat([w.pop(f"{p}{e}.gate_proj.weight"), w.pop(f"{p}{e}.up_proj.weight")]), w.pop(f"{p}{e}.down_proj.weight")
+        if not stacks:
+            in_features = [t.shape[1] for t in parts]
+            stacks = [torch.empty(num_experts, t.shape[0], t.shape[1] // block_quant.BLOCK * block_quant.BLOCK_BYTES[fmt], dtype=torch.uint8) for t in parts]
+        for stack, t in zip(stacks, parts):
+            stack[e] = block_quant.quantize(t, fmt)
+    return BlockQuantized(fmt, stacks[0], in_features[0]), BlockQuantized(fmt, stacks[1], in_features[1])
+
+
 def grouped_kernel_runs(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether experts in blocks can run as ``csrc/grouped_moe.cpp`` here (fp32 on a CPU, kernels built)."""
     return device.type == "cpu" and dtype == torch.float32 and cpu_kernels()[0] is not None
@@ -212,6 +236,7 @@ class SparseMoE:
         self.shared_panels: ExpertPanels | None = None
         self.cache: ExpertCache | None = None
         self.int8_activations = False
+        self.quantized_at_load = False  # float experts put in blocks as the layer was built (for an ``EXPERT_SINK``)
         blocks = [isinstance(t, BlockQuantized) for t in (w_gate_up, w_down)]
         if any(blocks) and all(blocks) and grouped_kernel_runs(router.device, router.dtype):
             self.hold_blocks(w_gate_up, w_down)
@@ -220,12 +245,23 @@ class SparseMoE:
         w_gate_up, w_down = (t.dequantize().to(router.dtype) if isinstance(t, BlockQuantized) else t for t in (w_gate_up, w_down))
         self.w_gate_up, self.w_down = w_gate_up.contiguous(), w_down.contiguous()
         self._experts = MOE_BACKENDS[backend]()
+        if (sink := EXPERT_SINK.get()) is not None:
+            if not quantize_experts(self, sink.weight_quant):
+                raise ValueError(BLOCKS_NEEDED)
+            self.quantized_at_load = True
 
     @classmethod
     def load(cls, w: dict, prefix: str, top_k: int, renormalize: bool, backend: str) -> SparseMoE:
-        """From ``{prefix}gate.weight`` (the router) and the experts under ``{prefix}experts.`` (see ``_stacked``)."""
-        router = w[prefix + "gate.weight"]
-        return cls(router, *_stacked(w, prefix + "experts.", router.shape[0]), top_k, renormalize, backend)
+        """From ``{prefix}gate.weight`` (the router) and the experts under ``{prefix}experts.`` (see ``_stacked``); for an
+        ``EXPERT_SINK`` whose ``weight_quant`` names a block format, experts stored one at a time go into it one at a time."""
+        router, num_experts = w[prefix + "gate.weight"], w[prefix + "gate.weight"].shape[0]
+        sink = EXPERT_SINK.get()
+        fmt = EXPERT_FORMATS.get(sink.weight_quant) if sink is not None and grouped_kernel_runs(router.device, router.dtype) else None
+        if fmt is None or prefix + "experts.0.gate_proj.weight" not in w:
+            return cls(router, *_stacked(w, prefix + "experts.", num_experts), top_k, renormalize, backend)
+        moe = cls(router, *_experts_in_blocks(w, prefix + "experts.", num_experts, fmt), top_k, renormalize, backend)
+        moe.int8_activations, moe.quantized_at_load = sink.weight_quant == "int4-a8", True
+        return moe
 
     @property
     def formats(self) -> tuple[str, str]:
@@ -327,6 +363,8 @@ class SharedExpertMoE:
         self.moe, self.shared, self.gate, self._weights = moe, shared, gate, weights
         if moe.panels is not None and all(isinstance(t, BlockQuantized) for t in weights):  # a GGUF's
             self._join(*weights)
+        elif moe.quantized_at_load:  # as ``hold_blocks`` would have joined it
+            self._join_as(moe.panels.formats)
 
     def tensors(self) -> list[torch.Tensor]:
         return self.moe.tensors() if self.shared is None else [*self.moe.tensors(), *self.shared.tensors(), self.gate]
@@ -334,11 +372,13 @@ class SharedExpertMoE:
     def hold_blocks(self, gate_up: BlockQuantized, down: BlockQuantized, int8_activations: bool = False) -> None:
         """``SparseMoE.hold_blocks``, the shared expert joining in the routed experts' formats (or its own blocks)."""
         self.moe.hold_blocks(gate_up, down, int8_activations)
+        self._join_as((gate_up.fmt, down.fmt))
+
+    def _join_as(self, formats: tuple[str, str]) -> None:
+        """The shared expert joins the call in ``formats`` (gate_up's, down's), or its own blocks."""
         if any(t.shape[-1] % block_quant.BLOCK for t in self._weights):  # stays a dense MLP beside the call
             return
-        shared_gate_up, shared_down = (
-            t if isinstance(t, BlockQuantized) else BlockQuantized.of(t, fmt) for t, fmt in zip(self._weights, (gate_up.fmt, down.fmt))
-        )
+        shared_gate_up, shared_down = (t if isinstance(t, BlockQuantized) else BlockQuantized.of(t, fmt) for t, fmt in zip(self._weights, formats))
         self._join(shared_gate_up, shared_down)
 
     def _join(self, gate_up: BlockQuantized, down: BlockQuantized) -> None:
@@ -386,18 +426,33 @@ def describe_experts(model: object) -> dict[str, int]:
     return held
 
 
+def expert_format(moe: SparseMoE, weight_quant: str) -> str | None:
+    """The block format that ``moe``'s float experts take under ``weight_quant`` (``int4``, ``int4-a8``: q4_1;
+    ``auto``: the format they round-trip through exactly, if any); None where they stay as they are (in blocks
+    already, or floats that the grouped kernel cannot run here)."""
+    if (floats := moe.float_experts()) is None or not grouped_kernel_runs(moe.router.device, moe.router.dtype):
+        return None
+    gate_up, down = floats
+    if gate_up.shape[-1] % block_quant.BLOCK or down.shape[-1] % block_quant.BLOCK:
+        return None
+    return EXPERT_FORMATS.get(weight_quant) or (_exact_format(gate_up, down) if weight_quant == "auto" else None)
+
+
+def quantize_experts(layer: MoELayer, weight_quant: str) -> bool:
+    """``layer``'s float experts switch to blocks where ``expert_format`` names one; returns whether they did."""
+    moe = layer.moe if isinstance(layer, SharedExpertMoE) else layer
+    if (fmt := expert_format(moe, weight_quant)) is None:
+        return False
+    gate_up, down = moe.float_experts()
+    layer.hold_blocks(BlockQuantized.of(gate_up, fmt), BlockQuantized.of(down, fmt), weight_quant == "int4-a8")
+    return True
+
+
 def convert_experts(model: object, weight_quant: str) -> dict[str, int]:
-    """The float experts of ``model`` switch to blocks where ``weight_quant`` says so (``int4``, ``int4-a8``:
-    q4_1; ``auto``: the format they round-trip through exactly, if any) and the grouped kernel runs, experts
-    already in blocks (a GGUF's) taking int8 activations in many-row steps under ``int4-a8`` as well;
-    returns ``describe_experts``."""
+    """The float experts of ``model`` switch to blocks (``quantize_experts``), experts already in blocks (a
+    GGUF's) taking int8 activations in many-row steps under ``int4-a8`` as well; returns ``describe_experts``."""
     for layer, moe in zip(moe_layers(model), routed_experts(model)):
         if moe.panels is not None and weight_quant == "int4-a8":  # a GGUF's blocks (the kernel rounds only 4-bit ones to int8)
             moe.int8_activations = True
-        floats = moe.float_experts()
-        if floats is not None and grouped_kernel_runs(moe.router.device, moe.router.dtype):
-            gate_up, down = floats
-            fmt = EXPERT_FORMATS.get(weight_quant) or (_exact_format(gate_up, down) if weight_quant == "auto" else None)
-            if fmt is not None and gate_up.shape[-1] % block_quant.BLOCK == 0 and down.shape[-1] % block_quant.BLOCK == 0:
-                layer.hold_blocks(BlockQuantized.of(gate_up, fmt), BlockQuantized.of(down, fmt), weight_quant == "int4-a8")
+        quantize_experts(layer, weight_quant)
     return describe_experts(model)

@@ -1,6 +1,6 @@
 """Load a checkpoint's weights into one name→tensor mapping: a Hugging Face directory's safetensors, or a GGUF
-file's tensors (``shared.gguf_model``) with its Q4_0 / Q4_1 / Q8_0 matrices kept in their blocks, a MoE layer's
-experts read from the file only when that layer is built (``DeferredWeights``)."""
+file's tensors (``shared.gguf_model``) with its Q4_0 / Q4_1 / Q8_0 matrices kept in their blocks; in both, a
+layer's tensors are read from the file only when that layer is built (``DeferredWeights``)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import glob
 import json
 import mmap
 import os
+import weakref
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
-from safetensors.torch import load_file
 
 from services.worker.block_quant import BLOCK_BYTES, CODE_BYTES, BlockQuantized
 from shared.gguf_model import GGUFModel, GGUFWeight, open_gguf
@@ -40,16 +40,59 @@ def weight_files(model_dir: str) -> list[str]:
     return files
 
 
-def load_weights(model_dir: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint by name, in ``dtype`` (floating tensors only are cast), on ``device``."""
-    weights: dict[str, torch.Tensor] = {}
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+
+
+class SafetensorsFile:
+    """One safetensors file's tensors by name (``entries``), each read when asked (``read``) into memory of its own,
+    its pages then dropped from the page cache (``POSIX_FADV_DONTNEED``): reading holds no mapping of the file, so
+    neither the worker's resident memory nor the page cache keeps what was read."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        self.data_start = 8 + size
+        self.entries: dict[str, dict[str, Any]] = header
+        self.fd = os.open(path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self.fd)
+
+    def read(self, name: str, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """Tensor ``name`` on ``device``, in ``dtype`` where it is floating (else as stored)."""
+        entry = self.entries[name]
+        begin, end = entry["data_offsets"]
+        raw = torch.empty(end - begin, dtype=torch.uint8)
+        view, offset = memoryview(raw.numpy()), self.data_start + begin
+        while view:  # one read moves at most about 2 GiB
+            if (n := os.preadv(self.fd, [view], offset)) == 0:
+                raise OSError(f"{self.path} ends inside tensor {name!r}")
+            view, offset = view[n:], offset + n
+        os.posix_fadvise(self.fd, self.data_start + begin, end - begin, os.POSIX_FADV_DONTNEED)
+        tensor = raw.view(SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+        return tensor.to(device, dtype if tensor.is_floating_point() else tensor.dtype)
+
+
+def load_weights(model_dir: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> DeferredWeights:
+    """Every tensor of the checkpoint by name, in ``dtype`` (floating tensors only are cast), on ``device``, each in
+    memory of its own (no mapping of the file stays behind it) and read when it is looked up (the embedding and
+    lm_head at once: they are looked up more than once), as ``load_gguf``'s: a model that takes each tensor into its
+    own layout holds each once, and one MoE layer's experts at a time."""
+    weights = DeferredWeights()
     for path in weight_files(model_dir):
-        for name, tensor in load_file(path).items():
+        file = SafetensorsFile(path)
+        for name in file.entries:
             if name in weights:
                 raise ValueError(f"tensor {name!r} appears in more than one shard of {model_dir}")
-            # An owned copy: a tensor still backed by the file's mapping would keep every page of
-            # the file resident beside the layouts the model builds from it.
-            weights[name] = tensor.to(device, dtype if tensor.is_floating_point() else tensor.dtype, copy=True)
+            if name in ("model.embed_tokens.weight", "lm_head.weight"):
+                weights[name] = file.read(name, dtype, device)
+            else:
+                weights.defer(name, functools.partial(file.read, name, dtype, device))
     return weights
 
 
@@ -75,6 +118,9 @@ class DeferredWeights(MutableMapping[str, Any]):
     def __delitem__(self, name: str) -> None:
         if self._deferred.pop(name, None) is None:
             del self._held[name]
+
+    def __contains__(self, name: object) -> bool:  # without reading a deferred entry
+        return name in self._held or name in self._deferred
 
     def __iter__(self) -> Iterator[str]:
         yield from self._held

@@ -1,7 +1,7 @@
 """A checkpoint → its family's model in the serving format: loaded in the serving dtype onto the device,
 sharded for tensor parallelism, its linears converted to the weight format. A GGUF file's Q4_0 / Q4_1 /
 Q8_0 matrices go to their linears in their blocks, as stored. With an expert cache (``ExpertSpill``), each MoE
-layer's experts go to its store as the layer is built."""
+layer's experts are read as the layer is built (a checkpoint's quantized then) and go to its store."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def load_model(
             config, weights = shard_config(config, tp.size), shard_weights(weights, tp.rank, tp.size)
         family = model_family(config.get("model_type", "llama"))
         if spill is not None:
-            spill.begin(config)
+            spill.begin(config, weight_quant)
         sink = EXPERT_SINK.set(spill)
         try:
             model = family(config, weights)

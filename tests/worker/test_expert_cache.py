@@ -2,8 +2,10 @@
 never refills a slot that its own layer-step reads, never leaks a slot and never holds more than its bound, and LFU keeps a stable resident set under a cyclic scan
 larger than the bank, where LRU never hits; the store gives
 back every byte it was given, with O_DIRECT into padded slots where the filesystem allows and buffered reads where it refuses; tiny qwen3_moe and qwen3_next models with int4 experts give the same greedy
-tokens (and the same logits, bit for bit) at every cache size from one layer's top-k to all resident; loading a
-GGUF into the cache holds about one layer's experts at a time; and what the cache cannot serve is refused at start, naming why."""
+tokens (and the same logits, bit for bit) at every cache size from one layer's top-k to all resident, a checkpoint's float
+experts quantized as they load (int4, int4-a8, or auto on the block grid) included; loading a GGUF or a safetensors
+checkpoint into the cache holds about one layer's experts at a time, each layer's stored before the next layer's are
+read; and what the cache cannot serve is refused at start, naming why."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import errno
 import gc
 import mmap
 import os
+import shutil
 import tempfile
 import weakref
 from collections.abc import Iterator
@@ -21,27 +24,31 @@ from typing import NamedTuple
 from unittest import mock
 
 import pytest
+import safetensors.torch
 import torch
 from gguf import GGMLQuantizationType as Q
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.launcher.__main__ import check_expert_cache
+from services.worker import block_quant
 from services.worker.block_quant import BlockQuantized
 from services.worker.cpu_kernels import cpu_kernels
 from services.worker.expert_cache import ALIGN, POLICIES, ExpertCache, ExpertStore, SlotLFU, SlotLRU, cache_bytes, default_store_dir, padded
 from services.worker.moe import ExpertPanels, SharedExpert, SparseMoE, routed_experts
 from services.worker.runner import ModelRunner, RunnerConfig
+from services.worker.weights import SafetensorsFile
 from shared.config import StackConfig
 from shared.frames import Slice, StepPlan
 from shared.metrics import exposition
 
 from .gguf_files import tiny_gguf
-from .harness import GREEDY, Checkpoint, drive, prompt_of
+from .harness import GREEDY, Checkpoint, build_tiny, drive, prompt_of
 
 needs_kernels = pytest.mark.skipif(cpu_kernels()[0] is None, reason=f"CPU kernels unavailable: {cpu_kernels()[1]}")
 
 LAYERS, EXPERTS = 3, 6
+ROUTED_EXPERTS = ".mlp.experts."  # a checkpoint's tensors of a layer's routed experts have this in their names
 
 
 class StoreDir(NamedTuple):
@@ -442,6 +449,90 @@ def test_loading_into_an_expert_cache_holds_about_one_layer_of_experts_at_a_time
     with mock.patch.object(ExpertStore, "append", tracked):
         out, logits, runner = _greedy_and_logits(wide_moe_gguf, "25%", disk_dir, weight_quant="none")
     assert len(held) == WIDE_LAYERS and runner.expert_cache.store.nbytes == 4 * runner.expert_cache.nbytes  # experts 4x the bank
-    assert max(held) < 3 * layer_bytes < WIDE_LAYERS * layer_bytes / 2, [round(h / layer_bytes, 2) for h in held]  # one layer in flight beside the rest of the model
+    assert max(held) < 3 * layer_bytes < WIDE_LAYERS * layer_bytes / 2, [
+        round(h / layer_bytes, 2) for h in held
+    ]  # one layer in flight beside the rest of the model
+    assert all(moe.held_bytes() == 0 for moe in routed_experts(runner.model))
+    assert out == resident_out and torch.equal(logits, resident_logits)
+
+
+def _experts_on_the_q4_1_grid(source: str, target: Path) -> str:
+    """A copy of the checkpoint at ``source`` whose routed experts lie on the q4_1 grid (as if converted from a q4_1
+    GGUF): ``auto`` serves them in their blocks, losslessly."""
+    shutil.copytree(source, target)
+    for file in target.glob("*.safetensors"):
+        tensors = safetensors.torch.load_file(file)
+        for name, t in tensors.items():
+            if ROUTED_EXPERTS in name:
+                rows = t.reshape(-1, t.shape[-1])
+                tensors[name] = block_quant.dequantize(block_quant.quantize(rows, "q4_1"), "q4_1").reshape(t.shape)
+        safetensors.torch.save_file(tensors, file, metadata={"format": "pt"})
+    return str(target)
+
+
+@needs_kernels
+@pytest.mark.parametrize("weight_quant", ["int4-a8", "auto"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+def test_a_checkpoints_float_experts_quantized_as_they_load_decode_as_resident_from_one_layers_top_k_slots(
+    family: str, weight_quant: str, tiny_qwen3_moes: dict[str, Checkpoint], tiny_qwen3_nexts: dict[str, Checkpoint], disk_dir: str, tmp_path: Path
+) -> None:
+    tiny = tiny_qwen3_moes["renorm-dense-middle"] if family == "qwen3_moe" else tiny_qwen3_nexts["interval-tied-bias"]
+    path = tiny.path if weight_quant != "auto" else _experts_on_the_q4_1_grid(tiny.path, tmp_path / "on-grid")  # auto: in blocks only where lossless
+    resident_out, resident_logits, resident = _greedy_and_logits(path, "0", disk_dir, weight_quant=weight_quant)
+    assert set(resident.describe()["expert_weights"]) <= {
+        "q4_1: grouped_moe (C++, one call per layer)",
+        "q4_1: grouped_moe (C++, one call per layer), shared expert in the call",
+    }
+    out, logits, runner = _greedy_and_logits(path, str(tiny.reference.config.num_experts_per_tok * 4096), disk_dir, weight_quant=weight_quant)
+    assert runner.expert_cache.evictions > 0 and runner.describe()["expert_weights"] == {
+        f"{kind}, from the expert cache": n for kind, n in resident.describe()["expert_weights"].items()
+    }
+    assert out == resident_out and torch.equal(logits, resident_logits)
+
+
+@pytest.fixture(scope="module")
+def wide_moe_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A qwen3_moe checkpoint in transformers' safetensors whose float32 experts (8 layers of 64, 6 MiB a layer) outweigh the
+    rest of it many times over, by the ``--weight-quant`` that serves it: int4 as is, auto with its experts on the q4_1 grid."""
+    root = tmp_path_factory.mktemp("wide-moe-hf")
+    overrides = {"num_hidden_layers": WIDE_LAYERS, "num_experts": WIDE_EXPERTS, "moe_intermediate_size": 128, "norm_topk_prob": True}
+    build_tiny("qwen3_moe", str(root / "float"), **overrides)
+    return {"int4": str(root / "float"), "auto": _experts_on_the_q4_1_grid(str(root / "float"), root / "on-grid")}
+
+
+@needs_kernels
+@pytest.mark.parametrize("weight_quant", ["int4", "auto"])
+def test_loading_a_checkpoint_into_an_expert_cache_reads_one_layer_of_experts_at_a_time_and_decodes_as_resident(
+    weight_quant: str, wide_moe_checkpoints: dict[str, str], disk_dir: str
+) -> None:
+    path, float_layer = wide_moe_checkpoints[weight_quant], WIDE_EXPERTS * 3 * 128 * 64 * 4
+    resident_out, resident_logits, resident = _greedy_and_logits(path, "0", disk_dir, weight_quant=weight_quant)
+    assert resident.describe()["expert_weights"] == {"q4_1: grouped_moe (C++, one call per layer)": WIDE_LAYERS}
+    del resident
+    gc.collect()
+    events: list[tuple[str, int]] = []  # ("read", layer) as an expert tensor is read from the file, ("stored", layer) as a layer's experts reach the store
+    held: list[int] = []  # what the process holds at each of those
+    read, append = SafetensorsFile.read, ExpertStore.append
+
+    def tracked_read(file: SafetensorsFile, name: str, *args: object) -> torch.Tensor:
+        if ROUTED_EXPERTS in name:
+            events.append(("read", int(name.split(".")[2])))
+            held.append(_allocated() - before)
+        return read(file, name, *args)
+
+    def tracked_append(store: ExpertStore, panels: ExpertPanels) -> None:
+        held.append(_allocated() - before)
+        append(store, panels)
+        events.append(("stored", store.written - 1))
+
+    before = _allocated()
+    with mock.patch.object(SafetensorsFile, "read", tracked_read), mock.patch.object(ExpertStore, "append", tracked_append):
+        out, logits, runner = _greedy_and_logits(path, "25%", disk_dir, weight_quant=weight_quant)
+    layers = [event for i, event in enumerate(events) if i == 0 or event != events[i - 1]]
+    assert layers == [(kind, layer) for layer in range(WIDE_LAYERS) for kind in ("read", "stored")]  # a layer's experts stored before the next layer's are read
+    assert runner.expert_cache.store.nbytes == 4 * runner.expert_cache.nbytes  # experts 4x the bank
+    # int4: each expert quantized as it is read, so not even one layer's floats at once; auto: one layer's floats in flight (to find their exact format)
+    layers_in_flight = {"int4": 1, "auto": 2}[weight_quant]
+    assert max(held) < layers_in_flight * float_layer < WIDE_LAYERS * float_layer / 2, [round(h / float_layer, 2) for h in held]
     assert all(moe.held_bytes() == 0 for moe in routed_experts(runner.model))
     assert out == resident_out and torch.equal(logits, resident_logits)
