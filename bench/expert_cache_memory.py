@@ -1,10 +1,10 @@
-"""The expert cache's memory bound: a worker's loading and decoding of the MoE benchmark GGUF, each setting in a
-fresh process, with its peak (VmHWM) and steady (VmRSS) resident memory against non-expert weights + the cache's
+"""The expert cache's memory bound: a worker's loading and decoding of the MoE benchmark model (its GGUF, or its
+safetensors directory under ``--weight-quant int4``), each setting in a fresh process, with its peak (VmHWM) and steady (VmRSS) resident memory against non-expert weights + the cache's
 bank + the KV cache + 10 %, over the process's runtime (the interpreter, the worker's libraries and the model file's
 metadata, as a worker has them before it reads a weight).
 
-    .venv/bin/python -m bench.expert_cache_memory [--model models/moe-bench.Q4_0.gguf] [--cache 25% 0] [--streams 4] \\
-        [--prompt-tokens 64] [--max-tokens 32] [--cache-dir DIR] [--out bench/results/expert_cache_memory.json]
+    .venv/bin/python -m bench.expert_cache_memory [--model models/moe-bench.Q4_0.gguf | models/moe-bench --weight-quant int4] \\
+        [--cache 25% 0] [--streams 4] [--prompt-tokens 64] [--max-tokens 32] [--cache-dir DIR] [--out bench/results/expert_cache_memory.json]
 
 Each setting (``--cache``: an ``--expert-cache-bytes``; 0 is everything resident) runs in its own subprocess:
 import the worker, load the model into a ``ModelRunner`` as a worker does, prefill ``--streams`` prompts and decode
@@ -12,7 +12,7 @@ import the worker, load the model into a ``ModelRunner`` as a worker does, prefi
 the bank and the KV cache apart. Whether the page cache is what serves the misses: the store's read mode, the
 bytes read from the store per decoded token (the cache's counters), and how many of the store file's pages sit in
 the page cache after decoding (``mincore`` over a mapping of its descriptor), with ``/proc/meminfo`` Cached before
-loading and after decoding. The model file's pages are dropped from the page cache (``POSIX_FADV_DONTNEED``) before
+loading and after decoding. The model's files' pages are dropped from the page cache (``POSIX_FADV_DONTNEED``) before
 each setting.
 """
 
@@ -22,6 +22,7 @@ import argparse
 import ctypes
 import ctypes.util
 import gc
+import glob
 import json
 import mmap
 import os
@@ -65,12 +66,14 @@ def resident_pages(fd: int, size: int) -> int:
     return sum(v & 1 for v in vec)
 
 
-def drop_from_page_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+def drop_from_page_cache(model: str) -> None:
+    """Drops the pages of ``model`` (a GGUF file, or a directory's safetensors) from the page cache."""
+    for path in [model] if os.path.isfile(model) else glob.glob(os.path.join(model, "*.safetensors")):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def tensor_bytes(exclude: set[int]) -> int:
@@ -97,7 +100,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     imported = status()
     per = -(-(args.prompt_tokens + args.max_tokens + 1) // StackConfig().block_size)
-    config = StackConfig(model=args.model, expert_cache_bytes=args.child, expert_cache_dir=args.cache_dir)
+    config = StackConfig(model=args.model, weight_quant=args.weight_quant, expert_cache_bytes=args.child, expert_cache_dir=args.cache_dir)
     runner_config = RunnerConfig.of(config, num_blocks=args.streams * per)  # reads the model file's metadata, as a worker does first
     runtime, cached_before = status(), page_cache()
     runner = ModelRunner(runner_config)
@@ -122,6 +125,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     weights = tensor_bytes(exclude) - resident_experts  # after the readings: the walk over every object costs memory of its own
     out: dict[str, Any] = {
         "expert_cache_bytes": args.child,
+        "weight_quant": runner.weight_quant,
         "imported": imported,
         "runtime": runtime,
         "after_load": loaded,
@@ -156,7 +160,7 @@ def report(row: dict[str, Any]) -> None:
     base, bound = row["runtime"]["VmRSS"], row["bound_bytes"]
     peak, steady = row["after_decode"]["VmHWM"] - base, row["after_decode"]["VmRSS"] - base
     print(
-        f"--expert-cache-bytes {row['expert_cache_bytes']}: runtime {base / mb:.0f} MB ({row['imported']['VmRSS'] / mb:.0f} once imported); above it, peak {peak / mb:.0f} MB "
+        f"--expert-cache-bytes {row['expert_cache_bytes']} (weights {row['weight_quant']}): runtime {base / mb:.0f} MB ({row['imported']['VmRSS'] / mb:.0f} once imported); above it, peak {peak / mb:.0f} MB "
         f"(at load {(row['after_load']['VmHWM'] - base) / mb:.0f}) and steady {steady / mb:.0f} MB against the bound {bound / mb:.0f} MB "
         f"(non-expert weights {row['non_expert_weight_bytes'] / mb:.0f} + bank {row['bank_bytes'] / mb:.0f} + KV {row['kv_cache_bytes'] / mb:.0f}, + 10 %): "
         f"peak/bound {peak / bound:.2f}; resident experts {row['resident_expert_bytes'] / mb:.0f} MB",
@@ -173,8 +177,12 @@ def report(row: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from shared.choices import WEIGHT_QUANTS
+    from shared.config import StackConfig
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=MODEL, help="the MoE benchmark GGUF (bench.moe_model makes it)")
+    parser.add_argument("--model", default=MODEL, help="the MoE benchmark GGUF or safetensors directory (bench.moe_model makes both)")
+    parser.add_argument("--weight-quant", default=StackConfig().weight_quant, choices=WEIGHT_QUANTS, help="the worker's --weight-quant")
     parser.add_argument("--cache", nargs="+", default=["25%", "0"], help="--expert-cache-bytes settings, each in a fresh process")
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=64)
