@@ -236,6 +236,7 @@ class StepResult(_Frame):
     forward_s: float = 0.0
     error: str = ""  # non-empty: the step failed and none of its slices produced a token
     proposed: dict[str, int] = {}  # each speculative slice's proposed tokens (0: none, it ran as a plain decode)
+    no_guess: list[str] = []  # requests sampled here whose proposer has no guess for their next tokens (prompt lookup found no n-gram)
 
 
 class TokenDelta(_Part):

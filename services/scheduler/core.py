@@ -380,10 +380,12 @@ class Scheduler:
         self.step_cost.observed(result.step, result.forward_s)
         self.decode_runs.observed(result.step, result.forward_s, len(result.sampled))
         verified: dict[str, list[Sampled]] = {}
+        no_guess = set(result.no_guess)
         for sampled in result.sampled:
             request = self.requests.get(sampled.rid)
             if request is None or request.pending_samples == 0:
                 continue  # finished while this step was in flight: the extra token is dropped
+            request.has_guess = sampled.rid not in no_guess
             if request.verifying:  # a speculative step's run of tokens: taken whole below
                 verified.setdefault(request.rid, []).append(sampled)
                 continue

@@ -35,6 +35,7 @@ class Request:
     verifying: int = 0  # proposed tokens of the speculative step in flight (speculation.py), 0: none
     speculation_backoff: int = 0  # plain decode tokens after the last verify that accepted nothing
     resume_speculation_at: int = 0  # outputs before the request speculates again
+    has_guess: bool = True  # its proposer had a guess after its last token that came back (StepResult.no_guess)
     restore: Checkpoint | None = None  # the GDN checkpoint the next slice restores (hybrid models, after a prefix hit)
     anchor_positions: list[int] = field(default_factory=list)  # where its prefill saves GDN checkpoints besides the interval's
     phase: Phase = Phase.WAITING

@@ -14,6 +14,9 @@ The rule, per request and step: it speculates when
 - its end rule lets a run of ``1 + draft`` tokens go (``EndRule.run_limit``): never past ``max_tokens``, and not
   before its ``min_tokens`` are out, so a stop token inside an accepted run always ends it there;
 - it has no structured output (its grammar's mask would have to follow every proposed token);
+- its proposer has a guess: a result says which of its requests' proposers had none after their last token
+  (``StepResult.no_guess``: prompt lookup found no n-gram), and such a request decodes plainly, pipelined and in
+  runs, until one has;
 - its verifies pay: one whose proposal was wholly rejected makes it decode plainly (pipelined, or in runs) for a
   number of tokens that doubles with each such verify in a row, up to ``MAX_BACKOFF_TOKENS``; one that accepts
   resets it, and one whose proposer had no guess (``StepResult.proposed``) counts as neither.
@@ -54,7 +57,7 @@ class Speculation:
         params = request.submit.sampling
         if params.grammar is not None:  # a structured output
             return 0
-        if request.outputs_promised < request.resume_speculation_at:
+        if request.outputs_promised < request.resume_speculation_at or not request.has_guess:
             return 0
         return max(0, min(self.num_tokens, request.end_rule.run_limit(request.outputs_promised) - 1))
 

@@ -40,6 +40,7 @@ class PlanRuns:
         if plan.decode_steps == 1 or result.error:
             return result
         sampled, forward_s = list(result.sampled), result.forward_s
+        guessless = dict.fromkeys(result.no_guess, True)  # by rid, as its last step in the run left it
         running = self._still_running(plan.slices, result)
         for i in range(1, plan.decode_steps):
             if not running:
@@ -51,8 +52,9 @@ class PlanRuns:
                 return result  # the scheduler fails the plan's requests; the tokens already sent stay sent
             sampled += result.sampled
             forward_s += result.forward_s
+            guessless.update({x.rid: x.rid in result.no_guess for x in result.sampled})
             running = self._still_running(running, result)
-        return StepResult(step=plan.step, sampled=sampled, forward_s=forward_s)
+        return StepResult(step=plan.step, sampled=sampled, forward_s=forward_s, no_guess=[rid for rid, none in guessless.items() if none])
 
     def _through_stops(self, sampled: list[Sampled]) -> list[Sampled]:
         ended: set[str] = set()

@@ -284,8 +284,11 @@ class ModelRunner:
                 for rid, verified in self.speculator.verify(*verifies).items():
                     by_rid[rid] = [Sampled(rid, token, lp) for token, lp in zip(verified.tokens, verified.logprobs)]
             sampled = [x for s in plan.slices if s.sample for x in by_rid.get(s.rid, ())]
-            proposed = {} if self.speculator is None else self.speculator.proposed(plan.slices, verifies[0] if verifies else [])
-        return StepResult(step=plan.step, sampled=sampled, forward_s=time.perf_counter() - began, proposed=proposed)
+            proposed, no_guess = {}, []
+            if self.speculator is not None:
+                proposed = self.speculator.proposed(plan.slices, verifies[0] if verifies else [])
+                no_guess = self.speculator.no_guess([x.rid for x in sampled])
+        return StepResult(step=plan.step, sampled=sampled, forward_s=time.perf_counter() - began, proposed=proposed, no_guess=no_guess)
 
     def memory_split(self) -> MemorySplit:
         """The KV cache and expert cache as they are now, with what a new split must hold to."""

@@ -139,6 +139,21 @@ def test_a_verify_whose_proposer_had_no_guess_is_no_rejection() -> None:
     assert s.plan(7).slices[0].num_tokens == 1
 
 
+def test_a_request_whose_proposer_has_no_guess_decodes_plainly_until_it_has_one() -> None:
+    s = make(k=3)
+    s.decode_runs.steps = lambda: 4  # runs of 4 decode steps wherever a plan of decodes alone may run them
+    submit(s, "a")
+    plan = s.plan(0)
+    s.on_result(StepResult(step=0, sampled=[Sampled("a", 7)], no_guess=["a"]))  # prompt lookup found no n-gram after it
+    plan = s.plan(1)
+    assert plan.slices[0].num_tokens == 1 and plan.decode_steps == 4  # plain decodes, in a run
+    pipelined = s.plan(2)  # planned while the run is in flight: the request's next run
+    assert pipelined.slices and pipelined.slices[0].num_tokens == 1
+    s.on_result(StepResult(step=1, sampled=[Sampled("a", 7)] * plan.decode_steps))  # a guess after the run's last token
+    s.on_result(StepResult(step=2, sampled=[Sampled("a", 7)] * pipelined.decode_steps))
+    assert s.plan(3).slices[0].num_tokens == 4
+
+
 def test_a_verify_of_a_request_preempted_meanwhile_keeps_no_blocks() -> None:
     s = make(k=3)
     decoding(s, "a")

@@ -19,7 +19,7 @@ from services.scheduler.speculation import Speculation
 from services.scheduler.state_slots import SlotPool
 from services.worker.runner import ModelRunner, RunnerConfig
 from shared.devtools.inprocess_engine import InProcessEngine
-from shared.frames import FinishReason, SamplingParams, Submit
+from shared.frames import FinishReason, SamplingParams, StepResult, Submit
 from shared.model_info import load_model_info
 from tests.scheduler.pipelined_aborts import run_with_aborts
 from tests.worker.harness import TINY_QWEN3_NEXTS, build_tiny
@@ -153,6 +153,32 @@ def test_prompt_lookup_changes_no_output(tmp_path) -> None:
         assert result.outputs[f"r{i}"] == out[0, len(prompt) :].tolist()[: work[i].max_tokens]
     assert runner.speculator.drafts > 0
     assert scheduler.pool.num_used == 0
+
+
+def test_prompt_lookup_is_planned_a_verify_only_where_it_has_a_guess(tmp_path) -> None:
+    """The results say after which tokens prompt lookup found no n-gram; those requests decode plainly, so every
+    verify the scheduler plans has a proposal, and the outputs are transformers' still."""
+    reference = build_tiny("llama", str(tmp_path), vocab_size=32)
+    prompts = [[t % 32 for t in prompt] for prompt in PROMPTS]
+    run_engine, scheduler, runner = engine(str(tmp_path), 64, 256, 2, 3)
+    seen: list[tuple[dict[str, int], StepResult]] = []
+    execute = run_engine.plan_runs.execute
+
+    def recording(plan):
+        result = execute(plan)
+        seen.append(({s.rid: s.num_tokens - 1 for s in plan.slices if not s.token_ids and s.num_tokens > 1}, result))
+        return result
+
+    run_engine.plan_runs.execute = recording
+    work = [msgspec.structs.replace(s, prompt_ids=prompt) for s, prompt in zip(submits(), prompts)]
+    result = run_engine.run(work)
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert result.outputs[f"r{i}"] == out[0, len(prompt) :].tolist()[: work[i].max_tokens]
+    assert any(r.no_guess for _, r in seen) and any(drafts for drafts, _ in seen)  # both happen
+    for drafts, step_result in seen:
+        assert all(step_result.proposed[rid] > 0 for rid in drafts)
 
 
 def test_the_worker_counts_drafts_and_accepted_tokens_under_vllm_names(model) -> None:

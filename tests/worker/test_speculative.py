@@ -34,6 +34,11 @@ def test_prompt_lookup_stops_at_the_end_of_the_tokens_and_honours_min_n() -> Non
     proposer = NgramProposer(2, 2)
     proposer.extend("a", [5, 6, 7, 5, 6])
     assert proposer.propose({"a": 2, "unknown": 2}) == {"a": [7, 5]}
+    assert proposer.has_guess("a") and not proposer.has_guess("unknown")
+    proposer.extend("a", [9])
+    assert not proposer.has_guess("a")  # "6 9" never occurred before
+    proposer.extend("a", [5, 6])
+    assert proposer.has_guess("a")
     proposer.release("a")
     assert proposer.propose({"a": 2}) == {}
     with pytest.raises(ValueError, match="ngram_min"):

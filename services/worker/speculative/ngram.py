@@ -66,5 +66,10 @@ class NgramProposer:
                 out[rid] = proposal
         return out
 
+    def has_guess(self, rid: str) -> bool:
+        """Whether the request's next tokens have a proposal (an n-gram ending its tokens occurred before)."""
+        lookup = self._requests.get(rid)
+        return lookup is not None and bool(lookup.propose(1))
+
     def release(self, rid: str) -> None:
         self._requests.pop(rid, None)

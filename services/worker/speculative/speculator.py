@@ -114,6 +114,13 @@ class Speculator:
         proposed.update((v.slice.rid, len(v.proposal)) for v in verifies)
         return proposed
 
+    def no_guess(self, rids: Sequence[str]) -> list[str]:
+        """Those of ``rids`` whose next tokens prompt lookup has no proposal for (the scheduler plans them no verify);
+        a model proposer always has one."""
+        if not isinstance(self.proposer, NgramProposer):
+            return []
+        return [rid for rid in dict.fromkeys(rids) if not self.proposer.has_guess(rid)]
+
     def sampled(self, rids: Sequence[str], tokens: Sequence[int]) -> None:
         for rid, token in zip(rids, tokens):
             self.proposer.extend(rid, [token])
