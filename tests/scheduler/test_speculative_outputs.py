@@ -140,11 +140,27 @@ def test_greedy_outputs_equal_transformers_with_speculation(
         assert scheduler.num_preemptions > 0
 
 
-def test_prompt_lookup_changes_no_output(tmp_path) -> None:
-    """Over a vocabulary of 32 a tiny model repeats itself enough for prompt lookup to propose."""
+def recorded_steps(run_engine: InProcessEngine) -> list[tuple[dict[str, int], StepResult]]:
+    """Each step the engine's worker runs from now on: its speculative slices' drafts by rid, and its result."""
+    steps: list[tuple[dict[str, int], StepResult]] = []
+    execute = run_engine.plan_runs.execute
+
+    def recording(plan):
+        result = execute(plan)
+        steps.append(({s.rid: s.num_tokens - 1 for s in plan.slices if not s.token_ids and s.num_tokens > 1}, result))
+        return result
+
+    run_engine.plan_runs.execute = recording
+    return steps
+
+
+def test_prompt_lookup_changes_no_output_and_is_planned_a_verify_only_where_it_has_a_guess(tmp_path) -> None:
+    """Over a vocabulary of 32 a tiny model repeats itself enough for prompt lookup to propose. The results say
+    after which tokens it found no n-gram; those requests decode plainly, so every verify planned has a proposal."""
     reference = build_tiny("llama", str(tmp_path), vocab_size=32)
     prompts = [[t % 32 for t in prompt] for prompt in PROMPTS]
     run_engine, scheduler, runner = engine(str(tmp_path), 64, 7, 2, 3)
+    steps = recorded_steps(run_engine)
     work = [msgspec.structs.replace(s, prompt_ids=prompt) for s, prompt in zip(submits(), prompts)]
     result = run_engine.run(work)
     for i, prompt in enumerate(prompts):
@@ -153,31 +169,8 @@ def test_prompt_lookup_changes_no_output(tmp_path) -> None:
         assert result.outputs[f"r{i}"] == out[0, len(prompt) :].tolist()[: work[i].max_tokens]
     assert runner.speculator.drafts > 0
     assert scheduler.pool.num_used == 0
-
-
-def test_prompt_lookup_is_planned_a_verify_only_where_it_has_a_guess(tmp_path) -> None:
-    """The results say after which tokens prompt lookup found no n-gram; those requests decode plainly, so every
-    verify the scheduler plans has a proposal, and the outputs are transformers' still."""
-    reference = build_tiny("llama", str(tmp_path), vocab_size=32)
-    prompts = [[t % 32 for t in prompt] for prompt in PROMPTS]
-    run_engine, scheduler, runner = engine(str(tmp_path), 64, 256, 2, 3)
-    seen: list[tuple[dict[str, int], StepResult]] = []
-    execute = run_engine.plan_runs.execute
-
-    def recording(plan):
-        result = execute(plan)
-        seen.append(({s.rid: s.num_tokens - 1 for s in plan.slices if not s.token_ids and s.num_tokens > 1}, result))
-        return result
-
-    run_engine.plan_runs.execute = recording
-    work = [msgspec.structs.replace(s, prompt_ids=prompt) for s, prompt in zip(submits(), prompts)]
-    result = run_engine.run(work)
-    for i, prompt in enumerate(prompts):
-        with torch.no_grad():
-            out = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert result.outputs[f"r{i}"] == out[0, len(prompt) :].tolist()[: work[i].max_tokens]
-    assert any(r.no_guess for _, r in seen) and any(drafts for drafts, _ in seen)  # both happen
-    for drafts, step_result in seen:
+    assert any(step_result.no_guess for _, step_result in steps)
+    for drafts, step_result in steps:
         assert all(step_result.proposed[rid] > 0 for rid in drafts)
 
 
@@ -210,20 +203,12 @@ def test_each_result_says_what_its_verifies_proposed_and_no_guess_is_no_rejectio
     propose = proposer.propose
     proposer.propose = lambda wanted: {rid: proposal for rid, proposal in propose(wanted).items() if rid != "r1"}
     run_engine, scheduler, runner = engine(path, 64, 256, 2, 3, proposer=proposer)
-    seen: list[tuple[dict[str, int], dict[str, int]]] = []
-    execute = run_engine.plan_runs.execute
-
-    def recording(plan):
-        result = execute(plan)
-        seen.append(({s.rid: s.num_tokens - 1 for s in plan.slices if not s.token_ids and s.num_tokens > 1}, result.proposed))
-        return result
-
-    run_engine.plan_runs.execute = recording
+    steps = recorded_steps(run_engine)
     result = run_engine.run(submits())
     assert result.outputs == {**expected, "r2": expected["r2"][: NEW_TOKENS - 1]}
-    for drafts, proposed in seen:
-        assert proposed == {rid: 0 if rid == "r1" else draft for rid, draft in drafts.items()}
-    r1_verifies = sum("r1" in drafts for drafts, _ in seen)
+    for drafts, step_result in steps:
+        assert step_result.proposed == {rid: 0 if rid == "r1" else draft for rid, draft in drafts.items()}
+    r1_verifies = sum("r1" in drafts for drafts, _ in steps)
     assert r1_verifies >= NEW_TOKENS - 4  # every decode but those its end rule keeps plain
 
 
