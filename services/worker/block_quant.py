@@ -30,6 +30,7 @@ BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
 CODE_BYTES = {"q4_0": 16, "q4_1": 16, "q8_0": 32}  # per block, before the row's scales
 PANEL = 8  # output channels per panel
 PANEL_BLOCK_BYTES = {"q4_0": 144, "q4_1": 160, "q8_0": 272}  # one panel's record per block: 8 channels' codes, scales (and minimums)
+CHUNK_BYTES = 1 << 20  # float32 bytes of a matrix quantized (or checked, or regrouped) at a time
 
 
 def _blocks(weight: torch.Tensor) -> torch.Tensor:
@@ -53,10 +54,14 @@ def _check_format(fmt: str) -> None:
         raise ValueError(f"unknown block format {fmt!r} (supported: {', '.join(BLOCK_BYTES)})")
 
 
-def quantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
-    """``weight`` [out, in] → uint8 [out, in / 32 * BLOCK_BYTES[fmt]] (scales rounded to fp16 first,
-    so the codes are chosen against the scales that will be stored)."""
-    _check_format(fmt)
+def _chunk_rows(in_features: int, rows_per_chunk: int | None, multiple: int = 1) -> int:
+    """How many rows of a matrix are taken at a time: ``rows_per_chunk`` (rounded up to a multiple of ``multiple``),
+    by default as many as ``CHUNK_BYTES`` of float32 hold, so that every temporary is a few times that."""
+    rows = rows_per_chunk or CHUNK_BYTES // (4 * max(in_features, 1))
+    return max(multiple, -(-rows // multiple) * multiple)
+
+
+def _quantize_rows(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     blocks = _blocks(weight)
     rows = weight.shape[0]
     if fmt == "q4_0":  # llama.cpp's choice: the value of largest magnitude is code 0, so d carries its sign
@@ -74,7 +79,34 @@ def quantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
         d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
         codes = torch.round(blocks / _safe_divisor(d)).clamp_(-127, 127).to(torch.int8).view(torch.uint8)
         parts = [codes, _half_bytes(d)]
-    return torch.cat([part.reshape(rows, -1) for part in parts], dim=1).contiguous()
+    return torch.cat([part.reshape(rows, -1) for part in parts], dim=1)
+
+
+def quantize(weight: torch.Tensor, fmt: str, rows_per_chunk: int | None = None) -> torch.Tensor:
+    """``weight`` [out, in] (any strides) → uint8 [out, in / 32 * BLOCK_BYTES[fmt]] (scales rounded to fp16
+    first, so the codes are chosen against the scales that will be stored), taken ``rows_per_chunk`` rows
+    at a time (rows are independent: the result does not depend on it)."""
+    _check_format(fmt)
+    rows, in_features = weight.shape
+    if in_features % BLOCK:
+        raise ValueError(f"block quantization needs in_features divisible by {BLOCK}, got {in_features}")
+    packed = torch.empty(rows, in_features // BLOCK * BLOCK_BYTES[fmt], dtype=torch.uint8, device=weight.device)
+    step = _chunk_rows(in_features, rows_per_chunk)
+    for start in range(0, rows, step):
+        packed[start : start + step] = _quantize_rows(weight[start : start + step], fmt)
+    return packed
+
+
+def quantize_panels(weight: torch.Tensor, fmt: str, rows_per_chunk: int | None = None) -> torch.Tensor:
+    """``to_panels(quantize(weight, fmt), fmt)``, a chunk of rows at a time: no whole matrix of rows in blocks
+    is made, only the panels."""
+    _check_format(fmt)
+    rows, in_features = weight.shape
+    step = _chunk_rows(in_features, rows_per_chunk, PANEL)
+    panels = torch.empty(-(-rows // PANEL), in_features // BLOCK, PANEL_BLOCK_BYTES[fmt], dtype=torch.uint8, device=weight.device)
+    for start in range(0, rows, step):
+        panels[start // PANEL : (start + step) // PANEL] = _rows_to_panels(quantize(weight[start : start + step], fmt, step), fmt)
+    return panels
 
 
 def dequantize(packed: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -93,24 +125,32 @@ def dequantize(packed: torch.Tensor, fmt: str) -> torch.Tensor:
     return (codes * d).reshape(rows, -1)
 
 
+def _tolerance(weight: torch.Tensor) -> torch.Tensor:
+    return 1e-6 * torch.maximum(weight.amax(), -weight.amin()).float().clamp_min(1e-30)  # of the largest magnitude, no copy of ``weight``
+
+
 def is_exact(weight: torch.Tensor, packed: torch.Tensor, fmt: str) -> bool:
     """``packed`` reproduces ``weight`` to within fp32 rounding of ``d * q + m`` (a checkpoint that was
-    converted from this format: quantizing it again loses nothing)."""
-    restored = dequantize(packed, fmt)
-    tolerance = 1e-6 * weight.float().abs().amax().clamp_min(1e-30)
-    return bool((restored - weight.float()).abs().amax() <= tolerance)
+    converted from this format: quantizing it again loses nothing). Compared a chunk of rows at a time."""
+    tolerance, step = _tolerance(weight), _chunk_rows(weight.shape[1], None)
+    return all(
+        bool((dequantize(packed[start : start + step], fmt) - weight[start : start + step].float()).abs().amax() <= tolerance)
+        for start in range(0, weight.shape[0], step)
+    )
 
 
-def to_panels(packed: torch.Tensor, fmt: str = "q4_1") -> torch.Tensor:
-    """Rows [out, in / 32 * BLOCK_BYTES[fmt]] → uint8 [ceil(out / 8), in / 32, PANEL_BLOCK_BYTES[fmt]].
-    Per panel and block, 32 bytes per group j of 4 features: byte 4c + i belongs to channel c.
+def round_trips(weight: torch.Tensor, fmt: str) -> bool:
+    """``is_exact(weight, quantize(weight, fmt), fmt)``, quantized a chunk of rows at a time and stopping at the
+    first chunk that does not round-trip: no whole matrix of blocks is made."""
+    tolerance, step = _tolerance(weight), _chunk_rows(weight.shape[1], None)
+    for start in range(0, weight.shape[0], step):
+        rows = weight[start : start + step]
+        if not bool((dequantize(quantize(rows, fmt, step), fmt) - rows.float()).abs().amax() <= tolerance):
+            return False
+    return True
 
-    - q4_0, q4_1: the row layout's byte 4j + i of channel c (features 4j + i and 16 + 4j + i), j < 4;
-    - q8_0: channel c's features 4j, 4j + 2, 4j + 1, 4j + 3 (i = 0..3), j < 8, so a 16-bit lane's low
-      bytes and high bytes are each a pair of adjacent features;
 
-    then the channels' fp16 scales (and q4_1's minimums). Channels past ``out`` are zero (they add nothing)."""
-    _check_format(fmt)
+def _rows_to_panels(packed: torch.Tensor, fmt: str) -> torch.Tensor:
     rows, width = packed.shape
     blocks = width // BLOCK_BYTES[fmt]
     if rows % PANEL:
@@ -126,7 +166,26 @@ def to_panels(packed: torch.Tensor, fmt: str = "q4_1") -> torch.Tensor:
     else:
         groups = packed[:, : blocks * 32].reshape(panels, PANEL, blocks, 8, 4)[..., [0, 2, 1, 3]]
         parts = [groups.permute(0, 2, 3, 1, 4).reshape(panels, blocks, 256), halves(packed[:, blocks * 32 :])]
-    return torch.cat(parts, dim=2).contiguous()
+    return torch.cat(parts, dim=2)
+
+
+def to_panels(packed: torch.Tensor, fmt: str = "q4_1") -> torch.Tensor:
+    """Rows [out, in / 32 * BLOCK_BYTES[fmt]] → uint8 [ceil(out / 8), in / 32, PANEL_BLOCK_BYTES[fmt]].
+    Per panel and block, 32 bytes per group j of 4 features: byte 4c + i belongs to channel c.
+
+    - q4_0, q4_1: the row layout's byte 4j + i of channel c (features 4j + i and 16 + 4j + i), j < 4;
+    - q8_0: channel c's features 4j, 4j + 2, 4j + 1, 4j + 3 (i = 0..3), j < 8, so a 16-bit lane's low
+      bytes and high bytes are each a pair of adjacent features;
+
+    then the channels' fp16 scales (and q4_1's minimums). Channels past ``out`` are zero (they add nothing).
+    Regrouped a chunk of panels at a time."""
+    _check_format(fmt)
+    rows, width = packed.shape
+    step = max(PANEL, CHUNK_BYTES // max(width, 1) // PANEL * PANEL)
+    panels = torch.empty(-(-rows // PANEL), width // BLOCK_BYTES[fmt], PANEL_BLOCK_BYTES[fmt], dtype=torch.uint8, device=packed.device)
+    for start in range(0, rows, step):
+        panels[start // PANEL : (start + step) // PANEL] = _rows_to_panels(packed[start : start + step], fmt)
+    return panels
 
 
 @dataclass(frozen=True)

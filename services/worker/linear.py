@@ -171,7 +171,11 @@ class Linear:
 
     def float_weight(self) -> torch.Tensor:
         """The weight as [out, in] float32 (before any conversion)."""
-        return (self.weight.t() if self.split else self.weight).float().contiguous()
+        return self.weight_rows().float().contiguous()
+
+    def weight_rows(self) -> torch.Tensor:
+        """The weight as [out, in] in its dtype, without a copy (before any conversion)."""
+        return self.weight.t() if self.split else self.weight
 
     def pack_fp16(self) -> None:
         """From now on the weight is fp16 in an fbgemm pack (the float weight is dropped)."""
@@ -190,11 +194,15 @@ class Linear:
 
     def hold_blocks(self, blocks: BlockQuantized, int8_activations: bool = False) -> None:
         """From now on the panels of ``blocks`` serve every step (``int8_activations``: see ``round_activations_to_int8``)."""
-        self.panels, self._gemm_kernel, self.block_format = blocks.panels(), cpu_kernels()[0].block_quant_gemm, blocks.fmt
+        self.hold_panels(blocks.panels(), blocks.fmt, blocks.shape, int8_activations)
+
+    def hold_panels(self, panels: torch.Tensor, fmt: str, shape: tuple[int, ...], int8_activations: bool = False) -> None:
+        """From now on ``panels`` (``block_quant.to_panels`` of the [out, in] weight ``shape`` in ``fmt``'s blocks) serve every step."""
+        self.panels, self._gemm_kernel, self.block_format = panels, cpu_kernels()[0].block_quant_gemm, fmt
         self.activation_bits = 16  # in steps of more than BLOCK_QUANT_MAX_ROWS rows
         if int8_activations:
             self.round_activations_to_int8()
-        self.weight, self.split, self._sliced, self.slices = _packed_placeholder(*blocks.shape), False, None, 1
+        self.weight, self.split, self._sliced, self.slices = _packed_placeholder(*shape), False, None, 1
 
     def round_activations_to_int8(self) -> None:
         """Steps of more than ``BLOCK_QUANT_MAX_ROWS`` rows round activations to int8 (4-bit blocks only: q8_0 keeps int16)."""
@@ -246,21 +254,30 @@ class RowSplitLinear:
         """An int8 copy for the products; a tied embedding table keeps its float original for lookups."""
         if self.scales is None:
             self.weight, self.scales = int8_per_channel(self.weight)
+            self._sliced_t = None
 
     def pack_fp16(self) -> None:
         """An fp16 fbgemm pack for the products; a tied embedding table keeps its float original for lookups."""
         if self.packed is None and self.scales is None:
             self.packed = torch.ops.quantized.linear_prepack_fp16(self.weight.float().contiguous(), None)
-            self.weight = _packed_placeholder(*self.weight.shape)
+            self.weight, self._sliced_t = _packed_placeholder(*self.weight.shape), None
 
     def float_weight(self) -> torch.Tensor:
         return self.weight.float().contiguous()
 
+    def weight_rows(self) -> torch.Tensor:
+        return self.weight
+
     def quantize_int4(self, blocks: torch.Tensor) -> None:
         """From now on the panels of ``blocks`` (``block_quant.quantize(float_weight(), "q8_0")``) serve every
         step, with int16 activations; a tied embedding keeps its float original for lookups."""
-        self.panels, self._gemm_kernel = block_quant.to_panels(blocks, "q8_0"), cpu_kernels()[0].block_quant_gemm
-        self.weight = _packed_placeholder(*self.weight.shape)
+        self.hold_panels(block_quant.to_panels(blocks, "q8_0"), "q8_0", tuple(self.weight.shape))
+
+    def hold_panels(self, panels: torch.Tensor, fmt: str, shape: tuple[int, ...], int8_activations: bool = False) -> None:
+        """From now on ``panels`` (q8_0: ``block_quant.to_panels``) serve every step, with int16 activations (``int8_activations``
+        is ``Linear``'s: lm_head keeps int16); a tied embedding keeps its float original for lookups."""
+        self.panels, self._gemm_kernel = panels, cpu_kernels()[0].block_quant_gemm
+        self.weight, self._sliced_t = _packed_placeholder(*shape), None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -306,15 +323,17 @@ def linears_of(model: object) -> list[Linear | RowSplitLinear]:
     return found
 
 
-def _int4_blocks(linear: Linear | RowSplitLinear, check_exact: bool) -> tuple[torch.Tensor, bool] | None:
-    """The weight in its int4-format blocks (q4_1 for projections, q8_0 for lm_head) and, if asked,
-    whether they reproduce it exactly; None when its in_features do not split into blocks."""
-    weight = linear.float_weight()
-    if weight.shape[1] % block_quant.BLOCK:
+def _int4_format(linear: Linear | RowSplitLinear) -> str | None:
+    """The block format int4 gives the linear (q4_1 for projections, q8_0 for lm_head); None when its
+    in_features do not split into blocks."""
+    if linear.weight_rows().shape[1] % block_quant.BLOCK:
         return None
-    fmt = "q8_0" if isinstance(linear, RowSplitLinear) else "q4_1"
-    blocks = block_quant.quantize(weight, fmt)
-    return blocks, check_exact and block_quant.is_exact(weight, blocks, fmt)
+    return "q8_0" if isinstance(linear, RowSplitLinear) else "q4_1"
+
+
+def _quantize_to_panels(linear: Linear | RowSplitLinear, fmt: str, int8_activations: bool) -> None:
+    weight = linear.weight_rows()
+    linear.hold_panels(block_quant.quantize_panels(weight, fmt), fmt, tuple(weight.shape), int8_activations)
 
 
 def convert_weights(model: object, weight_quant: str) -> tuple[str, int]:
@@ -322,7 +341,11 @@ def convert_weights(model: object, weight_quant: str) -> tuple[str, int]:
     how many. ``auto`` (as resolved on a CPU): int4 when every weight round-trips through its blocks
     exactly and the kernels are built, else fp16. A weight whose in_features do not split into
     blocks of 32 keeps an fp16 pack under int4 and int4-a8. Linears that already hold blocks (a GGUF's)
-    keep them. MoE experts convert first (``moe.convert_experts``)."""
+    keep them. MoE experts convert first (``moe.convert_experts``).
+
+    The linears convert one at a time, a weight's float copy let go as its own converted form exists (a
+    tied lm_head's table stays the embedding's), and a weight is quantized a chunk of rows at a time: beyond
+    what is converted, one linear's float weight and converted form, and a few MB, are held at once."""
     from services.worker.moe import convert_experts  # moe imports this module
 
     convert_experts(model, weight_quant)  # first: a shared expert that joins the experts' call leaves its linears behind
@@ -331,19 +354,20 @@ def convert_weights(model: object, weight_quant: str) -> tuple[str, int]:
             if isinstance(linear, Linear) and linear.panels is not None:
                 linear.round_activations_to_int8()
     linears = [linear for linear in linears_of(model) if linear.panels is None]
-    if weight_quant in ("auto", *BLOCK_QUANTS):
-        blocks = [_int4_blocks(linear, check_exact=weight_quant == "auto") for linear in linears]
-        if weight_quant in BLOCK_QUANTS or (all(b is not None and b[1] for b in blocks) and cpu_kernels()[0] is not None):
-            int8_activations = weight_quant == "int4-a8"
-            for linear, b in zip(linears, blocks):
-                if b is None:
-                    linear.pack_fp16()
-                elif isinstance(linear, RowSplitLinear):
-                    linear.quantize_int4(b[0])
-                else:
-                    linear.quantize_int4(b[0], int8_activations)
-            return "int4" if weight_quant == "auto" else weight_quant, len(linears_of(model))
-        weight_quant = "fp16"
+    if weight_quant == "auto":
+        lossless = cpu_kernels()[0] is not None and all(
+            (fmt := _int4_format(linear)) is not None and block_quant.round_trips(linear.weight_rows(), fmt) for linear in linears
+        )
+        weight_quant = "int4" if lossless else "fp16"
+    if weight_quant in BLOCK_QUANTS:
+        int8_activations = weight_quant == "int4-a8"
+        for linear in linears:
+            fmt = _int4_format(linear)
+            if fmt is None:
+                linear.pack_fp16()
+            else:
+                _quantize_to_panels(linear, fmt, int8_activations)
+        return weight_quant, len(linears_of(model))
     convert = {"fp16": "pack_fp16", "int8": "quantize_int8"}[weight_quant]
     for linear in linears:
         getattr(linear, convert)()

@@ -4,6 +4,7 @@ lossless (a checkpoint on the q4_1 grid, as one converted from a q4_1 GGUF)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -18,11 +19,12 @@ import torch
 from services.worker import block_quant
 from services.worker.cpu_kernels import cpu_kernels
 from services.worker.decoder_backends import FusedLayers
-from services.worker.linear import BLOCK_QUANT_MAX_ROWS, Linear, RowSplitLinear
+from services.worker.linear import BLOCK_QUANT_MAX_ROWS, Linear, RowSplitLinear, convert_weights, linears_of
 from services.worker.runner import ModelRunner, RunnerConfig
+from services.worker.weights_loading import load_model
 from shared.frames import Slice, StepPlan
 
-from .harness import GREEDY, Checkpoint, check_same_bits_at_every_thread_count, kernel_rounded, prompt_of
+from .harness import GREEDY, Checkpoint, build_tiny, check_same_bits_at_every_thread_count, kernel_rounded, prompt_of
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -89,6 +91,82 @@ def test_block_quantized_stacks_experts_and_refuses_data_of_the_wrong_width(fmt:
         block_quant.BlockQuantized(fmt, stacked.data, 48)
     with pytest.raises(ValueError, match="unknown block format"):
         block_quant.BlockQuantized("q5_k", stacked.data, 64)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
+def test_a_matrix_quantized_in_chunks_of_rows_has_the_whole_matrix_blocks_bit_for_bit(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    w = torch.randn(77, 96, generator=torch.Generator().manual_seed(7)) * torch.logspace(-2, 1, 77)[:, None]  # 77 rows: no chunk size divides them
+    whole = block_quant.quantize(w, fmt, rows_per_chunk=len(w))
+    panels = block_quant.to_panels(whole, fmt)
+    snapped = block_quant.dequantize(whole, fmt)
+    off_grid = snapped.clone()
+    off_grid[75, 3] += 1e-3 * float(snapped.abs().max())  # in the last chunk
+    for rows in (1, 5, 8, 10, 76):
+        assert torch.equal(block_quant.quantize(w, fmt, rows_per_chunk=rows), whole)
+        assert torch.equal(block_quant.quantize(w.t().contiguous().t(), fmt, rows_per_chunk=rows), whole)  # a transposed weight's rows
+        assert torch.equal(block_quant.quantize_panels(w, fmt, rows_per_chunk=rows), panels)
+    monkeypatch.setattr(block_quant, "CHUNK_BYTES", 4 * 96 * 5)  # the default chunk: 5 rows of float32
+    assert torch.equal(block_quant.quantize(w, fmt), whole) and torch.equal(block_quant.quantize_panels(w, fmt), panels)
+    assert torch.equal(block_quant.to_panels(whole, fmt), panels)
+    assert block_quant.is_exact(snapped, whole, fmt) and block_quant.round_trips(snapped, fmt)
+    assert not block_quant.is_exact(off_grid, block_quant.quantize(off_grid, fmt), fmt) and not block_quant.round_trips(off_grid, fmt)
+    assert not block_quant.is_exact(w, whole, fmt) and not block_quant.round_trips(w, fmt)
+
+
+def _live_bytes_beyond(model: object) -> int:
+    """Bytes of the CPU tensors alive in this process whose storage the model does not reference."""
+    in_model: set[int] = set()
+    seen: set[int] = set()
+
+    def visit(obj: object) -> None:
+        if id(obj) in seen or isinstance(obj, str | int | float | bool | type(None)):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            in_model.add(obj.untyped_storage().data_ptr())
+        elif isinstance(obj, list | tuple):
+            for item in obj:
+                visit(item)
+        elif isinstance(obj, dict):
+            for item in obj.values():
+                visit(item)
+        elif hasattr(obj, "__dict__"):
+            for value in vars(obj).values():
+                visit(value)
+
+    visit(model)
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in gc.get_objects() if issubclass(type(t), torch.Tensor) and t.device.type == "cpu"
+    }
+    return sum(nbytes for ptr, nbytes in storages.items() if ptr not in in_model)
+
+
+@kernels
+def test_int4_conversion_holds_one_linear_at_a_time_beyond_the_converted_ones(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    build_tiny("llama", str(tmp_path), num_hidden_layers=8, tie_word_embeddings=True)  # 33 linears: their blocks together outweigh any one
+    model = load_model(str(tmp_path), torch.float32, torch.device("cpu"), "none", None).model
+    linears = linears_of(model)
+    weights = [linear.float_weight() for linear in linears]
+    formats = ["q8_0" if isinstance(linear, RowSplitLinear) else "q4_1" for linear in linears]
+    expected = [block_quant.to_panels(block_quant.quantize(w, fmt, rows_per_chunk=len(w)), fmt) for w, fmt in zip(weights, formats)]
+    one_linear = max(w.nbytes + block_quant.quantize(w, fmt).nbytes for w, fmt in zip(weights, formats))
+    embed = model.embed.clone()
+    del weights
+    before = _live_bytes_beyond(model)
+    beyond: list[int] = []
+    quantize = block_quant.quantize
+
+    def watched(*args: object, **kwargs: object) -> torch.Tensor:
+        beyond.append(_live_bytes_beyond(model) - before)
+        return quantize(*args, **kwargs)
+
+    monkeypatch.setattr(block_quant, "quantize", watched)
+    assert convert_weights(model, "int4") == ("int4", len(linears))
+    monkeypatch.undo()
+    assert beyond and max(beyond) <= one_linear, (max(beyond), one_linear)
+    assert _live_bytes_beyond(model) <= before  # no float weight of a converted linear left behind
+    assert all(torch.equal(linear.panels, panels) for linear, panels in zip(linears, expected))  # the whole matrices' blocks
+    assert torch.equal(model.embed, embed)  # the tied table stays float for lookups
 
 
 def _kernel_reference(x: torch.Tensor, packed: torch.Tensor, fmt: str, bits: int = 16) -> torch.Tensor:
