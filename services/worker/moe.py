@@ -406,9 +406,9 @@ EXPERT_FORMATS = {"int4": "q4_1", "int4-a8": "q4_1"}  # --weight-quant → the e
 def _exact_format(gate_up: torch.Tensor, down: torch.Tensor) -> str | None:
     """The block format both stacks round-trip through exactly (a checkpoint dequantized from it), if any."""
     for fmt in block_quant.BLOCK_BYTES:
-        if not block_quant.is_exact(gate_up[0], block_quant.quantize(gate_up[0], fmt), fmt):  # the first expert tells most
+        if not block_quant.round_trips(gate_up[0], fmt):  # the first expert tells most
             continue
-        if all(block_quant.is_exact(t.reshape(-1, t.shape[-1]), block_quant.quantize(t.reshape(-1, t.shape[-1]), fmt), fmt) for t in (gate_up, down)):
+        if all(block_quant.round_trips(t.reshape(-1, t.shape[-1]), fmt) for t in (gate_up, down)):
             return fmt
     return None
 
