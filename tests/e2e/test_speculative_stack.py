@@ -100,6 +100,9 @@ def test_a_hybrid_model_answers_the_same_with_and_without_verified_proposals_alo
         assert list(pool.map(answer, prompts)) == plain
     metrics = hybrid_stack.metrics("worker")
     drafted, accepted = (metric_value(metrics, f"tokenyard:spec_decode_num_{name}_total") for name in ("draft_tokens", "accepted_tokens"))
-    assert accepted < drafted, (accepted, drafted)  # verifies rolled back past rejected tokens
     if hybrid_stack.instrumentation("worker")["runner"]["speculative"]["method"] == "ngram":
-        assert accepted > 0  # and kept accepted ones (a random MTP layer's guesses rarely are)
+        # Prompt lookup verifies only where it has a guess, and which steps verify follows the stack's timing: a run may
+        # reject nothing (tests/scheduler/test_speculative_outputs.py rolls back rejected runs of every family for sure).
+        assert 0 < accepted <= drafted, (accepted, drafted)
+    else:
+        assert accepted < drafted, (accepted, drafted)  # verifies rolled back past rejected tokens (a random MTP layer's guesses rarely hold)
