@@ -144,6 +144,10 @@ class ExpertSink(Protocol):
 
 
 EXPERT_SINK: ContextVar[ExpertSink | None] = ContextVar("expert_sink", default=None)
+# The worker's --weight-quant while a model loads (``weights_loading.load_model``): a checkpoint's experts stored one
+# at a time go into its block format as their layer is built (``SparseMoE.load``), so that loading never holds every
+# layer's float experts at once.
+EXPERT_QUANT: ContextVar[str] = ContextVar("expert_quant", default="none")
 BLOCKS_NEEDED = (
     "--expert-cache-bytes needs every MoE layer's experts in q4_0 / q4_1 / q8_0 blocks on the grouped C++ kernel "
     "(--weight-quant int4 or int4-a8, or a GGUF's blocks, with the CPU kernels built)"
@@ -236,7 +240,7 @@ class SparseMoE:
         self.shared_panels: ExpertPanels | None = None
         self.cache: ExpertCache | None = None
         self.int8_activations = False
-        self.quantized_at_load = False  # float experts put in blocks as the layer was built (for an ``EXPERT_SINK``)
+        self.quantized_at_load = False  # float experts put in blocks as the layer was built (``load``)
         blocks = [isinstance(t, BlockQuantized) for t in (w_gate_up, w_down)]
         if any(blocks) and all(blocks) and grouped_kernel_runs(router.device, router.dtype):
             self.hold_blocks(w_gate_up, w_down)
@@ -252,15 +256,15 @@ class SparseMoE:
 
     @classmethod
     def load(cls, w: dict, prefix: str, top_k: int, renormalize: bool, backend: str) -> SparseMoE:
-        """From ``{prefix}gate.weight`` (the router) and the experts under ``{prefix}experts.`` (see ``_stacked``); for an
-        ``EXPERT_SINK`` whose ``weight_quant`` names a block format, experts stored one at a time go into it one at a time."""
+        """From ``{prefix}gate.weight`` (the router) and the experts under ``{prefix}experts.`` (see ``_stacked``); where
+        ``EXPERT_QUANT`` names a block format the grouped kernel runs, experts stored one at a time go into it one at a time."""
         router, num_experts = w[prefix + "gate.weight"], w[prefix + "gate.weight"].shape[0]
-        sink = EXPERT_SINK.get()
-        fmt = EXPERT_FORMATS.get(sink.weight_quant) if sink is not None and grouped_kernel_runs(router.device, router.dtype) else None
+        weight_quant = EXPERT_QUANT.get()
+        fmt = EXPERT_FORMATS.get(weight_quant) if grouped_kernel_runs(router.device, router.dtype) else None
         if fmt is None or prefix + "experts.0.gate_proj.weight" not in w:
             return cls(router, *_stacked(w, prefix + "experts.", num_experts), top_k, renormalize, backend)
         moe = cls(router, *_experts_in_blocks(w, prefix + "experts.", num_experts, fmt), top_k, renormalize, backend)
-        moe.int8_activations, moe.quantized_at_load = sink.weight_quant == "int4-a8", True
+        moe.int8_activations, moe.quantized_at_load = weight_quant == "int4-a8", True
         return moe
 
     @property

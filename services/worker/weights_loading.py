@@ -14,7 +14,7 @@ import torch
 from services.worker.expert_cache import ExpertSpill
 from services.worker.linear import block_formats, convert_weights, linears_of
 from services.worker.models import CausalLM, model_family
-from services.worker.moe import EXPERT_SINK
+from services.worker.moe import EXPERT_QUANT, EXPERT_SINK
 from services.worker.tensor_parallel import TensorParallelGroup, parallelize, shard_config, shard_weights
 from services.worker.weights import load_gguf, load_weights
 from shared.model_info import is_gguf
@@ -47,7 +47,7 @@ def load_model(
         family = model_family(config.get("model_type", "llama"))
         if spill is not None:
             spill.begin(config, weight_quant)
-        sink = EXPERT_SINK.set(spill)
+        sink, quant = EXPERT_SINK.set(spill), EXPERT_QUANT.set(weight_quant)
         try:
             model = family(config, weights)
             del weights
@@ -57,6 +57,7 @@ def load_model(
                 quantized = sum(linear.panels is not None for linear in linears_of(model))
         finally:
             EXPERT_SINK.reset(sink)
+            EXPERT_QUANT.reset(quant)
         if tp is not None:  # after quantization, which finds the layers' linears unwrapped
             parallelize(model, tp)
     return LoadedModel(config, model, weight_quant, quantized)

@@ -19,6 +19,7 @@ import shutil
 import tempfile
 import weakref
 from collections.abc import Iterator
+from contextvars import ContextVar
 from pathlib import Path
 from typing import NamedTuple
 from unittest import mock
@@ -31,7 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.launcher.__main__ import check_expert_cache
-from services.worker import block_quant
+from services.worker import block_quant, weights_loading
 from services.worker.block_quant import BlockQuantized
 from services.worker.cpu_kernels import cpu_kernels
 from services.worker.expert_cache import ALIGN, POLICIES, ExpertCache, ExpertStore, SlotLFU, SlotLRU, cache_bytes, default_store_dir, padded
@@ -536,3 +537,31 @@ def test_loading_a_checkpoint_into_an_expert_cache_reads_one_layer_of_experts_at
     assert max(held) < layers_in_flight * float_layer < WIDE_LAYERS * float_layer / 2, [round(h / float_layer, 2) for h in held]
     assert all(moe.held_bytes() == 0 for moe in routed_experts(runner.model))
     assert out == resident_out and torch.equal(logits, resident_logits)
+
+
+@needs_kernels
+def test_without_a_cache_int4_experts_still_load_a_layer_at_a_time(wide_moe_checkpoints: dict[str, str], disk_dir: str) -> None:
+    """All experts resident: each layer's experts go into blocks as it is built (not every layer's floats first, then
+    all converted), giving the same bits as quantizing the whole stacks after the model is built."""
+    path, float_layer = wide_moe_checkpoints["int4"], WIDE_EXPERTS * 3 * 128 * 64 * 4
+    with mock.patch.object(weights_loading, "EXPERT_QUANT", ContextVar("unread", default="none")):  # floats at load, converted once the model is built
+        after_out, after_logits, after = _greedy_and_logits(path, "0", disk_dir)
+    assert after.describe()["expert_weights"] == {"q4_1: grouped_moe (C++, one call per layer)": WIDE_LAYERS}
+    del after
+    gc.collect()
+    held: list[int] = []  # what the process holds as each expert tensor is read
+    read = SafetensorsFile.read
+
+    def tracked_read(file: SafetensorsFile, name: str, *args: object) -> torch.Tensor:
+        if ROUTED_EXPERTS in name:
+            held.append(_allocated() - before)
+        return read(file, name, *args)
+
+    before = _allocated()
+    with mock.patch.object(SafetensorsFile, "read", tracked_read):
+        out, logits, runner = _greedy_and_logits(path, "0", disk_dir)
+    assert runner.describe()["expert_weights"] == {"q4_1: grouped_moe (C++, one call per layer)": WIDE_LAYERS}
+    assert max(held) < 3 * float_layer < WIDE_LAYERS * float_layer / 2, [
+        round(h / float_layer, 2) for h in held
+    ]  # blocks of every layer read so far, one layer's floats at most
+    assert out == after_out and torch.equal(logits, after_logits)
