@@ -520,7 +520,7 @@ def moe_layer_count(config: dict[str, Any]) -> int:
 class ExpertSpill:
     """A worker's expert cache planned before its weights are read (``plan``): while the model loads, each MoE layer's
     experts go to the store as that layer's blocks are made (``moe.EXPERT_SINK``, set by ``weights_loading.load_model``:
-    a GGUF's blocks as read, a checkpoint's float experts once quantized under ``weight_quant``), so that loading never
+    a GGUF's blocks as read, a checkpoint's float experts once quantized under ``moe.EXPERT_QUANT``), so that loading never
     holds more than about one layer's experts; ``attach`` then runs the MoE layers from a bank of slots over that
     store. Refuses (ValueError, naming why) what the cache cannot serve, each as soon as it is known."""
 
@@ -528,7 +528,6 @@ class ExpertSpill:
         self.spec, self.directory, self.policy = spec, directory, policy
         self.store: ExpertStore | None = None
         self.layers = self.top_k = self.slots = self.budget = 0
-        self.weight_quant = "none"
 
     @classmethod
     def plan(cls, spec: str, directory: str, policy: str, device: torch.device, sharded: bool) -> ExpertSpill | None:
@@ -544,12 +543,11 @@ class ExpertSpill:
             raise ValueError(f"--expert-cache-policy is one of {', '.join(POLICIES)}, not {policy!r}")
         return cls(spec, directory, policy)
 
-    def begin(self, config: dict[str, Any], weight_quant: str) -> None:
-        """The model's config, read before its weights (its family, MoE layers and top-k), and the format that float
-        experts take (``linear.resolve_weight_quant``'s)."""
+    def begin(self, config: dict[str, Any]) -> None:
+        """The model's config, read before its weights: its family, MoE layers and top-k."""
         if (family := config.get("model_type", "llama")) not in FAMILIES:
             raise ValueError(f"--expert-cache-bytes serves {' and '.join(FAMILIES)} models, not {family}")
-        self.layers, self.top_k, self.weight_quant = moe_layer_count(config), config["num_experts_per_tok"], weight_quant
+        self.layers, self.top_k = moe_layer_count(config), config["num_experts_per_tok"]
 
     def append(self, panels: ExpertPanels) -> None:
         """The next MoE layer's experts, into the store (created on the first layer: the bank's size is known from there)."""

@@ -134,11 +134,9 @@ class ExpertPanels(NamedTuple):
 class ExpertSink(Protocol):
     """Takes each MoE layer's experts, in layer order, as ``SparseMoE.hold_blocks`` makes them (an expert cache's store
     while the model loads: ``expert_cache.ExpertSpill``); the layer then keeps only their shapes. A layer whose
-    experts load as floats puts them in blocks under ``weight_quant`` (``expert_format``) as it is built (an expert
+    experts load as floats puts them in blocks under ``EXPERT_QUANT`` (``expert_format``) as it is built (an expert
     at a time where the checkpoint stores them so: ``SparseMoE.load``), so that the sink has each layer's before
     the next layer's are read."""
-
-    weight_quant: str
 
     def append(self, panels: ExpertPanels) -> None: ...
 
@@ -249,8 +247,8 @@ class SparseMoE:
         w_gate_up, w_down = (t.dequantize().to(router.dtype) if isinstance(t, BlockQuantized) else t for t in (w_gate_up, w_down))
         self.w_gate_up, self.w_down = w_gate_up.contiguous(), w_down.contiguous()
         self._experts = MOE_BACKENDS[backend]()
-        if (sink := EXPERT_SINK.get()) is not None:
-            if not quantize_experts(self, sink.weight_quant):
+        if EXPERT_SINK.get() is not None:
+            if not quantize_experts(self, EXPERT_QUANT.get()):
                 raise ValueError(BLOCKS_NEEDED)
             self.quantized_at_load = True
 

@@ -66,6 +66,8 @@ class SafetensorsFile:
     def read(self, name: str, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
         """Tensor ``name`` on ``device``, in ``dtype`` where it is floating (else as stored)."""
         entry = self.entries[name]
+        if entry["dtype"] not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{self.path}: tensor {name!r} is {entry['dtype']}, which this loader does not read ({', '.join(SAFETENSORS_DTYPES)})")
         begin, end = entry["data_offsets"]
         raw = torch.empty(end - begin, dtype=torch.uint8)
         view, offset = memoryview(raw.numpy()), self.data_start + begin

@@ -46,7 +46,7 @@ def load_model(
             config, weights = shard_config(config, tp.size), shard_weights(weights, tp.rank, tp.size)
         family = model_family(config.get("model_type", "llama"))
         if spill is not None:
-            spill.begin(config, weight_quant)
+            spill.begin(config)
         sink, quant = EXPERT_SINK.set(spill), EXPERT_QUANT.set(weight_quant)
         try:
             model = family(config, weights)
