@@ -23,7 +23,10 @@
 // from memory (a model's are larger than a last-level cache), and with a few rows per expert the reads
 // would add to the arithmetic: while a gate/up item computes, the weights of the item after it (a thread's
 // next, as shares are walked in order) are asked into L2; while a down item computes an expert, the next
-// expert's panels of the item (an 8-row decode step of the MoE benchmark model 1.07x faster, 32 rows alike). Which thread
+// expert's panels of the item (an 8-row decode step of the MoE benchmark model 1.07x faster, 32 rows alike).
+// Whether tiles take two panels at a time (block_panels.h ``tile_span``) follows the call's tokens, not an
+// expert's rows: from 16 tokens on, the ~4 rows an expert gets are bound by the 256-bit tiles' instruction
+// count more than by the weight stream (16- and 32-row steps of that model 1.10-1.14x faster). Which thread
 // computes an item does not change its arithmetic: the same bits at every thread count.
 
 #include <ATen/Parallel.h>
@@ -138,7 +141,7 @@ struct GateUp : Phase<T1, T2> {
       for (int64_t q = item.first; q < item.last; ++q) {
         if (next && chunk == 0) prefetch_part(next_e->gate_up + 2 * next->first * c.x_rows[next_e->set].blocks * next_e->gate_up_record, next_bytes, q - item.first, item.last - item.first);
         const uint8_t* gate = e.gate_up + 2 * q * panel_bytes;
-        const bool pair = tile_span(2 * q, 2 * q + 2, e.count) == 2;
+        const bool pair = tile_span(2 * q, 2 * q + 2, c.tokens) == 2;
         for (int64_t m0 = chunk; m0 < std::min(e.count, chunk + ROW_CHUNK); m0 += row_tile()) {
           const int64_t rows = std::min(row_tile(), e.count - m0);
           if (pair) {
@@ -184,7 +187,7 @@ struct Down : Phase<T1, T2> {
       }
       for (int64_t chunk = 0; chunk < e.count; chunk += ROW_CHUNK)
         for (int64_t p = begin, span; p < end; p += span) {
-          span = tile_span(p, end, e.count);
+          span = tile_span(p, end, c.tokens);
           for (int64_t m0 = chunk; m0 < std::min(e.count, chunk + ROW_CHUNK); m0 += row_tile()) {
             const int64_t rows = std::min(row_tile(), e.count - m0);
             tile_of<T2>(e.down_record, e.down + p * panel_bytes, panel_bytes, span, a, e.first + m0, rows, sums);
