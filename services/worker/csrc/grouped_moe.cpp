@@ -23,7 +23,7 @@
 // from memory (a model's are larger than a last-level cache), and with a few rows per expert the reads
 // would add to the arithmetic: while a gate/up item computes, the weights of the item after it (a thread's
 // next, as shares are walked in order) are asked into L2; while a down item computes an expert, the next
-// expert's panels of the item (an 8-row decode step of the MoE benchmark model 1.07x faster, 32 rows alike).
+// expert's panels of the item (an 8-row decode step of the MoE benchmark model 1.07x faster; 32 rows: no change).
 // Whether tiles take two panels at a time (block_panels.h ``tile_span``) follows the call's tokens, not an
 // expert's rows: from 16 tokens on, the ~4 rows an expert gets are bound by the 256-bit tiles' instruction
 // count more than by the weight stream (16- and 32-row steps of that model 1.10-1.14x faster). Which thread
@@ -133,13 +133,19 @@ struct GateUp : Phase<T1, T2> {
     const QuantizedRows<T1>& a = c.x_rows[e.set];
     const int64_t panel_bytes = a.blocks * e.gate_up_record;
     float sums[2 * MAX_ROW_TILE * PANEL];
-    // The next item's panels (a thread walks its share in order) arrive while this one computes.
-    const Item* next = i + 1 < static_cast<int64_t>(items.size()) ? &items[i + 1] : nullptr;
-    const Expert* next_e = next ? &c.experts[next->expert] : nullptr;
-    const int64_t next_bytes = next ? (next->last - next->first) * 2 * c.x_rows[next_e->set].blocks * next_e->gate_up_record : 0;
+    // The next item's panels (a thread walks its share in order), asked for a part per channel group.
+    const uint8_t* next_panels = nullptr;
+    int64_t next_bytes = 0;
+    if (i + 1 < static_cast<int64_t>(items.size())) {
+      const Item& n = items[i + 1];
+      const Expert& ne = c.experts[n.expert];
+      const int64_t bytes = c.x_rows[ne.set].blocks * ne.gate_up_record;  // a panel's
+      next_panels = ne.gate_up + 2 * n.first * bytes;
+      next_bytes = 2 * (n.last - n.first) * bytes;
+    }
     for (int64_t chunk = 0; chunk < e.count; chunk += ROW_CHUNK)
       for (int64_t q = item.first; q < item.last; ++q) {
-        if (next && chunk == 0) prefetch_part(next_e->gate_up + 2 * next->first * c.x_rows[next_e->set].blocks * next_e->gate_up_record, next_bytes, q - item.first, item.last - item.first);
+        if (next_panels && chunk == 0) prefetch_part(next_panels, next_bytes, q - item.first, item.last - item.first);
         const uint8_t* gate = e.gate_up + 2 * q * panel_bytes;
         const bool pair = tile_span(2 * q, 2 * q + 2, c.tokens) == 2;
         for (int64_t m0 = chunk; m0 < std::min(e.count, chunk + ROW_CHUNK); m0 += row_tile()) {
