@@ -220,3 +220,31 @@ def test_past_its_end_a_grammar_allows_only_stop_tokens(tiny_smollm: str, runner
     runner.release(["past"])
     end = out.index(EOS)
     assert tokenizer.decode(out[:end]) in ("yes", "no") and out[end:] == [EOS] * (len(out) - end)
+
+
+BOUNDED = {
+    "type": "object",
+    "properties": {"a": {"type": "string", "maxLength": 3}, "b": {"type": "string", "minLength": 2}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "structural_tag"])
+def test_length_bounded_strings_take_json_characters_and_escapes_only(runner: ModelRunner, kind: str) -> None:
+    if kind == "json_schema":
+        grammar = schema_grammar(BOUNDED)
+    else:
+        tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<a>", "content": {"type": "json_schema", "json_schema": BOUNDED}, "end": "</a>"}}
+        grammar = Grammar(GrammarKind.STRUCTURAL_TAG, json.dumps(tag))
+    compiled = runner.structured.compile(grammar)
+
+    def whole(json_text: str) -> bool:
+        matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        text = json_text if kind == "json_schema" else f"<a>{json_text}</a>"
+        return matcher.accept_string(text) and matcher.is_terminated()
+
+    assert whole('{"a": "abc", "b": "xy"}') and whole('{"a": "é\\n\\"", "b": "\\u00e9\\\\"}')
+    assert not whole('{"a": "ab\\tc", "b": "xy"}')  # four characters, an escape counting one
+    for control in "\x00\x0e\t\x1f\n":  # raw control characters are not JSON
+        assert not whole(f'{{"a": "a{control}", "b": "xy"}}') and not whole(f'{{"a": "a", "b": "x{control}"}}')
