@@ -7,7 +7,8 @@ the experts that the steps route to.
 A slot is laid out as a store record (gate_up panels, then down panels, zero padding to a page), so a miss is
 one read of its whole record straight into its slot, with O_DIRECT where the filesystem allows it; the kernel
 sees the bank's gate_up and down as views a slot's size apart. A layer-step learns its routed ids from the
-grouped kernel's own routing (``route_experts``), fills all of its misses from the store, then runs its
+grouped kernel's own routing (``route_experts``), fills all of its misses from the store (its runs of adjacent
+records read side by side), then runs its
 grouped call over the bank (``csrc/grouped_moe.cpp`` with ``expert_slots``): the same bits as with every
 expert resident. A step whose tokens route to more experts
 than the bank holds runs in groups of consecutive tokens that fit (a token's bits do not depend on the
@@ -28,6 +29,7 @@ import weakref
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
@@ -41,6 +43,7 @@ from shared.metrics import PREFIX
 FAMILIES = ("qwen3_moe", "qwen3_next")
 FILL_POLICY = "on-demand"  # a layer-step reads its misses once its router has run (no prefetch, no streamed prefill yet)
 ALIGN = 4096  # records and slots start on page boundaries, so that O_DIRECT reads land straight in a slot
+READERS = 3  # reads in flight beside the caller's: a layer-step's misses are a few separate records, and storage answers several at once faster
 
 HITS = Counter(f"{PREFIX}expert_cache_hits", "Routed experts a layer-step found in the expert cache's slots")
 MISSES = Counter(f"{PREFIX}expert_cache_misses", "Routed experts a layer-step read from the expert store into a slot")
@@ -376,6 +379,8 @@ class ExpertCache:
             raise ValueError(f"the expert cache holds {slots} experts, fewer than one layer's top-k ({top_k})")
         self.store, self.top_k = store, top_k
         self.slot_of = [torch.full((store.num_experts,), -1, dtype=torch.int32) for _ in range(store.num_layers)]
+        self._slot_of = [t.numpy() for t in self.slot_of]  # the same maps, written through numpy: a torch item write costs ~10 us
+        self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="expert-read")  # a layer-step's runs of misses, read side by side
         self.hits = self.misses = self.evictions = self.bytes_read = 0
         self._bank(POLICIES[policy](slots), budget)
 
@@ -419,7 +424,7 @@ class ExpertCache:
         for was, slot in moved.items():
             self.records[slot].copy_(old[was])
         for (layer, expert), slot in policy.held.items():
-            self.slot_of[layer][expert] = slot
+            self._slot_of[layer][expert] = slot
         SLOTS_USED.set(len(policy.held))
         del old
         _return_freed_memory()
@@ -458,18 +463,22 @@ class ExpertCache:
         hits, fills = self.policy.take(layer, experts)
         for fill in fills:
             if fill.evicted is not None:
-                self.slot_of[fill.evicted[0]][fill.evicted[1]] = -1
-        read, done = 0, 0
-        for run in _runs(fills):
+                self._slot_of[fill.evicted[0]][fill.evicted[1]] = -1
+        runs = list(_runs(fills))
+        reads = [self._readers.submit(self._read_run, layer, run) for run in runs[1:]]
+        read, failure = 0, None
+        for run, outcome in zip(runs, [None, *reads]):
             try:
-                read += self.store.read_into(layer, run[0].expert, [self._slot_buffers[f.slot] for f in run])
-            except BaseException:
-                for failed in fills[done:]:  # their slots hold nothing: free again
+                read += self._read_run(layer, run) if outcome is None else outcome.result()
+            except BaseException as exc:  # its slots hold nothing: free again (the other runs are still waited for)
+                for failed in run:
                     self.policy.drop((layer, failed.expert))
-                raise
+                failure = failure or exc
+                continue
             for expert, slot, _ in run:
-                self.slot_of[layer][expert] = slot
-            done += len(run)
+                self._slot_of[layer][expert] = slot
+        if failure is not None:
+            raise failure
         evictions = sum(f.evicted is not None for f in fills)
         self.hits, self.misses, self.evictions, self.bytes_read = (
             self.hits + len(hits),
@@ -484,6 +493,9 @@ class ExpertCache:
             BYTES_READ.inc(read)
             SLOTS_USED.set(len(self.policy.held))
         FILL_TIME.observe(time.perf_counter() - started)
+
+    def _read_run(self, layer: int, run: list[Fill]) -> int:
+        return self.store.read_into(layer, run[0].expert, [self._slot_buffers[f.slot] for f in run])
 
     def describe(self) -> dict[str, Any]:
         """The cache's configuration and hit rate, for /instrumentation."""

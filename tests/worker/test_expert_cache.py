@@ -565,3 +565,23 @@ def test_without_a_cache_int4_experts_still_load_a_layer_at_a_time(wide_moe_chec
         round(h / float_layer, 2) for h in held
     ]  # blocks of every layer read so far, one layer's floats at most
     assert out == after_out and torch.equal(logits, after_logits)
+
+
+def test_a_failed_read_frees_its_slots_and_the_runs_read_beside_it_are_held(store_dir: StoreDir) -> None:
+    layers = [_random_panels(EXPERTS, (8, 2, 20), (8, 1, 20), seed=layer) for layer in range(1)]
+    cache = ExpertCache(ExpertStore(store_dir.path, layers), 6, 2, 0)
+    read_into = cache.store.read_into
+
+    def failing(layer: int, first: int, slots: list[memoryview]) -> int:
+        if first == 3:
+            raise OSError(errno.EIO, "Input/output error")
+        return read_into(layer, first, slots)
+
+    with mock.patch.object(cache.store, "read_into", side_effect=failing), pytest.raises(OSError, match="Input/output"):
+        cache.fill(0, [0, 3, 5])  # three runs, read side by side: the second fails
+    assert sorted(cache.policy.held) == [(0, 0), (0, 5)] and cache.slot_of[0].tolist()[3] == -1
+    for expert in (0, 5):
+        slot = int(cache.slot_of[0][expert])
+        assert torch.equal(cache.gate_up[slot], layers[0].gate_up[expert]) and torch.equal(cache.down[slot], layers[0].down[expert])
+    cache.fill(0, [3])  # read again on the next try
+    assert torch.equal(cache.gate_up[int(cache.slot_of[0][3])], layers[0].gate_up[3])
