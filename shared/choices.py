@@ -16,6 +16,7 @@ WEIGHT_QUANTS = ("auto", "none", "fp16", "int8", "int4", "int4-a8")  # services/
 DEVICES = ("auto", "cpu", "cuda")  # services/worker/device.py
 ROUTER_POLICY_NAMES = ("load", "prefix", "round_robin")  # services/api/router.py: POLICIES
 EXPERT_CACHE_POLICIES = ("lru", "lfu")  # services/worker/expert_cache.py: POLICIES
+EXPERT_CACHE_FILLS = ("auto", "on-demand", "streamed")  # services/worker/expert_cache.py: ExpertCache.fill_mode
 TOOL_PARSER_NAMES = ("hermes", "qwen3_coder", "llama3_json")  # services/api/tool_parsers.py: TOOL_PARSERS
 REASONING_PARSER_NAMES = ("think",)  # services/api/reasoning.py: REASONING_PARSERS
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")

@@ -20,6 +20,7 @@ from typing import Any
 from shared.choices import (
     DEVICES,
     DTYPE_NAMES,
+    EXPERT_CACHE_FILLS,
     EXPERT_CACHE_POLICIES,
     LOG_FORMATS,
     LOG_LEVELS,
@@ -153,6 +154,9 @@ class WorkerConfig:
     expert_cache_bytes: str = _opt("0", "MoE experts held in RAM: bytes, or a percentage of their size such as 25% (0: all resident)")
     expert_cache_dir: str = _opt("", "directory of the expert cache's spill file (default: ~/.cache/tokenyard/experts)")
     expert_cache_policy: str = _opt("lfu", "which expert the expert cache evicts: lfu (scan resistant, the default) or lru", choices=EXPERT_CACHE_POLICIES)
+    expert_cache_fill: str = _opt(
+        "auto", "how steps read experts: on-demand misses, whole layers streamed, or auto (by measured rates)", choices=EXPERT_CACHE_FILLS
+    )
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,7 @@ READERS: dict[str, tuple[str, ...]] = {
     "expert_cache_bytes": ("worker", "launcher"),
     "expert_cache_dir": ("worker",),
     "expert_cache_policy": ("worker",),
+    "expert_cache_fill": ("worker",),
     # Processes
     "replicas": (*EVERY, "launcher"),
     "engine_name": ENGINE,

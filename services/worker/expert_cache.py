@@ -29,7 +29,7 @@ import weakref
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
@@ -37,11 +37,17 @@ import torch
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.worker.moe import BLOCKS_NEEDED, ExpertPanels, routed_experts
-from shared.choices import EXPERT_CACHE_POLICIES, keyed_by
+from shared.choices import EXPERT_CACHE_FILLS, EXPERT_CACHE_POLICIES, keyed_by
 from shared.metrics import PREFIX
 
 FAMILIES = ("qwen3_moe", "qwen3_next")
-FILL_POLICY = "on-demand"  # a layer-step reads its misses once its router has run (no prefetch, no streamed prefill yet)
+STREAM_MIN_TOKENS = 2  # a one-token step reads its top-k experts at most: never a whole layer
+# auto streams steps of this many tokens or more only: a decode batch's few misses stay on demand (lending two layers'
+# slots step after step would empty a small bank of the experts its decodes hit)
+AUTO_STREAM_MIN_TOKENS = 16
+EXPLORE_EVERY = 8  # auto: after this many steps the rule kept on demand, one streams anyway, so that both rates stay measured
+COMPUTE_MIN_TOKENS = 16  # layer calls of this many tokens or more measure the experts' compute per token (what a streamed read overlaps)
+RATE_WEIGHT = 0.25  # the newest measurement's weight in the fill rule's moving averages
 ALIGN = 4096  # records and slots start on page boundaries, so that O_DIRECT reads land straight in a slot
 READERS = 3  # reads in flight beside the caller's: a layer-step's misses are a few separate records, and storage answers several at once faster
 
@@ -54,6 +60,9 @@ FILL_TIME = Histogram(
     "Time a layer-step spent filling its misses from the expert store",
     buckets=(1e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0),
 )
+LAYER_STEPS = Counter(f"{PREFIX}expert_cache_layer_steps", "MoE layer-steps run from the expert cache, by how they read their experts", ["fill"])
+for _fill in ("on-demand", "streamed"):  # both series from the start, at 0
+    LAYER_STEPS.labels(_fill)
 SLOTS_USED = Gauge(f"{PREFIX}expert_cache_slots_used", "Expert cache slots holding an expert")
 SLOTS_TOTAL = Gauge(f"{PREFIX}expert_cache_slots_total", "Expert cache slots")
 
@@ -236,6 +245,19 @@ class SlotPolicy(ABC):
         """Frees ``key``'s slot (a fill that failed)."""
         self.free.append(self.held.pop(key))
 
+    def lend(self, n: int) -> tuple[list[int], list[tuple[int, int]]]:
+        """``n`` slots out of the policy's hands until ``give_back`` (a streamed step's): the free ones first, then those
+        of the experts least worth keeping, evicted; and the evicted (layer, expert) keys. No ``take`` may run meanwhile."""
+        slots = [self.free.pop() for _ in range(min(n, len(self.free)))]
+        evicted = self.ranked()[: n - len(slots)]
+        for key in evicted:
+            self.drop(key)
+            slots.append(self.free.pop())
+        return slots, evicted
+
+    def give_back(self, slots: list[int]) -> None:
+        self.free.extend(slots)
+
     def rebuilt(self, slots: int) -> tuple[SlotPolicy, dict[int, int]]:
         """A policy of the same kind over ``slots`` new slots holding the experts most worth keeping that fit, in
         slots 0, 1, ..., and each kept expert's old slot -> new slot."""
@@ -368,13 +390,59 @@ def _runs(fills: list[Fill], most: int = 256) -> Iterator[list[Fill]]:
         yield run
 
 
+class LayerStream:
+    """One step's MoE layers read whole from the store into two halves of slots lent by the bank's policy: while a
+    layer computes from one half, the next layer's experts are read into the other. Each layer's records are adjacent
+    in the store, so a layer is a few long reads (``_runs``' limit of buffers a call), side by side."""
+
+    def __init__(self, store: ExpertStore, slot_buffers: list[memoryview], slots: list[int], readers: ThreadPoolExecutor) -> None:
+        experts = store.num_experts
+        self.store, self.readers, self.slots = store, readers, slots
+        halves = [slots[:experts], slots[experts : 2 * experts]]
+        self.maps = [torch.tensor(half, dtype=torch.int32) for half in halves]  # each half's expert -> slot
+        self.buffers = [[slot_buffers[slot] for slot in half] for half in halves]
+        self.reads: dict[int, tuple[float, list[Future[tuple[int, float]]]]] = {}  # layer -> (submitted at, its reads)
+
+    def start(self, layer: int) -> None:
+        """Starts reading ``layer``'s experts into its half (``layer % 2``), which no layer still computing reads."""
+        buffers, most = self.buffers[layer % 2], 256
+        reads = [self.readers.submit(self._read, layer, first, buffers[first : first + most]) for first in range(0, len(buffers), most)]
+        self.reads[layer] = (time.perf_counter(), reads)
+
+    def _read(self, layer: int, first: int, buffers: list[memoryview]) -> tuple[int, float]:
+        read = self.store.read_into(layer, first, buffers)
+        return read, time.perf_counter()
+
+    def take(self, layer: int) -> tuple[torch.Tensor, int, float]:
+        """Waits for ``layer``'s experts: its slot map, the bytes read and the read's rate (bytes a second)."""
+        submitted, reads = self.reads.pop(layer)
+        wait(reads)  # all of them, before one's failure gives the slots back
+        done = [read.result() for read in reads]
+        nbytes = sum(n for n, _ in done)
+        return self.maps[layer % 2], nbytes, nbytes / max(max(t for _, t in done) - submitted, 1e-9)
+
+    def drain(self) -> None:
+        """Waits for every read still in flight (a failed step's), so that no read lands in a slot given back."""
+        wait([read for _, reads in self.reads.values() for read in reads])
+        self.reads.clear()
+
+
 class ExpertCache:
     """A bank of ``slots`` experts' panels over ``store``: ``records`` [S, record], one page-aligned slot per
     expert laid out as its store record, seen by the kernel as ``gate_up`` [S, ...] and ``down`` [S, ...] (views
     ``record`` bytes apart per slot); and each layer's slot map (``slot_of[layer]``: int32 [E], -1 where the
-    expert is not held) that the kernel reads."""
+    expert is not held) that the kernel reads.
 
-    def __init__(self, store: ExpertStore, slots: int, top_k: int, budget: int, policy: str = "lru") -> None:
+    A step fills its layers on demand (each layer-step reads its misses once its router has run) or streamed (every
+    MoE layer read whole, two layers at a time in 2E slots the policy lends for the step, each read overlapping the
+    layer before it: a long prefill neither waits on its misses one layer at a time nor sweeps the bank).
+    ``fill_mode`` ``auto`` streams a step of ``AUTO_STREAM_MIN_TOKENS`` or more where that is expected to cost less:
+    the misses of its tokens' routing at the measured on-demand read rate, against a layer at the measured streamed
+    rate less the layer's measured compute for that many tokens, which the read overlaps (and every
+    ``EXPLORE_EVERY``-th such step it kept on demand, to measure again); ``streamed`` streams every step of two
+    tokens or more, ``on-demand`` none. A bank that cannot lend two layers' experts fills on demand."""
+
+    def __init__(self, store: ExpertStore, slots: int, top_k: int, budget: int, policy: str = "lru", fill: str = "auto") -> None:
         if slots < top_k:
             raise ValueError(f"the expert cache holds {slots} experts, fewer than one layer's top-k ({top_k})")
         self.store, self.top_k = store, top_k
@@ -382,7 +450,15 @@ class ExpertCache:
         self._slot_of = [t.numpy() for t in self.slot_of]  # the same maps, written through numpy: a torch item write costs ~10 us
         self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="expert-read")  # a layer-step's runs of misses, read side by side
         self.hits = self.misses = self.evictions = self.bytes_read = 0
+        self.fill_mode, self.last_fill = fill, ""  # last_fill: how the latest step read its experts
+        self.layer_steps = {"on-demand": 0, "streamed": 0}
+        self._stream: LayerStream | None = None
+        self._kept_on_demand = 0  # eligible steps the rule kept on demand since the last streamed one
         self._bank(POLICIES[policy](slots), budget)
+        # The fill rule's measurements (moving averages), from priors read here while the bank is empty.
+        self.hit_rate_recent = slots / self.experts
+        self.fill_rate, self.stream_rate = self._read_rates() if self.streams else (1.0, 1.0)
+        self.compute_per_token = 0.0  # seconds of a MoE layer's call per token, once measured
 
     def _bank(self, policy: SlotPolicy, budget: int) -> None:
         """A bank of ``policy.slots`` empty slots under ``policy``."""
@@ -402,6 +478,102 @@ class ExpertCache:
         return self.store.record
 
     @property
+    def streams(self) -> bool:
+        """Whether a step may stream: the bank can lend two layers' experts and does not hold every expert."""
+        return self.fill_mode != "on-demand" and 2 * self.store.num_experts <= self.slots < self.experts
+
+    def _read_rates(self) -> tuple[float, float]:
+        """(on-demand, streamed) read rates in bytes a second, measured once: four records read one at a time, then a
+        layer's records in one read (into slots nothing maps yet)."""
+        experts, record = self.store.num_experts, self.store.record
+        began = time.perf_counter()
+        for expert in range(0, experts, max(1, experts // 4)):
+            self.store.read_into(0, expert, [self._slot_buffers[0]])
+        one_at_a_time = -(-experts // max(1, experts // 4)) * record / max(time.perf_counter() - began, 1e-9)
+        began = time.perf_counter()
+        self.store.read_into(0, 0, self._slot_buffers[: min(experts, 256)])
+        return one_at_a_time, min(experts, 256) * record / max(time.perf_counter() - began, 1e-9)
+
+    def _streamed_is_faster(self, tokens: int) -> bool:
+        """The fill rule: the misses ``tokens`` routed uniformly are expected to take at the on-demand rate, against a
+        whole layer at the streamed rate less the compute it overlaps."""
+        experts, record = self.store.num_experts, self.store.record
+        touched = experts * (1 - (1 - self.top_k / experts) ** tokens)
+        on_demand = touched * (1 - self.hit_rate_recent) * record / self.fill_rate
+        streamed = max(0.0, experts * record / self.stream_rate - tokens * self.compute_per_token)
+        return streamed < on_demand
+
+    # A step's fill: chosen by its first MoE layer, streamed layer by layer. ------------------------------------------
+
+    def _chooses_streaming(self, tokens: int) -> bool:
+        if not self.streams or tokens < (STREAM_MIN_TOKENS if self.fill_mode == "streamed" else AUTO_STREAM_MIN_TOKENS):
+            return False
+        if self.fill_mode == "streamed" or self._streamed_is_faster(tokens):
+            self._kept_on_demand = 0
+            return True
+        self._kept_on_demand += 1
+        if self._kept_on_demand == EXPLORE_EVERY:  # a measurement of the streamed rate, which on-demand steps do not give
+            self._kept_on_demand = 0
+            return True
+        return False
+
+    def begin_step(self, tokens: int) -> None:
+        """The first MoE layer of a step of ``tokens`` tokens: ends the stream a failed step left, and chooses this
+        step's fill (``fill_mode``); a streamed step lends its slots and starts reading its first two layers."""
+        self._end_stream()
+        if not self._chooses_streaming(tokens):
+            self.last_fill = "on-demand"
+            return
+        slots, evicted = self.policy.lend(2 * self.store.num_experts)
+        for layer, expert in evicted:
+            self._slot_of[layer][expert] = -1
+        self.evictions += len(evicted)
+        EVICTIONS.inc(len(evicted))
+        SLOTS_USED.set(len(self.policy.held))
+        self._stream, self.last_fill = LayerStream(self.store, self._slot_buffers, slots, self._readers), "streamed"
+        for layer in range(min(2, self.store.num_layers)):
+            self._stream.start(layer)
+
+    @property
+    def streaming(self) -> bool:
+        """Whether the step running streams its layers."""
+        return self._stream is not None
+
+    def streamed(self, layer: int) -> torch.Tensor:
+        """A streamed step's MoE layer ``layer``: starts reading the next layer into the half the layer before this one
+        ran from, waits for this layer's experts, and gives its slot map."""
+        stream = self._stream
+        assert stream is not None, "streamed() runs in a step that begin_step chose to stream"
+        if 1 <= layer < self.store.num_layers - 1:
+            stream.start(layer + 1)
+        try:
+            slots, nbytes, rate = stream.take(layer)
+        except BaseException:
+            self._end_stream()
+            raise
+        if layer >= 2:  # read alone (the first two are read side by side)
+            self.stream_rate += RATE_WEIGHT * (rate - self.stream_rate)
+        self.bytes_read += nbytes
+        BYTES_READ.inc(nbytes)
+        self.layer_steps["streamed"] += 1
+        LAYER_STEPS.labels("streamed").inc()
+        return slots
+
+    def layer_ran(self, layer: int, tokens: int, seconds: float) -> None:
+        """A MoE layer's call took ``seconds`` for ``tokens`` tokens (what a streamed read overlaps); the step's last
+        layer ends its stream."""
+        if tokens >= COMPUTE_MIN_TOKENS:
+            self.compute_per_token += RATE_WEIGHT * (seconds / tokens - self.compute_per_token)
+        if layer == self.store.num_layers - 1:
+            self._end_stream()
+
+    def _end_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.drain()
+            self.policy.give_back(self._stream.slots)
+            self._stream = None
+
+    @property
     def experts(self) -> int:
         return self.store.num_layers * self.store.num_experts
 
@@ -418,6 +590,7 @@ class ExpertCache:
     def resize(self, budget: int) -> None:
         """Rebuilds the bank at ``budget`` bytes (the store stays), keeping the experts that the policy ranks most worth
         keeping that fit (the most recently used under LRU). Only between steps: no layer-step may hold slots of the old bank."""
+        self._end_stream()
         policy, moved = self.policy.rebuilt(self.slots_for(budget))
         old = self.records
         self._bank(policy, budget)
@@ -460,6 +633,7 @@ class ExpertCache:
         """Makes ``layer``'s ``experts`` (ascending) resident: hits stay, misses are read from the store, a run of
         consecutive experts in one read."""
         started = time.perf_counter()
+        self._end_stream()  # a failed streamed step's slots: back in the policy's hands before it takes any
         hits, fills = self.policy.take(layer, experts)
         for fill in fills:
             if fill.evicted is not None:
@@ -479,6 +653,12 @@ class ExpertCache:
                 self._slot_of[layer][expert] = slot
         if failure is not None:
             raise failure
+        if read:  # the whole fill's time, its bookkeeping too: what a step waits for a byte of its misses
+            self.fill_rate += RATE_WEIGHT * (read / max(time.perf_counter() - started, 1e-9) - self.fill_rate)
+        if experts:
+            self.hit_rate_recent += RATE_WEIGHT * (len(hits) / len(experts) - self.hit_rate_recent)
+        self.layer_steps["on-demand"] += 1
+        LAYER_STEPS.labels("on-demand").inc()
         evictions = sum(f.evicted is not None for f in fills)
         self.hits, self.misses, self.evictions, self.bytes_read = (
             self.hits + len(hits),
@@ -493,6 +673,13 @@ class ExpertCache:
             BYTES_READ.inc(read)
             SLOTS_USED.set(len(self.policy.held))
         FILL_TIME.observe(time.perf_counter() - started)
+
+    def _why_not_streamed(self) -> str:
+        if self.fill_mode == "on-demand":
+            return "--expert-cache-fill on-demand"
+        if self.slots >= self.experts:
+            return "the bank holds every expert"
+        return f"the bank's {self.slots} slots are fewer than two layers' {2 * self.store.num_experts} experts"
 
     def _read_run(self, layer: int, run: list[Fill]) -> int:
         return self.store.read_into(layer, run[0].expert, [self._slot_buffers[f.slot] for f in run])
@@ -511,7 +698,16 @@ class ExpertCache:
             "store": self.store.path,
             "store_bytes": self.store.nbytes,
             "store_reads": self.store.read_mode,
-            "fill_policy": FILL_POLICY,
+            "fill_policy": self.fill_mode,
+            "streamed_prefill": "on" if self.streams else f"off ({self._why_not_streamed()})",
+            "last_step_fill": self.last_fill,
+            "layer_steps": dict(self.layer_steps),
+            "fill_rule": {
+                "on_demand_bytes_per_s": round(self.fill_rate),
+                "streamed_bytes_per_s": round(self.stream_rate),
+                "moe_seconds_per_token": round(self.compute_per_token, 6),
+                "recent_hit_rate": round(self.hit_rate_recent, 4),
+            },
             "policy": self.policy.name,
             "hits": self.hits,
             "misses": self.misses,
@@ -536,15 +732,15 @@ class ExpertSpill:
     holds more than about one layer's experts; ``attach`` then runs the MoE layers from a bank of slots over that
     store. Refuses (ValueError, naming why) what the cache cannot serve, each as soon as it is known."""
 
-    def __init__(self, spec: str, directory: str, policy: str) -> None:
-        self.spec, self.directory, self.policy = spec, directory, policy
+    def __init__(self, spec: str, directory: str, policy: str, fill: str = "auto") -> None:
+        self.spec, self.directory, self.policy, self.fill = spec, directory, policy, fill
         self.store: ExpertStore | None = None
         self.layers = self.top_k = self.slots = self.budget = 0
 
     @classmethod
-    def plan(cls, spec: str, directory: str, policy: str, device: torch.device, sharded: bool) -> ExpertSpill | None:
-        """The spill of ``spec`` (``cache_bytes``) under replacement ``policy`` (``POLICIES``), its store under ``directory``;
-        None where ``spec`` is 0 (all resident)."""
+    def plan(cls, spec: str, directory: str, policy: str, device: torch.device, sharded: bool, fill: str = "auto") -> ExpertSpill | None:
+        """The spill of ``spec`` (``cache_bytes``) under replacement ``policy`` (``POLICIES``) and ``fill`` mode, its store under
+        ``directory``; None where ``spec`` is 0 (all resident)."""
         if cache_bytes(spec, 1 << 60) == 0:  # 0 or 0%
             return None
         if device.type != "cpu":
@@ -553,7 +749,9 @@ class ExpertSpill:
             raise ValueError("--expert-cache-bytes does not run with tensor parallelism: leave --tensor-parallel-size at 1")
         if policy not in POLICIES:
             raise ValueError(f"--expert-cache-policy is one of {', '.join(POLICIES)}, not {policy!r}")
-        return cls(spec, directory, policy)
+        if fill not in EXPERT_CACHE_FILLS:
+            raise ValueError(f"--expert-cache-fill is one of {', '.join(EXPERT_CACHE_FILLS)}, not {fill!r}")
+        return cls(spec, directory, policy, fill)
 
     def begin(self, config: dict[str, Any]) -> None:
         """The model's config, read before its weights: its family, MoE layers and top-k."""
@@ -584,7 +782,7 @@ class ExpertSpill:
         if len(layers) != self.store.num_layers:
             raise ValueError(f"the model has {len(layers)} MoE layers where its config says {self.store.num_layers}")
         self.store.seal()
-        cache = ExpertCache(self.store, self.slots, self.top_k, self.budget, self.policy)
+        cache = ExpertCache(self.store, self.slots, self.top_k, self.budget, self.policy, self.fill)
         for layer, moe in enumerate(layers):
             moe.stream_from(cache, layer)
         _return_freed_memory()

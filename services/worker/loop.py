@@ -211,7 +211,10 @@ class WorkerLoop:
         self.num_blocks = self.runner.num_blocks  # the scheduler adopts it from the heartbeats
         if self.runner.expert_cache is not None:
             facts = self.runner.expert_cache.describe()
-            self.log.info("expert_cache", **{key: facts[key] for key in ("bytes", "slots", "experts", "store", "store_reads", "fill_policy", "policy")})
+            self.log.info(
+                "expert_cache",
+                **{key: facts[key] for key in ("bytes", "slots", "experts", "store", "store_reads", "fill_policy", "streamed_prefill", "policy")},
+            )
         if cuda:
             DEVICE_MEMORY_USED.set_function(lambda: torch.cuda.memory_allocated(device))
             DEVICE_MEMORY_RESERVED.set_function(lambda: torch.cuda.memory_reserved(device))

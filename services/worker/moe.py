@@ -18,6 +18,7 @@ kernel's own routing has named them.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, NamedTuple, Protocol
@@ -344,15 +345,28 @@ class SparseMoE:
         )  # fmt: skip
 
     def _from_cache(self, x: torch.Tensor, logits: torch.Tensor, bits: int, residual: torch.Tensor | None) -> torch.Tensor:
-        """The grouped call over the cache's bank, once per group of tokens whose experts it holds at once."""
-        weights, ids = self._route(logits, self.top_k, self.renormalize, self.router.shape[0])
+        """The grouped call over the cache's bank: the step's layer read whole (a streamed step), or once per group of
+        tokens whose experts the bank holds at once, their misses filled on demand."""
         out = torch.zeros_like(x) if residual is None else residual.contiguous()
-        x, shared, cache = x.contiguous(), self._shared(), self.cache
-        for rows, slots in cache.passes(self.cache_layer, ids):
-            self._kernel(
-                x[rows], logits[rows], self.top_k, self.renormalize, cache.gate_up, cache.down, *shared, out[rows], bits,
-                topk_weights=weights[rows], topk_ids=ids[rows], expert_slots=slots,
-            )  # fmt: skip
+        x, shared, cache, layer = x.contiguous(), self._shared(), self.cache, self.cache_layer
+        if layer == 0:
+            cache.begin_step(x.shape[0])
+        computing = 0.0  # the calls' time, without the fills'
+        if cache.streaming:
+            slots = cache.streamed(layer)
+            began = time.perf_counter()
+            self._kernel(x, logits, self.top_k, self.renormalize, cache.gate_up, cache.down, *shared, out, bits, expert_slots=slots)
+            computing = time.perf_counter() - began
+        else:
+            weights, ids = self._route(logits, self.top_k, self.renormalize, self.router.shape[0])
+            for rows, slots in cache.passes(layer, ids):
+                began = time.perf_counter()
+                self._kernel(
+                    x[rows], logits[rows], self.top_k, self.renormalize, cache.gate_up, cache.down, *shared, out[rows], bits,
+                    topk_weights=weights[rows], topk_ids=ids[rows], expert_slots=slots,
+                )  # fmt: skip
+                computing += time.perf_counter() - began
+        cache.layer_ran(layer, x.shape[0], computing)
         return out
 
 

@@ -76,6 +76,7 @@ class RunnerConfig:
     expert_cache_bytes: str = "0"  # a MoE model's experts in a bank of slots over a spill file (expert_cache.py); "0": all resident
     expert_cache_dir: str = ""  # where the spill file goes ("": expert_cache.default_store_dir())
     expert_cache_policy: str = "lfu"  # which expert the bank evicts (expert_cache.POLICIES)
+    expert_cache_fill: str = "auto"  # how a step reads the experts it misses (expert_cache.ExpertCache.fill_mode)
 
     @classmethod
     def of(cls, config: StackConfig, num_blocks: int, device: str = "cpu") -> RunnerConfig:
@@ -86,7 +87,7 @@ class RunnerConfig:
             gdn_checkpoint_slots=gdn_checkpoints(load_model_info(config.model), config), speculative_method=config.speculative_method, ngram=(config.ngram_min, config.ngram_max),
             verify_states=min(config.speculative_max_batch, config.max_num_seqs) * config.num_speculative_tokens if config.speculative_method else 0,
             expert_cache_bytes=config.expert_cache_bytes, expert_cache_dir=config.expert_cache_dir, expert_cache_policy=config.expert_cache_policy,
-            draft_model=config.draft_model, draft_kv_blocks=config.draft_kv_blocks,
+            expert_cache_fill=config.expert_cache_fill, draft_model=config.draft_model, draft_kv_blocks=config.draft_kv_blocks,
         )  # fmt: skip
 
 
@@ -118,7 +119,7 @@ class ModelRunner:
             raise ValueError("speculative decoding does not run with tensor parallelism")
 
         store_dir = config.expert_cache_dir or default_store_dir()
-        spill = ExpertSpill.plan(config.expert_cache_bytes, store_dir, config.expert_cache_policy, self.device, tp is not None)
+        spill = ExpertSpill.plan(config.expert_cache_bytes, store_dir, config.expert_cache_policy, self.device, tp is not None, config.expert_cache_fill)
         model_config, self.model, self.weight_quant, self.quantized_linears = load_model(config.model, DTYPES[dtype], self.device, weight_quant, tp, spill)
         self.family = model_config.get("model_type", "llama")
         self.expert_cache = None if spill is None else spill.attach(self.model)

@@ -54,7 +54,8 @@ def test_concurrent_greedy_requests_from_two_expert_slots_are_transformers_token
         assert len(tokens) == 12
 
     cache = stack.instrumentation("worker")["runner"]["expert_cache"]
-    assert (cache["slots"], cache["slot_bytes"], cache["experts"], cache["fill_policy"], cache["policy"]) == (2, SLOT_BYTES, 16, "on-demand", "lfu")
+    assert (cache["slots"], cache["slot_bytes"], cache["experts"], cache["fill_policy"], cache["policy"]) == (2, SLOT_BYTES, 16, "auto", "lfu")
+    assert cache["streamed_prefill"].startswith("off (the bank's 2 slots") and cache["layer_steps"]["streamed"] == 0
     assert cache["misses"] > 16 and cache["evictions"] > 0 and 0 <= cache["hit_rate"] < 1
     assert cache["store_reads"] == "O_DIRECT" or cache["store_reads"].startswith("buffered + DONTNEED (")
     assert "expert_cache" in stack.log() and cache["store_reads"] in stack.log()  # the worker says at start how it reads its store

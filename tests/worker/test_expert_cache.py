@@ -35,7 +35,7 @@ from services.launcher.__main__ import check_expert_cache
 from services.worker import block_quant, weights_loading
 from services.worker.block_quant import BlockQuantized
 from services.worker.cpu_kernels import cpu_kernels
-from services.worker.expert_cache import ALIGN, POLICIES, ExpertCache, ExpertStore, SlotLFU, SlotLRU, cache_bytes, default_store_dir, padded
+from services.worker.expert_cache import ALIGN, POLICIES, ExpertCache, ExpertSpill, ExpertStore, SlotLFU, SlotLRU, cache_bytes, default_store_dir, padded
 from services.worker.moe import ExpertPanels, SharedExpert, SparseMoE, routed_experts
 from services.worker.runner import ModelRunner, RunnerConfig
 from services.worker.weights import SafetensorsFile
@@ -290,11 +290,12 @@ def test_a_layer_with_its_shared_expert_gives_the_resident_bits_from_a_bank_of_t
 
 
 def _greedy_and_logits(
-    path: str, spec: str, store: str, policy: str = "lfu", weight_quant: str = "int4"
+    path: str, spec: str, store: str, policy: str = "lfu", weight_quant: str = "int4", fill: str = "on-demand"
 ) -> tuple[dict[str, list[int]], torch.Tensor, ModelRunner]:
     config = RunnerConfig(
-        path, num_blocks=64, block_size=4, weight_quant=weight_quant, expert_cache_bytes=spec, expert_cache_dir=store, expert_cache_policy=policy
-    )
+        path, num_blocks=64, block_size=4, weight_quant=weight_quant, expert_cache_bytes=spec, expert_cache_dir=store, expert_cache_policy=policy,
+        expert_cache_fill=fill,
+    )  # fmt: skip
     runner = ModelRunner(config)
     prompts = {f"r{i}": prompt_of(10 + i, n) for i, n in enumerate((3, 9, 14, 22))}
     out, stats = drive(runner, prompts, 10, chunk=6, seed=3, arrivals={"r0": 0, "r1": 0, "r2": 2, "r3": 5})
@@ -585,3 +586,111 @@ def test_a_failed_read_frees_its_slots_and_the_runs_read_beside_it_are_held(stor
         assert torch.equal(cache.gate_up[slot], layers[0].gate_up[expert]) and torch.equal(cache.down[slot], layers[0].down[expert])
     cache.fill(0, [3])  # read again on the next try
     assert torch.equal(cache.gate_up[int(cache.slot_of[0][3])], layers[0].gate_up[3])
+
+
+TINY_SLOT_BYTES = padded(2 * 32 * 64 // 32 * 20 + 64 * 32 // 32 * 20)  # the tiny checkpoints' q4_1 experts: gate_up [64, 64] + down [64, 32]
+
+
+@pytest.fixture(scope="module")
+def four_moe_layers(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny qwen3_moe whose four layers are all MoE: 32 experts, so that a bank can lend two layers' 16 and keep some."""
+    path = str(tmp_path_factory.mktemp("four-moe-layers") / "model")
+    build_tiny("qwen3_moe", path, num_hidden_layers=4)
+    return path
+
+
+@needs_kernels
+@pytest.mark.parametrize("fill", ["streamed", "auto"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+def test_streamed_steps_give_the_resident_tokens_and_logits(
+    family: str, fill: str, four_moe_layers: str, tiny_qwen3_nexts: dict[str, Checkpoint], store_dir: StoreDir
+) -> None:
+    path = four_moe_layers if family == "qwen3_moe" else tiny_qwen3_nexts["gqa-dense-layer"].path  # 4 and 3 MoE layers of 8 experts
+    resident_out, resident_logits, _ = _greedy_and_logits(path, "0", store_dir.path)
+    for slots in (16, 19):  # two layers' experts lent, and three slots beside them
+        out, logits, runner = _greedy_and_logits(path, str(slots * TINY_SLOT_BYTES), store_dir.path, fill=fill)
+        facts = runner.describe()["expert_cache"]
+        assert (facts["slots"], facts["fill_policy"], facts["streamed_prefill"]) == (slots, fill, "on")
+        if fill == "streamed":  # prefill chunks stream, one-token decode steps read their misses
+            assert facts["layer_steps"]["streamed"] > 0 and facts["layer_steps"]["on-demand"] > 0
+        assert facts["bytes_read"] >= facts["misses"] * TINY_SLOT_BYTES
+        assert out == resident_out, slots
+        assert torch.equal(logits, resident_logits), slots
+
+
+def _four_layer_cache(directory: str, slots: int, fill: str = "streamed") -> tuple[ExpertCache, list[ExpertPanels]]:
+    layers = [_random_panels(EXPERTS, (8, 2, 20), (8, 1, 20), seed=20 + layer) for layer in range(4)]
+    return ExpertCache(ExpertStore(directory, layers), slots, 2, 0, "lfu", fill), layers
+
+
+def _holds(cache: ExpertCache, layers: list[ExpertPanels], layer: int, expert: int, slot: int) -> bool:
+    return torch.equal(cache.gate_up[slot], layers[layer].gate_up[expert]) and torch.equal(cache.down[slot], layers[layer].down[expert])
+
+
+@pytest.mark.parametrize("slots", [2 * EXPERTS + 4, 2 * EXPERTS + 1])
+def test_a_streamed_step_reads_every_layer_whole_into_two_lent_halves_and_keeps_the_rest_of_the_bank(store_dir: StoreDir, slots: int) -> None:
+    cache, layers = _four_layer_cache(store_dir.path, slots)
+    cache.fill(3, [0, 1, 2, 3])  # four held experts; slots - 4 free
+    evicted = max(0, 2 * EXPERTS - (slots - 4))
+    cache.begin_step(5)
+    assert cache.streaming and cache.evictions == evicted and len(cache.policy.held) == 4 - evicted
+    kept = dict(cache.policy.held)
+    seen = []
+    for layer in range(4):
+        slot_map = cache.streamed(layer)
+        seen.append(slot_map.tolist())
+        assert all(_holds(cache, layers, layer, e, int(slot_map[e])) for e in range(EXPERTS))  # the whole layer, read before its call
+        assert not set(slot_map.tolist()) & set(kept.values())  # never in a held expert's slot
+        cache.layer_ran(layer, 5, 0.001)
+    assert not cache.streaming  # the last layer gave the slots back
+    assert seen[0] == seen[2] and seen[1] == seen[3] and not set(seen[0]) & set(seen[1])  # two halves, in turn
+    for (layer, expert), slot in kept.items():  # the rest of the bank as it was
+        assert _holds(cache, layers, layer, expert, slot) and int(cache.slot_of[layer][expert]) == slot
+    assert sorted(cache.policy.free + list(cache.policy.held.values())) == list(range(slots))
+    assert cache.describe()["layer_steps"] == {"on-demand": 1, "streamed": 4}
+    cache.fill(0, [4, 5])  # on demand again, from the slots given back
+    assert all(_holds(cache, layers, 0, e, int(cache.slot_of[0][e])) for e in (4, 5))
+
+
+def test_a_step_that_failed_mid_stream_gives_its_slots_back_before_the_next_one(store_dir: StoreDir) -> None:
+    cache, layers = _four_layer_cache(store_dir.path, 2 * EXPERTS + 2)
+    cache.begin_step(4)
+    cache.streamed(0)  # the step fails after its first layer
+    cache.fill(2, [1])  # the next step's on-demand fill
+    assert not cache.streaming and _holds(cache, layers, 2, 1, int(cache.slot_of[2][1]))
+    assert len(cache.policy.free) == 2 * EXPERTS + 1
+
+
+def test_the_fill_rule_streams_where_a_whole_layer_costs_less_than_the_misses(store_dir: StoreDir) -> None:
+    cache, _ = _four_layer_cache(store_dir.path, 2 * EXPERTS + 1, fill="auto")
+    cache.fill_rate = cache.stream_rate = 1e9
+    cache.compute_per_token, cache.hit_rate_recent = 0.0, 0.0
+    # 6 experts, top-2: t tokens touch 6 * (1 - (2/3)^t) of them; equal rates and no overlap: a layer never costs less.
+    assert not any(cache._streamed_is_faster(t) for t in (1, 2, 16, 64))
+    cache.stream_rate = 2e9  # sequential reads twice as fast: streams once the misses pass half a layer (3.33 experts at 2 tokens)
+    assert [cache._streamed_is_faster(t) for t in (1, 2, 16)] == [False, True, True]
+    cache.hit_rate_recent = 0.9  # most of a layer held: its misses are cheaper than the layer
+    assert not cache._streamed_is_faster(64)
+    cache.compute_per_token = 1.0  # compute that hides any read: streaming is free
+    assert cache._streamed_is_faster(64)
+    for tokens, streams in ((1, False), (15, False), (64, True)):  # the step's choice, by its token count
+        cache.begin_step(tokens)
+        assert cache.streaming == streams and cache.describe()["last_step_fill"] == ("streamed" if streams else "on-demand")
+        cache.begin_step(1)
+    cache.compute_per_token = 0.0  # on demand is cheaper again: seven steps of 64 kept on demand, the eighth streams to measure
+    assert [(cache.begin_step(64), cache.streaming)[1] for _ in range(9)] == [False] * 7 + [True, False]
+
+
+def test_a_bank_that_cannot_lend_two_layers_fills_on_demand_and_says_why(store_dir: StoreDir) -> None:
+    cache, _ = _four_layer_cache(store_dir.path, 2 * EXPERTS - 1)
+    cache.begin_step(64)
+    assert not cache.streaming
+    assert cache.describe()["streamed_prefill"] == f"off (the bank's {2 * EXPERTS - 1} slots are fewer than two layers' {2 * EXPERTS} experts)"
+    whole, _ = _four_layer_cache(store_dir.path, 4 * EXPERTS)
+    assert whole.describe()["streamed_prefill"] == "off (the bank holds every expert)"
+
+
+def test_a_fill_mode_the_cache_does_not_know_is_refused_before_loading(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--expert-cache-fill is one of auto, on-demand, streamed, not 'sometimes'"):
+        ExpertSpill.plan("25%", str(tmp_path), "lfu", torch.device("cpu"), False, "sometimes")
+    assert ExpertSpill.plan("25%", str(tmp_path), "lfu", torch.device("cpu"), False, "streamed").fill == "streamed"
