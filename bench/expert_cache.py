@@ -1,10 +1,10 @@
 """The expert cache against the physical bound: the MoE benchmark model (``bench.moe_model``) with its experts in
 int4 blocks, driven in-process (one ``ModelRunner`` per setting, the stack's worker settings), greedy decoding of
 ``--max-tokens`` a stream (ignoring EOS) at concurrency 1 and 8, with everything resident and with the expert cache
-at 100 / 50 / 25 / 12.5 % of the experts' size under each ``--policy`` listed, the settings taking turns round by round.
+at 100 / 50 / 25 / 12.5 % of the experts' size under each ``--policy`` and ``--fills`` setting listed, the settings taking turns round by round.
 
     .venv/bin/python -m bench.expert_cache [--model DIR] [--shape a135m|tiny] [--rounds 2] [--max-tokens 64] [--policy lru lfu] \\
-        [--skewed [--hot-model DIR] [--hot-experts 16] [--hot-bias 3]] [--cache-dir DIR] [--out bench/results/expert_cache.json]
+        [--fills on-demand auto] [--skewed [--hot-model DIR] [--hot-experts 16] [--hot-bias 3]] [--cache-dir DIR] [--out bench/results/expert_cache.json]
 
 Per setting and concurrency it prints output tokens/s and its ratio to all-resident, and over the decode steps the
 cache's hit rate, bytes read and fill time per output token (the cache's own counters), the decode step time against
@@ -34,6 +34,7 @@ from bench.moe_model import SHAPES, MoeSpec, calibration_text, write_hf
 from bench.report import write_results
 from services.worker.expert_cache import ALIGN, POLICIES, ExpertStore
 from services.worker.runner import ModelRunner, RunnerConfig
+from shared.choices import EXPERT_CACHE_FILLS
 from shared.config import StackConfig
 from shared.frames import SamplingParams, Slice, StepPlan
 from shared.metrics import PREFIX
@@ -48,9 +49,10 @@ FILL_SECONDS = f"{PREFIX}expert_cache_fill_seconds_sum"
 class Setting(NamedTuple):
     percent: float  # of the experts' size; 0: all resident
     policy: str  # the expert cache's --expert-cache-policy ("" when all resident)
+    fill: str = ""  # its --expert-cache-fill ("" when all resident)
 
     def __str__(self) -> str:
-        return f"{self.percent:g}% {self.policy}" if self.percent else "0"
+        return f"{self.percent:g}% {self.policy} {self.fill}" if self.percent else "0"
 
 
 @dataclass
@@ -170,13 +172,14 @@ def read_bandwidth(store: ExpertStore) -> tuple[float, float, str]:
 def load_runners(model: str, args: argparse.Namespace, blocks: int) -> dict[Setting, ModelRunner]:
     """A warmed runner per setting (0: all resident), each with its own store and bank, as a worker launched with it."""
     runners = {}
-    for setting in [Setting(0.0, ""), *(Setting(ratio, policy) for ratio in RATIOS for policy in args.policy)]:
+    for setting in [Setting(0.0, ""), *(Setting(ratio, policy, fill) for ratio in RATIOS for policy in args.policy for fill in args.fills)]:
         config = StackConfig(
             model=model,
             weight_quant=args.weight_quant,
             expert_cache_bytes=f"{setting.percent:g}%" if setting.percent else "0",
             expert_cache_dir=args.cache_dir,
             expert_cache_policy=setting.policy or StackConfig().expert_cache_policy,
+            expert_cache_fill=setting.fill or StackConfig().expert_cache_fill,
         )
         runners[setting] = runner = ModelRunner(RunnerConfig.of(config, num_blocks=blocks))
         runner.warmup()
@@ -188,7 +191,7 @@ def bench_model(model: str, args: argparse.Namespace, label: str) -> dict[str, A
     prompts = chat_prompts(model)
     blocks = max(CONCURRENCIES) * (-(-(max(map(len, prompts)) + args.max_tokens + 1) // StackConfig().block_size)) + 8
     runners = load_runners(model, args, blocks)
-    cache = runners[Setting(RATIOS[0], args.policy[0])].expert_cache
+    cache = runners[Setting(RATIOS[0], args.policy[0], args.fills[0])].expert_cache
     assert cache is not None
     described = cache.describe()
     print(
@@ -199,7 +202,7 @@ def bench_model(model: str, args: argparse.Namespace, label: str) -> dict[str, A
     )
     warm = prompts[-max(CONCURRENCIES) :]
     for setting, runner in runners.items():  # each cache in its steady state before the first timed run
-        decode_batch(runner, f"warm-{setting.percent:g}-{setting.policy}", warm, max(4, args.max_tokens // 4))
+        decode_batch(runner, f"warm-{setting.percent:g}-{setting.policy}-{setting.fill}", warm, max(4, args.max_tokens // 4))
     totals = {(setting, c): Totals() for setting in runners for c in CONCURRENCIES}
     bandwidths: list[tuple[float, float]] = []
     how = ""
@@ -210,7 +213,13 @@ def bench_model(model: str, args: argparse.Namespace, label: str) -> dict[str, A
             first = (round_ * sum(CONCURRENCIES) + offset * CONCURRENCIES[0]) % len(prompts)
             batch = [prompts[(first + i) % len(prompts)] for i in range(concurrency)]
             for setting, runner in runners.items():
-                decode_batch(runner, f"r{round_}-c{concurrency}-{setting.percent:g}-{setting.policy}", batch, args.max_tokens, totals[(setting, concurrency)])
+                decode_batch(
+                    runner,
+                    f"r{round_}-c{concurrency}-{setting.percent:g}-{setting.policy}-{setting.fill}",
+                    batch,
+                    args.max_tokens,
+                    totals[(setting, concurrency)],
+                )
     sequential = statistics.median(b[0] for b in bandwidths)
     per_record = statistics.median(b[1] for b in bandwidths)
     print(
@@ -220,7 +229,7 @@ def bench_model(model: str, args: argparse.Namespace, label: str) -> dict[str, A
         flush=True,
     )
     header = (
-        f"{'c':>2} {'cache':>6} {'policy':>6} {'tok/s':>8} {'vs 0':>5} {'hit rate':>8} {'KB read/tok':>11} {'fill ms/tok':>11} "
+        f"{'c':>2} {'cache':>6} {'policy':>6} {'fill':>9} {'tok/s':>8} {'vs 0':>5} {'hit rate':>8} {'KB read/tok':>11} {'fill ms/tok':>11} "
         f"{'step ms':>8} {'bound ms':>8} {'step/bound':>10} {'miss GB/s':>9} {'of bw':>6} {'same tokens':>11}"
     )
     print(header)
@@ -240,6 +249,7 @@ def bench_model(model: str, args: argparse.Namespace, label: str) -> dict[str, A
                 "concurrency": concurrency,
                 "cache_percent": setting.percent,
                 "policy": setting.policy,
+                "fill": setting.fill,
                 "cache_bytes": runners[setting].expert_cache.budget if setting.percent else 0,
                 "output_tokens_per_s": rate,
                 "vs_resident": rate / base_rate,
@@ -261,7 +271,7 @@ def bench_model(model: str, args: argparse.Namespace, label: str) -> dict[str, A
             hit = f"{row['hit_rate']:.3f}" if row["hit_rate"] is not None else "-"
             miss = f"{miss_rate / 1e9:>9.2f} {miss_rate / sequential:>6.2f}" if miss_rate else f"{'-':>9} {'-':>6}"
             print(
-                f"{concurrency:>2} {f'{setting.percent:g}%' if setting.percent else '0':>6} {setting.policy or '-':>6} {rate:>8.1f} {rate / base_rate:>5.2f} {hit:>8} "
+                f"{concurrency:>2} {f'{setting.percent:g}%' if setting.percent else '0':>6} {setting.policy or '-':>6} {setting.fill or '-':>9} {rate:>8.1f} {rate / base_rate:>5.2f} {hit:>8} "
                 f"{row['bytes_read_per_token'] / 1e3:>11.1f} {row['fill_ms_per_token']:>11.3f} {step * 1e3:>8.2f} {bound * 1e3:>8.2f} "
                 f"{step / bound:>10.2f} {miss} {str(row['same_tokens_as_resident']):>11}",
                 flush=True,
@@ -295,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
         "--policy", nargs="+", choices=sorted(POLICIES), default=[StackConfig().expert_cache_policy], help="expert cache policies, each at every size"
+    )
+    parser.add_argument(
+        "--fills", nargs="+", choices=EXPERT_CACHE_FILLS, default=[StackConfig().expert_cache_fill], help="--expert-cache-fill settings, each at every size"
     )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--skewed", action="store_true", help="also run a model whose routers favour a subset of experts")
