@@ -23,6 +23,7 @@ from typing import Any
 from bench.expert_cache import chat_prompts
 from bench.report import write_results
 from services.worker.runner import ModelRunner, RunnerConfig
+from shared.choices import EXPERT_CACHE_FILLS
 from shared.config import StackConfig
 from shared.frames import SamplingParams, Slice, StepPlan
 
@@ -65,7 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--percents", type=float, nargs="+", default=[0.0, 50.0, 25.0, 12.5], help="cache sizes, percent of the experts (0: all resident, once)"
     )
-    parser.add_argument("--fills", nargs="+", default=["on-demand", "streamed", "auto"], help="--expert-cache-fill settings (the first is the baseline)")
+    parser.add_argument(
+        "--fills",
+        nargs="+",
+        choices=EXPERT_CACHE_FILLS,
+        default=["on-demand", "streamed", "auto"],
+        help="--expert-cache-fill settings (the first is the baseline)",
+    )
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--prompts", type=int, default=3, help="prompts timed per setting (after one untimed)")
     parser.add_argument("--decode-tokens", type=int, default=16)
