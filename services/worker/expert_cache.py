@@ -8,11 +8,11 @@ A slot is laid out as a store record (gate_up panels, then down panels, zero pad
 one read of its whole record straight into its slot, with O_DIRECT where the filesystem allows it; the kernel
 sees the bank's gate_up and down as views a slot's size apart. A layer-step learns its routed ids from the
 grouped kernel's own routing (``route_experts``), fills all of its misses from the store (its runs of adjacent
-records read side by side), then runs its
-grouped call over the bank (``csrc/grouped_moe.cpp`` with ``expert_slots``): the same bits as with every
-expert resident. A step whose tokens route to more experts
-than the bank holds runs in groups of consecutive tokens that fit (a token's bits do not depend on the
-other tokens of its call), so any bank of at least one layer's top-k slots serves any step.
+records read side by side), then runs its grouped call over the bank (``csrc/grouped_moe.cpp`` with
+``expert_slots``): the same bits as with every expert resident. A step whose tokens route to more experts than
+the bank holds runs in groups of consecutive tokens that fit (a token's bits do not depend on the other tokens
+of its call), so any bank of at least one layer's top-k slots serves any step. A long step may instead stream
+every layer whole through two layers of lent slots (``LayerStream``, ``--expert-cache-fill``).
 """
 
 from __future__ import annotations
