@@ -48,6 +48,7 @@ AUTO_STREAM_MIN_TOKENS = 16
 EXPLORE_EVERY = 8  # auto: after this many steps the rule kept on demand, one streams anyway, so that both rates stay measured
 COMPUTE_MIN_TOKENS = 16  # layer calls of this many tokens or more measure the experts' compute per token (what a streamed read overlaps)
 RATE_WEIGHT = 0.25  # the newest measurement's weight in the fill rule's moving averages
+READ_MOST = 256  # records one read takes at most: a buffer each, and IOV_MAX is 1024
 ALIGN = 4096  # records and slots start on page boundaries, so that O_DIRECT reads land straight in a slot
 READERS = 3  # reads in flight beside the caller's: a layer-step's misses are a few separate records, and storage answers several at once faster
 
@@ -377,9 +378,8 @@ class SlotLFU(SlotPolicy):
 POLICIES: dict[str, type[SlotPolicy]] = keyed_by(EXPERT_CACHE_POLICIES, {policy.name: policy for policy in (SlotLRU, SlotLFU)})
 
 
-def _runs(fills: list[Fill], most: int = 256) -> Iterator[list[Fill]]:
-    """``fills`` (in expert order) cut into runs of consecutive experts, each one read of adjacent records
-    (at most ``most`` records, one buffer each: IOV_MAX is 1024)."""
+def _runs(fills: list[Fill], most: int = READ_MOST) -> Iterator[list[Fill]]:
+    """``fills`` (in expert order) cut into runs of consecutive experts, each one read of adjacent records (at most ``most``)."""
     run: list[Fill] = []
     for fill in fills:
         if run and (fill.expert != run[-1].expert + 1 or len(run) == most):
@@ -393,7 +393,7 @@ def _runs(fills: list[Fill], most: int = 256) -> Iterator[list[Fill]]:
 class LayerStream:
     """One step's MoE layers read whole from the store into two halves of slots lent by the bank's policy: while a
     layer computes from one half, the next layer's experts are read into the other. Each layer's records are adjacent
-    in the store, so a layer is a few long reads (``_runs``' limit of buffers a call), side by side."""
+    in the store, so a layer is a few long reads (``READ_MOST`` records each), side by side."""
 
     def __init__(self, store: ExpertStore, slot_buffers: list[memoryview], slots: list[int], readers: ThreadPoolExecutor) -> None:
         experts = store.num_experts
@@ -405,8 +405,8 @@ class LayerStream:
 
     def start(self, layer: int) -> None:
         """Starts reading ``layer``'s experts into its half (``layer % 2``), which no layer still computing reads."""
-        buffers, most = self.buffers[layer % 2], 256
-        reads = [self.readers.submit(self._read, layer, first, buffers[first : first + most]) for first in range(0, len(buffers), most)]
+        buffers = self.buffers[layer % 2]
+        reads = [self.readers.submit(self._read, layer, first, buffers[first : first + READ_MOST]) for first in range(0, len(buffers), READ_MOST)]
         self.reads[layer] = (time.perf_counter(), reads)
 
     def _read(self, layer: int, first: int, buffers: list[memoryview]) -> tuple[int, float]:
@@ -491,8 +491,9 @@ class ExpertCache:
             self.store.read_into(0, expert, [self._slot_buffers[0]])
         one_at_a_time = -(-experts // max(1, experts // 4)) * record / max(time.perf_counter() - began, 1e-9)
         began = time.perf_counter()
-        self.store.read_into(0, 0, self._slot_buffers[: min(experts, 256)])
-        return one_at_a_time, min(experts, 256) * record / max(time.perf_counter() - began, 1e-9)
+        layer = min(experts, READ_MOST)
+        self.store.read_into(0, 0, self._slot_buffers[:layer])
+        return one_at_a_time, layer * record / max(time.perf_counter() - began, 1e-9)
 
     def _streamed_is_faster(self, tokens: int) -> bool:
         """The fill rule: the misses ``tokens`` routed uniformly are expected to take at the on-demand rate, against a
