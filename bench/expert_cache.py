@@ -11,8 +11,9 @@ cache's hit rate, bytes read and fill time per output token (the cache's own cou
 the bound ``all-resident step + missed bytes / storage read bandwidth``, the miss path's own read rate, and whether
 the tokens are those of the all-resident run. The storage's read bandwidth is measured each round by reading the
 expert store file sequentially in 4 MiB reads with the page cache bypassed (O_DIRECT, else buffered reads after and
-behind ``posix_fadvise(DONTNEED)``; the report says which), and at the miss path's size (one expert's record at a
-time, in random order, the way the store reads). ``--skewed`` runs the same table on a model whose routers favour
+behind ``posix_fadvise(DONTNEED)``; the report says which), and at the miss path's size: one expert's record at a
+time in random order, and as many side by side as the miss path reads a layer-step's misses (its share of that
+too: what the storage gives a few random records at once). ``--skewed`` runs the same table on a model whose routers favour
 ``--hot-experts`` experts per layer and prints what that gains in hit rate.
 """
 
@@ -25,6 +26,7 @@ import random
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -32,7 +34,7 @@ from prometheus_client import REGISTRY
 
 from bench.moe_model import SHAPES, MoeSpec, calibration_text, write_hf
 from bench.report import write_results
-from services.worker.expert_cache import ALIGN, POLICIES, ExpertStore
+from services.worker.expert_cache import ALIGN, POLICIES, READERS, ExpertStore
 from services.worker.runner import ModelRunner, RunnerConfig
 from shared.choices import EXPERT_CACHE_FILLS
 from shared.config import StackConfig
@@ -137,36 +139,52 @@ def _reader(store: ExpertStore) -> tuple[int, bool]:
     return fd, True
 
 
-def read_bandwidth(store: ExpertStore) -> tuple[float, float, str]:
-    """(sequential bytes/s in CHUNK reads, bytes/s of one record a read in random order, how the page cache was
+def read_bandwidth(store: ExpertStore) -> tuple[float, float, float, str]:
+    """(sequential bytes/s in CHUNK reads, bytes/s of one record a read in random order, bytes/s of random records
+    read ``READERS`` + 1 side by side as the miss path reads a layer-step's misses, how the page cache was
     bypassed) over ``store``'s file: the storage's read bandwidth, measured on the very file the cache reads."""
     fd, direct = _reader(store)
     how = "O_DIRECT" if direct else "buffered reads after posix_fadvise(DONTNEED), each followed by DONTNEED"
+
+    def read(index: int, buffer: mmap.mmap) -> None:
+        os.preadv(fd, [buffer], index * store.record)
+        if not direct:
+            os.posix_fadvise(fd, index * store.record, store.record, os.POSIX_FADV_DONTNEED)
+
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         buffer = mmap.mmap(-1, CHUNK)
         began, offset = time.perf_counter(), 0
         while offset < store.nbytes:
-            read = os.preadv(fd, [buffer], offset)
-            if read <= 0:
+            read_now = os.preadv(fd, [buffer], offset)
+            if read_now <= 0:
                 break
             if not direct:
-                os.posix_fadvise(fd, offset, read, os.POSIX_FADV_DONTNEED)
-            offset += read
+                os.posix_fadvise(fd, offset, read_now, os.POSIX_FADV_DONTNEED)
+            offset += read_now
         sequential = offset / (time.perf_counter() - began)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         records = list(range(store.num_layers * store.num_experts))
         random.Random(0).shuffle(records)
-        records, record = records[: max(1, min(len(records), (64 << 20) // store.record))], mmap.mmap(-1, store.record)
+        records = records[: max(1, min(len(records), (64 << 20) // store.record))]
+        buffers = [mmap.mmap(-1, store.record) for _ in range(READERS + 1)]
         began = time.perf_counter()
         for index in records:
-            os.preadv(fd, [record], index * store.record)
-            if not direct:
-                os.posix_fadvise(fd, index * store.record, store.record, os.POSIX_FADV_DONTNEED)
+            read(index, buffers[0])
         per_record = len(records) * store.record / (time.perf_counter() - began)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        with ThreadPoolExecutor(READERS) as readers:
+            began = time.perf_counter()
+            for first in range(0, len(records), READERS + 1):
+                group = records[first : first + READERS + 1]
+                beside = [readers.submit(read, index, buffer) for index, buffer in zip(group[1:], buffers[1:])]
+                read(group[0], buffers[0])
+                for future in beside:
+                    future.result()
+            side_by_side = len(records) * store.record / (time.perf_counter() - began)
     finally:
         os.close(fd)
-    return sequential, per_record, how
+    return sequential, per_record, side_by_side, how
 
 
 def load_runners(model: str, args: argparse.Namespace, blocks: int) -> dict[Setting, ModelRunner]:
@@ -204,7 +222,7 @@ def bench_model(model: str, args: argparse.Namespace, label: str) -> dict[str, A
     for setting, runner in runners.items():  # each cache in its steady state before the first timed run
         decode_batch(runner, f"warm-{setting.percent:g}-{setting.policy}-{setting.fill}", warm, max(4, args.max_tokens // 4))
     totals = {(setting, c): Totals() for setting in runners for c in CONCURRENCIES}
-    bandwidths: list[tuple[float, float]] = []
+    bandwidths: list[tuple[float, float, float]] = []
     how = ""
     for round_ in range(args.rounds):
         *bandwidth, how = read_bandwidth(cache.store)
@@ -222,15 +240,16 @@ def bench_model(model: str, args: argparse.Namespace, label: str) -> dict[str, A
                 )
     sequential = statistics.median(b[0] for b in bandwidths)
     per_record = statistics.median(b[1] for b in bandwidths)
+    side_by_side = statistics.median(b[2] for b in bandwidths)
     print(
         f"storage read bandwidth ({how}): {sequential / 1e9:.2f} GB/s sequential in {CHUNK >> 20} MiB reads, "
-        f"{per_record / 1e9:.2f} GB/s a record ({cache.store.record} bytes) at a time; rounds: "
-        + ", ".join(f"{s / 1e9:.2f}/{r / 1e9:.2f}" for s, r in bandwidths),
+        f"{per_record / 1e9:.2f} GB/s a record ({cache.store.record} bytes) at a time, {side_by_side / 1e9:.2f} GB/s {READERS + 1} records "
+        "side by side; rounds: " + ", ".join(f"{s / 1e9:.2f}/{r / 1e9:.2f}/{b / 1e9:.2f}" for s, r, b in bandwidths),
         flush=True,
     )
     header = (
         f"{'c':>2} {'cache':>6} {'policy':>6} {'fill':>9} {'tok/s':>8} {'vs 0':>5} {'hit rate':>8} {'KB read/tok':>11} {'fill ms/tok':>11} "
-        f"{'step ms':>8} {'bound ms':>8} {'step/bound':>10} {'miss GB/s':>9} {'of bw':>6} {'same tokens':>11}"
+        f"{'step ms':>8} {'bound ms':>8} {'step/bound':>10} {'miss GB/s':>9} {'of bw':>6} {'of 4x':>6} {'same tokens':>11}"
     )
     print(header)
     rows = []
@@ -263,13 +282,14 @@ def bench_model(model: str, args: argparse.Namespace, label: str) -> dict[str, A
                 "step_over_bound": step / bound,
                 "miss_path_bytes_per_s": miss_rate,
                 "miss_path_share_of_bandwidth": miss_rate / sequential if miss_rate else None,
+                "miss_path_share_of_side_by_side": miss_rate / side_by_side if miss_rate else None,
                 "same_tokens_as_resident": t.outputs == base.outputs,
                 "run_seconds": t.seconds,
                 "step_seconds": t.step_seconds,
             }
             rows.append(row)
             hit = f"{row['hit_rate']:.3f}" if row["hit_rate"] is not None else "-"
-            miss = f"{miss_rate / 1e9:>9.2f} {miss_rate / sequential:>6.2f}" if miss_rate else f"{'-':>9} {'-':>6}"
+            miss = f"{miss_rate / 1e9:>9.2f} {miss_rate / sequential:>6.2f} {miss_rate / side_by_side:>6.2f}" if miss_rate else f"{'-':>9} {'-':>6} {'-':>6}"
             print(
                 f"{concurrency:>2} {f'{setting.percent:g}%' if setting.percent else '0':>6} {setting.policy or '-':>6} {setting.fill or '-':>9} {rate:>8.1f} {rate / base_rate:>5.2f} {hit:>8} "
                 f"{row['bytes_read_per_token'] / 1e3:>11.1f} {row['fill_ms_per_token']:>11.3f} {step * 1e3:>8.2f} {bound * 1e3:>8.2f} "
@@ -283,7 +303,13 @@ def bench_model(model: str, args: argparse.Namespace, label: str) -> dict[str, A
         "formats": described["formats"],
         "store_reads": described["store_reads"],
         "fill_policy": described["fill_policy"],
-        "bandwidth": {"method": how, "sequential_bytes_per_s": sequential, "record_bytes_per_s": per_record, "rounds": bandwidths},
+        "bandwidth": {
+            "method": how,
+            "sequential_bytes_per_s": sequential,
+            "record_bytes_per_s": per_record,
+            "side_by_side_bytes_per_s": side_by_side,
+            "rounds": bandwidths,
+        },
         "rows": rows,
     }
 

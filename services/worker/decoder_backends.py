@@ -7,8 +7,10 @@ first of ``DECODER_BACKENDS`` that runs its model:
 - ``one-call-cpp``: every layer in one C++ call (``csrc/decoder_layers.cpp``, its weights held from load),
   without Python's per-layer glue: the fused forward's own kernel sequence, the same logits to the bit. It
   runs the shared decoder's attention layers (q/k norms or none, rotary over whole heads) with SwiGLU or
-  sparse MoE MLPs (experts resident in blocks, no shared expert: Llama, Qwen3, Qwen3-MoE) on the CPU kernels
-  with weights in blocks (int4, or a GGUF's), not sharded, at every row count. It rounds each projection's
+  sparse MoE MLPs (experts in blocks, resident or in an expert cache, no shared expert: Llama, Qwen3, Qwen3-MoE) on
+  the CPU kernels with weights in blocks (int4, or a GGUF's), not sharded, at every row count. A cached MoE layer
+  runs in the call when the bank holds every expert it routes to, and calls back into the cache (``run_cached``)
+  to fill its misses or stream; the layer-steps that ran in C++ are replayed into the cache's policy after the call. It rounds each projection's
   activations as the per-layer path does: to int16 in steps of up to ``BLOCK_QUANT_MAX_ROWS`` rows, beyond
   them to int8 where int4-a8 says so.
 - ``fused``: layer by layer, each residual add folded into the RMSNorm after it, where the fusion kernels are on.
@@ -84,8 +86,8 @@ class OneCallCpp:
         for layer in model.layers:
             mlp = layer.mlp
             if isinstance(mlp, SparseMoE):
-                if mlp.panels is None or mlp.shared_panels is not None or mlp.cache is not None:
-                    return "runs MoE layers whose experts are resident in blocks, without a shared expert"
+                if mlp.panels is None or mlp.shared_panels is not None:
+                    return "runs MoE layers whose experts are in blocks, without a shared expert"
             elif not isinstance(mlp, DenseMLP):
                 return f"runs SwiGLU and sparse MoE MLPs only, not {type(mlp).__name__}"
         if any(p.panels is None for p in _projections(model)):
@@ -98,6 +100,8 @@ class OneCallCpp:
         layers = model.layers
         attn, mlp = [layer.attn for layer in layers], [layer.mlp for layer in layers]
         moe = [m for m in mlp if isinstance(m, SparseMoE)]
+        self._cached = {i: m for i, m in enumerate(mlp) if isinstance(m, SparseMoE) and m.cache is not None}  # decoder layer -> its MoE
+        self._cache = next(iter(self._cached.values())).cache if self._cached else None  # one per model
         self._layers = cpu_kernels()[0].DecoderLayers(
             norms=[weight for layer in layers for weight in (layer.input_norm.weight, layer.post_norm.weight)] + [model.norm.weight],
             qkv=[a.qkv.panels for a in attn], qkv_bias=[a.qkv.bias for a in attn], head_norms=[a.head_norms for a in attn],
@@ -105,6 +109,7 @@ class OneCallCpp:
             routers=[m.router if isinstance(m, SparseMoE) else None for m in mlp],
             gate_up=[m.panels.gate_up if isinstance(m, SparseMoE) else m.gate_up.panels for m in mlp],
             down=[m.panels.down if isinstance(m, SparseMoE) else m.down.panels for m in mlp],
+            slot_maps=[m.cache.slot_of[m.cache_layer] if i in self._cached else None for i, m in enumerate(mlp)],
             many_row_bits=[_many_row_bits(layer) for layer in layers], few_rows=BLOCK_QUANT_MAX_ROWS,
             top_k=moe[0].top_k if moe else 1, renormalize=bool(moe and moe[0].renormalize),
             heads=model.num_heads, kv_heads=model.num_kv_heads, head_dim=model.head_dim, eps=model.cfg.eps,
@@ -115,9 +120,24 @@ class OneCallCpp:
     ) -> torch.Tensor:
         model = self._model
         cos, sin = model.rotary.lookup(positions, attn.max_position)
-        return self._layers.forward(
-            F.embedding(input_ids, model.embed), kv_cache.layers, cos, sin, attn.write_slots, attn.row_block_tables, attn.row_context_lens, attn.block_size
-        )
+        args = (F.embedding(input_ids, model.embed), kv_cache.layers, cos, sin, attn.write_slots, attn.row_block_tables, attn.row_context_lens, attn.block_size)
+        if (cache := self._cache) is None:
+            return self._layers.forward(*args)
+        rows = input_ids.shape[0]
+        cache.begin_step(rows)
+        bank = None if cache.streaming else (cache.gate_up, cache.down)  # a streamed step runs every cached layer in Python
+
+        def cached_layer(layer: int, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+            self._replay_bank_hits(rows)  # the policy must hear of the layers before this one first
+            return self._cached[layer].run_cached(x, logits)
+
+        try:
+            return self._layers.forward(*args, bank=bank, cached_layer=cached_layer)
+        finally:
+            self._replay_bank_hits(rows)
+
+    def _replay_bank_hits(self, rows: int) -> None:
+        self._cache.ran_from_bank([(self._cached[layer].cache_layer, experts, seconds) for layer, experts, seconds in self._layers.take_bank_hits()], rows)
 
 
 def _many_row_bits(layer: DecoderLayer) -> list[int]:

@@ -656,24 +656,39 @@ class ExpertCache:
             raise failure
         if read:  # the whole fill's time, its bookkeeping too: what a step waits for a byte of its misses
             self.fill_rate += RATE_WEIGHT * (read / max(time.perf_counter() - started, 1e-9) - self.fill_rate)
-        if experts:
-            self.hit_rate_recent += RATE_WEIGHT * (len(hits) / len(experts) - self.hit_rate_recent)
+        self._count(len(experts), len(hits), fills, read, time.perf_counter() - started)
+
+    def ran_from_bank(self, layer_steps: list[tuple[int, list[int], float]], tokens: int) -> None:
+        """Layer-steps of ``tokens`` tokens that found every routed expert (ascending) held and ran over the bank without
+        a fill, each (layer, experts, seconds of its call) (the one-call decoder's, in C++): the policy hears of them in
+        order and they are counted, as ``fill`` and ``layer_ran`` would have."""
+        for layer, experts, seconds in layer_steps:
+            hits, fills = self.policy.take(layer, experts)
+            assert not fills, f"layer {layer}'s experts {experts} ran from the bank, but the policy does not hold them all"
+            self._count(len(experts), len(hits), fills, 0, 0.0)
+            self.layer_ran(layer, tokens, seconds)
+
+    def _count(self, lookups: int, hits: int, fills: list[Fill], read: int, seconds: float) -> None:
+        """One on-demand layer-step's counters: ``lookups`` routed experts, ``hits`` of them held, ``fills`` read
+        (``read`` bytes) in ``seconds``."""
+        if lookups:
+            self.hit_rate_recent += RATE_WEIGHT * (hits / lookups - self.hit_rate_recent)
         self.layer_steps["on-demand"] += 1
         LAYER_STEPS.labels("on-demand").inc()
         evictions = sum(f.evicted is not None for f in fills)
         self.hits, self.misses, self.evictions, self.bytes_read = (
-            self.hits + len(hits),
+            self.hits + hits,
             self.misses + len(fills),
             self.evictions + evictions,
             self.bytes_read + read,
         )
-        HITS.inc(len(hits))
+        HITS.inc(hits)
         if fills:
             MISSES.inc(len(fills))
             EVICTIONS.inc(evictions)
             BYTES_READ.inc(read)
             SLOTS_USED.set(len(self.policy.held))
-        FILL_TIME.observe(time.perf_counter() - started)
+        FILL_TIME.observe(seconds)
 
     def _why_not_streamed(self) -> str:
         if self.fill_mode == "on-demand":

@@ -329,28 +329,33 @@ class SparseMoE:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         if self.panels is not None:
-            bits = 8 if self.int8_activations and x.shape[0] > BLOCK_QUANT_MAX_ROWS else 16
-            return self._grouped(x, self._logits(x, self._logits_weight), bits, residual)
+            return self._grouped(x, self._logits(x, self._logits_weight), residual)
         weights, ids = route(F.linear(x, self.router), self.top_k, self.renormalize)
         return self._experts(x, self.w_gate_up, self.w_down, weights, ids, residual)
+
+    def _activation_bits(self, rows: int) -> int:
+        return 8 if self.int8_activations and rows > BLOCK_QUANT_MAX_ROWS else 16
 
     def _shared(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         shared = self.shared_panels
         return (None, None) if shared is None else (shared.gate_up[0], shared.down[0])
 
-    def _resident(self, x: torch.Tensor, logits: torch.Tensor, bits: int, residual: torch.Tensor | None) -> torch.Tensor:
+    def _resident(self, x: torch.Tensor, logits: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return self._kernel(
             x, logits, self.top_k, self.renormalize, self.panels.gate_up, self.panels.down, *self._shared(),
-            None if residual is None else residual.contiguous(), bits,
+            None if residual is None else residual.contiguous(), self._activation_bits(x.shape[0]),
         )  # fmt: skip
 
-    def _from_cache(self, x: torch.Tensor, logits: torch.Tensor, bits: int, residual: torch.Tensor | None) -> torch.Tensor:
-        """The grouped call over the cache's bank: the step's layer read whole (a streamed step), or once per group of
-        tokens whose experts the bank holds at once, their misses filled on demand."""
+    def _from_cache(self, x: torch.Tensor, logits: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        if self.cache_layer == 0:
+            self.cache.begin_step(x.shape[0])
+        return self.run_cached(x, logits, residual)
+
+    def run_cached(self, x: torch.Tensor, logits: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The grouped call over the cache's bank, in a step the cache has begun: the step's layer read whole (a streamed
+        step), or once per group of tokens whose experts the bank holds at once, their misses filled on demand."""
         out = torch.zeros_like(x) if residual is None else residual.contiguous()
-        x, shared, cache, layer = x.contiguous(), self._shared(), self.cache, self.cache_layer
-        if layer == 0:
-            cache.begin_step(x.shape[0])
+        x, shared, cache, layer, bits = x.contiguous(), self._shared(), self.cache, self.cache_layer, self._activation_bits(x.shape[0])
         computing = 0.0  # the calls' time, without the fills'
         if cache.streaming:
             slots = cache.streamed(layer)

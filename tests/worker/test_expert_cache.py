@@ -35,6 +35,7 @@ from services.launcher.__main__ import check_expert_cache
 from services.worker import block_quant, weights_loading
 from services.worker.block_quant import BlockQuantized
 from services.worker.cpu_kernels import cpu_kernels
+from services.worker.decoder_backends import DECODER_BACKENDS
 from services.worker.expert_cache import ALIGN, POLICIES, ExpertCache, ExpertSpill, ExpertStore, SlotLFU, SlotLRU, cache_bytes, default_store_dir, padded
 from services.worker.moe import ExpertPanels, SharedExpert, SparseMoE, routed_experts
 from services.worker.runner import ModelRunner, RunnerConfig
@@ -290,13 +291,17 @@ def test_a_layer_with_its_shared_expert_gives_the_resident_bits_from_a_bank_of_t
 
 
 def _greedy_and_logits(
-    path: str, spec: str, store: str, policy: str = "lfu", weight_quant: str = "int4", fill: str = "on-demand"
+    path: str, spec: str, store: str, policy: str = "lfu", weight_quant: str = "int4", fill: str = "on-demand", decoder: str = ""
 ) -> tuple[dict[str, list[int]], torch.Tensor, ModelRunner]:
+    """Greedy tokens of four staggered requests in chunked, mixed steps, and one prompt's logits; ``decoder``: a decoder
+    backend in place of the one chosen at load."""
     config = RunnerConfig(
         path, num_blocks=64, block_size=4, weight_quant=weight_quant, expert_cache_bytes=spec, expert_cache_dir=store, expert_cache_policy=policy,
         expert_cache_fill=fill,
     )  # fmt: skip
     runner = ModelRunner(config)
+    if decoder:
+        runner.decoder = DECODER_BACKENDS[decoder](runner.model)
     prompts = {f"r{i}": prompt_of(10 + i, n) for i, n in enumerate((3, 9, 14, 22))}
     out, stats = drive(runner, prompts, 10, chunk=6, seed=3, arrivals={"r0": 0, "r1": 0, "r2": 2, "r3": 5})
     assert stats.mixed_steps >= 2 and stats.multi_prefill_steps >= 1  # chunked prefills beside decode batches
@@ -331,6 +336,33 @@ def test_greedy_tokens_and_logits_are_the_resident_ones_at_every_cache_size(
         assert torch.equal(logits, resident_logits), spec
     assert facts["store_reads"] == store_dir.mode
     assert facts["hit_rate"] > 0.5  # 100 %: only the first touch of each expert misses
+
+
+@needs_kernels
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("spec", ["50%", "100%"])
+def test_the_one_call_decoder_runs_held_experts_in_cpp_and_leaves_the_cache_as_the_per_layer_path_does(
+    spec: str, policy: str, tiny_qwen3_moes: dict[str, Checkpoint], store_dir: StoreDir
+) -> None:
+    path = tiny_qwen3_moes["renorm-dense-middle"].path
+    replayed, replay = [], ExpertCache.ran_from_bank
+
+    def counted(cache: ExpertCache, layer_steps: list[tuple[int, list[int], float]], tokens: int) -> None:
+        replayed.append(len(layer_steps))
+        replay(cache, layer_steps, tokens)
+
+    with mock.patch.object(ExpertCache, "ran_from_bank", counted):
+        one_call = _greedy_and_logits(path, spec, store_dir.path, policy)
+    per_layer = _greedy_and_logits(path, spec, store_dir.path, policy, decoder="fused")
+    assert (one_call[2].decoder.name, per_layer[2].decoder.name) == ("one-call-cpp", "fused")
+    assert sum(replayed) > 0  # layer-steps that found their experts held ran in C++
+    assert one_call[0] == per_layer[0] and torch.equal(one_call[1], per_layer[1])
+    caches = [runner.expert_cache for _, _, runner in (one_call, per_layer)]
+    facts = [{k: v for k, v in cache.describe().items() if k not in ("store", "fill_rule")} for cache in caches]
+    assert facts[0] == facts[1]  # every hit, miss, eviction and layer-step counted alike
+    assert (
+        caches[0].policy.held == caches[1].policy.held and caches[0].policy.ranked() == caches[1].policy.ranked()
+    )  # the policy heard the same steps in the same order
 
 
 @needs_kernels
@@ -586,6 +618,25 @@ def test_a_failed_read_frees_its_slots_and_the_runs_read_beside_it_are_held(stor
         assert torch.equal(cache.gate_up[slot], layers[0].gate_up[expert]) and torch.equal(cache.down[slot], layers[0].down[expert])
     cache.fill(0, [3])  # read again on the next try
     assert torch.equal(cache.gate_up[int(cache.slot_of[0][3])], layers[0].gate_up[3])
+
+
+@needs_kernels
+def test_a_read_that_fails_inside_the_one_call_decoder_reaches_the_caller_and_the_next_step_runs_as_resident(
+    tiny_qwen3_moes: dict[str, Checkpoint], store_dir: StoreDir
+) -> None:
+    path, prompt = tiny_qwen3_moes["renorm-dense-middle"].path, prompt_of(5, 12)
+
+    def plan(rid: str) -> StepPlan:
+        return StepPlan(0, [Slice(rid, 0, len(prompt), prompt, list(range(4)), sampling=GREEDY)])
+
+    resident = ModelRunner(RunnerConfig(path, num_blocks=16, block_size=4, weight_quant="int4")).logits(plan("r"))["r"]
+    runner = ModelRunner(RunnerConfig(path, num_blocks=16, block_size=4, weight_quant="int4", expert_cache_bytes="50%", expert_cache_dir=store_dir.path))
+    assert runner.decoder.name == "one-call-cpp"
+    with mock.patch.object(runner.expert_cache.store, "read_into", side_effect=OSError(errno.EIO, "Input/output error")):
+        with pytest.raises(OSError, match="Input/output"):  # raised in a fill the C++ decoder called back for
+            runner.logits(plan("failed"))
+    runner.release(["failed"])
+    assert torch.equal(runner.logits(plan("r"))["r"], resident)  # nothing of the failed step is held as if read
 
 
 TINY_SLOT_BYTES = padded(2 * 32 * 64 // 32 * 20 + 64 * 32 // 32 * 20)  # the tiny checkpoints' q4_1 experts: gate_up [64, 64] + down [64, 32]

@@ -1,12 +1,15 @@
 // The CPU worker's C++ kernels as one Python extension module (services/worker/cpu_kernels.py).
 
+#include <pybind11/functional.h>
+
 #include "kernels.h"
 #include "takeover_pool.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Every compute call releases the GIL: a one-call decoder over a long prefill chunk runs for seconds on
   // a slow CPU, and the worker's heartbeat thread (Python) must keep reporting meanwhile. The arguments
-  // are converted before the release and the result after it; no kernel touches a Python object.
+  // are converted before the release and the result after it; no kernel touches a Python object, except the
+  // decoder's cached_layer callback, which takes the GIL for its call (pybind11's std::function wrapper).
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("paged_decode_attention", &paged_decode_attention, "attention of each row over a paged KV cache (fp32, fp16 or int8 storage, CPU)", no_gil);
   m.def("store_kv_", &store_kv_, "write each token's keys and values [tokens, 2, kv_heads, head_dim] into its cache slot (fp32, fp16 or int8 cache, CPU)", no_gil);
@@ -45,13 +48,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecoderLayers>(m, "DecoderLayers", "a decoder's layers over weights in blocks, held from load, run for a step in one call (fp32, CPU)")
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<std::optional<torch::Tensor>>, std::vector<std::optional<torch::Tensor>>,
                     std::vector<torch::Tensor>, std::vector<std::optional<torch::Tensor>>, std::vector<std::optional<torch::Tensor>>, std::vector<torch::Tensor>,
-                    std::vector<torch::Tensor>, std::vector<std::vector<int64_t>>, int64_t, int64_t, bool, int64_t, int64_t, int64_t, double>(),
+                    std::vector<torch::Tensor>, std::vector<std::optional<torch::Tensor>>, std::vector<std::vector<int64_t>>, int64_t, int64_t, bool,
+                    int64_t, int64_t, int64_t, double>(),
            py::arg("norms"), py::arg("qkv"), py::arg("qkv_bias"), py::arg("head_norms"), py::arg("o_proj"), py::arg("o_bias"), py::arg("routers"),
-           py::arg("gate_up"), py::arg("down"), py::arg("many_row_bits"), py::arg("few_rows"), py::arg("top_k"), py::arg("renormalize"),
+           py::arg("gate_up"), py::arg("down"), py::arg("slot_maps"), py::arg("many_row_bits"), py::arg("few_rows"), py::arg("top_k"), py::arg("renormalize"),
            py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"))
       .def("forward", &DecoderLayers::forward, "final-normed hidden states [rows, hidden] of a step's embedded rows, every layer in one call",
            py::arg("embedded"), py::arg("caches"), py::arg("cos"), py::arg("sin"), py::arg("write_slots"), py::arg("block_tables"), py::arg("context_lens"),
-           py::arg("block_size"), no_gil);
+           py::arg("block_size"), py::arg("bank") = py::none(), py::arg("cached_layer") = py::none(), no_gil)
+      .def("take_bank_hits", &DecoderLayers::take_bank_hits,
+           "the (layer, experts, seconds) of the layer-steps that ran from the expert cache's bank since the last call, in order");
   m.def(
       "takeover_pool_stats",
       [] {

@@ -12,9 +12,16 @@
 //   mlp = down(silu(gate) * up) (a dense SwiGLU), or grouped_moe over the router's logits (a sparse MoE);
 //   x, residual = add_rms_norm(mlp, residual) with the next layer's (or the final) norm.
 // The layers' weights are held from construction (once, at load); a step passes only what changes.
+//
+// A MoE layer whose experts live in an expert cache (services/worker/expert_cache.py) runs here when every
+// expert its tokens route to is held in the bank: grouped_moe over the bank's slots, with route_experts'
+// routing, the same bits as resident. Otherwise (a miss, or a step that streams its layers) the cache's
+// Python side runs the layer (cached_layer: fills, then the same call). The replacement policy stays in
+// Python: the layer-steps that ran here are logged (take_bank_hits) and replayed into it in order.
 
 #include "kernels.h"
 
+#include <chrono>
 #include <cmath>
 
 namespace {
@@ -28,17 +35,19 @@ constexpr int64_t BLOCK_FEATURES = 32;  // input features per panel block (down:
 DecoderLayers::DecoderLayers(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> qkv, std::vector<std::optional<torch::Tensor>> qkv_bias,
                              std::vector<std::optional<torch::Tensor>> head_norms, std::vector<torch::Tensor> o_proj,
                              std::vector<std::optional<torch::Tensor>> o_bias, std::vector<std::optional<torch::Tensor>> routers,
-                             std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down, std::vector<std::vector<int64_t>> many_row_bits,
-                             int64_t few_rows, int64_t top_k, bool renormalize, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
+                             std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down, std::vector<std::optional<torch::Tensor>> slot_maps,
+                             std::vector<std::vector<int64_t>> many_row_bits, int64_t few_rows, int64_t top_k, bool renormalize, int64_t heads,
+                             int64_t kv_heads, int64_t head_dim, double eps)
     : norms_(std::move(norms)), qkv_(std::move(qkv)), qkv_bias_(std::move(qkv_bias)), head_norms_(std::move(head_norms)), o_proj_(std::move(o_proj)),
       o_bias_(std::move(o_bias)), routers_(std::move(routers)), gate_up_(std::move(gate_up)), down_(std::move(down)),
-      many_row_bits_(std::move(many_row_bits)), few_rows_(few_rows), top_k_(top_k),
+      slot_maps_(std::move(slot_maps)), many_row_bits_(std::move(many_row_bits)), few_rows_(few_rows), top_k_(top_k),
       renormalize_(renormalize), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps) {
   const size_t layers = qkv_.size();
   TORCH_CHECK(norms_.size() == 2 * layers + 1, "norms: input and post-attention norm of every layer, then the final norm");
   TORCH_CHECK(qkv_bias_.size() == layers && head_norms_.size() == layers && o_proj_.size() == layers && o_bias_.size() == layers &&
-                  routers_.size() == layers && gate_up_.size() == layers && down_.size() == layers && many_row_bits_.size() == layers,
-              "one qkv, qkv bias, head norm, o_proj, o bias, router, gate_up, down and many_row_bits per layer");
+                  routers_.size() == layers && gate_up_.size() == layers && down_.size() == layers && slot_maps_.size() == layers &&
+                  many_row_bits_.size() == layers,
+              "one qkv, qkv bias, head norm, o_proj, o bias, router, gate_up, down, slot map and many_row_bits per layer");
   for (size_t i = 0; i < layers; ++i) {
     TORCH_CHECK(many_row_bits_[i].size() == 4, "layer ", i, "'s many_row_bits must be [qkv, o_proj, gate_up, down]");
     for (int64_t bits : many_row_bits_[i]) TORCH_CHECK(bits == 8 || bits == 16, "layer ", i, "'s many_row_bits must be 8 or 16, got ", bits);
@@ -53,12 +62,18 @@ DecoderLayers::DecoderLayers(std::vector<torch::Tensor> norms, std::vector<torch
     if (routers_[i]) {
       TORCH_CHECK(top_k >= 1 && top_k <= routers_[i]->size(0), "top_k must be in 1..", routers_[i]->size(0), ", got ", top_k);
     }
+    if (slot_maps_[i]) {
+      const auto& slots = *slot_maps_[i];
+      TORCH_CHECK(routers_[i] && slots.dim() == 1 && slots.scalar_type() == torch::kInt32 && slots.is_contiguous() && slots.size(0) == routers_[i]->size(0),
+                  "layer ", i, "'s slot map must be contiguous int32 [experts] of a MoE layer");
+    }
   }
 }
 
 torch::Tensor DecoderLayers::forward(const torch::Tensor& embedded, const std::vector<torch::Tensor>& caches, const torch::Tensor& cos,
                                      const torch::Tensor& sin, const torch::Tensor& write_slots, const torch::Tensor& block_tables,
-                                     const torch::Tensor& context_lens, int64_t block_size) const {
+                                     const torch::Tensor& context_lens, int64_t block_size,
+                                     const std::optional<std::tuple<torch::Tensor, torch::Tensor>>& bank, const std::optional<CachedLayer>& cached_layer) {
   const int64_t layers = static_cast<int64_t>(qkv_.size());
   TORCH_CHECK(caches.size() == qkv_.size(), "one cache per layer: ", layers, " layers, ", caches.size(), " caches");
   TORCH_CHECK(embedded.dim() == 2, "embedded must be [rows, hidden]");
@@ -77,7 +92,9 @@ torch::Tensor DecoderLayers::forward(const torch::Tensor& embedded, const std::v
     const auto attended = paged_decode_attention(qkv_rows.narrow(1, 0, heads_), caches[i], block_tables, context_lens, block_size, scale).view({rows, attn_width});
     std::tie(x, residual) = add_rms_norm(block_quant_gemm(attended, o_proj_[i], hidden, o_bias_[i], std::nullopt, bits(O_PROJ)), residual, norms_[2 * i + 1], eps_);
     torch::Tensor mlp_out;
-    if (routers_[i]) {
+    if (slot_maps_[i]) {
+      mlp_out = from_cache(i, x, router_logits(x, *routers_[i]), bits(GATE_UP), bank, cached_layer);
+    } else if (routers_[i]) {
       mlp_out = grouped_moe(x, router_logits(x, *routers_[i]), top_k_, renormalize_, gate_up_[i], down_[i], std::nullopt, std::nullopt, std::nullopt, bits(GATE_UP),
                             std::nullopt, std::nullopt, std::nullopt);
     } else {
@@ -87,4 +104,41 @@ torch::Tensor DecoderLayers::forward(const torch::Tensor& embedded, const std::v
     std::tie(x, residual) = add_rms_norm(mlp_out, residual, norms_[2 * i + 2], eps_);
   }
   return x;
+}
+
+torch::Tensor DecoderLayers::from_cache(int64_t layer, const torch::Tensor& x, const torch::Tensor& logits, int64_t bits,
+                                        const std::optional<std::tuple<torch::Tensor, torch::Tensor>>& bank,
+                                        const std::optional<CachedLayer>& cached_layer) {
+  TORCH_CHECK(cached_layer.has_value(), "layer ", layer, "'s experts are in an expert cache: forward needs cached_layer");
+  const auto& slot_map = *slot_maps_[layer];
+  if (bank) {
+    const int64_t experts = slot_map.size(0);
+    auto [weights, ids] = route_experts(logits, top_k_, renormalize_, experts);
+    std::vector<char> routed(experts, 0);
+    const int32_t* id = ids.data_ptr<int32_t>();
+    for (int64_t j = 0; j < ids.numel(); ++j) routed[id[j]] = 1;
+    const int32_t* slot = slot_map.data_ptr<int32_t>();
+    std::vector<int64_t> held;
+    bool all_held = true;
+    for (int64_t e = 0; e < experts && all_held; ++e) {
+      if (routed[e]) {
+        all_held = slot[e] >= 0;
+        held.push_back(e);
+      }
+    }
+    if (all_held) {
+      const auto began = std::chrono::steady_clock::now();
+      auto out = grouped_moe(x, logits, top_k_, renormalize_, std::get<0>(*bank), std::get<1>(*bank), std::nullopt, std::nullopt, std::nullopt, bits, weights, ids,
+                             slot_map);
+      bank_hits_.emplace_back(layer, std::move(held), std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count());
+      return out;
+    }
+  }
+  return (*cached_layer)(layer, x, logits);
+}
+
+std::vector<DecoderLayers::BankHit> DecoderLayers::take_bank_hits() {
+  std::vector<BankHit> taken;
+  taken.swap(bank_hits_);
+  return taken;
 }

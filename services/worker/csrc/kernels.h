@@ -3,6 +3,7 @@
 
 #include <torch/extension.h>
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -37,27 +38,43 @@ void rotary_(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tens
 void rms_norm_heads_(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 // A decoder's layers (decoder_layers.cpp), their weights held from load: per layer a dense SwiGLU (routers[i]
 // none; gate_up / down its panels) or a sparse MoE (routers[i] its [experts, hidden] weight; gate_up / down its
-// experts' stacked panels), q/k head norms where head_norms[i] is given; activations rounded to int16 in steps
-// of up to few_rows rows, else to many_row_bits.
+// experts' stacked panels, or where slot_maps[i] is given, an expert cache's: the bank's slot of each expert,
+// -1 where not held), q/k head norms where head_norms[i] is given; activations rounded to int16 in steps of up
+// to few_rows rows, else to many_row_bits.
 class DecoderLayers {
  public:
+  // A MoE layer over an expert cache that must fill (or stream): (layer, normed x, router logits) -> its output.
+  using CachedLayer = std::function<torch::Tensor(int64_t, const torch::Tensor&, const torch::Tensor&)>;
+  // A layer-step that found every routed expert in the bank and ran here: (layer, its experts ascending,
+  // seconds of its call), what the cache's policy hears of afterwards, in order (take_bank_hits).
+  using BankHit = std::tuple<int64_t, std::vector<int64_t>, double>;
+
   DecoderLayers(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> qkv, std::vector<std::optional<torch::Tensor>> qkv_bias,
                 std::vector<std::optional<torch::Tensor>> head_norms, std::vector<torch::Tensor> o_proj, std::vector<std::optional<torch::Tensor>> o_bias,
                 std::vector<std::optional<torch::Tensor>> routers, std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down,
-                std::vector<std::vector<int64_t>> many_row_bits, int64_t few_rows, int64_t top_k, bool renormalize, int64_t heads, int64_t kv_heads,
-                int64_t head_dim, double eps);
+                std::vector<std::optional<torch::Tensor>> slot_maps, std::vector<std::vector<int64_t>> many_row_bits, int64_t few_rows, int64_t top_k,
+                bool renormalize, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps);
+  // bank: the expert cache's (gate_up, down) slots, where a layer-step whose experts are all held may run here
+  // (none: every cached layer goes to cached_layer, as in a streamed step).
   torch::Tensor forward(const torch::Tensor& embedded, const std::vector<torch::Tensor>& caches, const torch::Tensor& cos, const torch::Tensor& sin,
-                        const torch::Tensor& write_slots, const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t block_size) const;
+                        const torch::Tensor& write_slots, const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t block_size,
+                        const std::optional<std::tuple<torch::Tensor, torch::Tensor>>& bank, const std::optional<CachedLayer>& cached_layer);
+  std::vector<BankHit> take_bank_hits();
 
  private:
+  torch::Tensor from_cache(int64_t layer, const torch::Tensor& x, const torch::Tensor& logits, int64_t bits,
+                           const std::optional<std::tuple<torch::Tensor, torch::Tensor>>& bank, const std::optional<CachedLayer>& cached_layer);
+
   std::vector<torch::Tensor> norms_, qkv_;
   std::vector<std::optional<torch::Tensor>> qkv_bias_, head_norms_;
   std::vector<torch::Tensor> o_proj_;
   std::vector<std::optional<torch::Tensor>> o_bias_, routers_;
   std::vector<torch::Tensor> gate_up_, down_;
+  std::vector<std::optional<torch::Tensor>> slot_maps_;
   std::vector<std::vector<int64_t>> many_row_bits_;  // per layer: qkv, o_proj, gate_up (a MoE layer: its experts'), down
   int64_t few_rows_, top_k_;
   bool renormalize_;
   int64_t heads_, kv_heads_, head_dim_;
   double eps_;
+  std::vector<BankHit> bank_hits_;  // since the last take_bank_hits
 };
