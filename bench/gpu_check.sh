@@ -5,7 +5,8 @@
 #   PY=/opt/venv/bin/python bash bench/gpu_check.sh   # e.g. inside the deploy/Dockerfile.cuda image
 #
 # 1. tests marked `gpu` (tests/worker/test_gpu.py): bf16 parity with transformers for every family,
-#    graphed decode identical to eager over 64 steps with joins and leaves, Triton attention on the GPU;
+#    graphed decode identical to eager over 64 steps with joins and leaves, Triton attention on the GPU,
+#    a MoE model from an expert cache in device memory (co-execution's measured rates printed);
 # 2. decode step time graphed vs eager at batch 1/8/32, and the device-to-device copy bandwidth;
 # 3. GB/s of the MoE (bench/moe_gpu.py, with its error against the torch path) and GDN (bench/gdn_gpu.py,
 #    when present) decode kernels, to hold against the copy bandwidth of part 2;

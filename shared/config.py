@@ -20,6 +20,7 @@ from typing import Any
 from shared.choices import (
     DEVICES,
     DTYPE_NAMES,
+    EXPERT_CACHE_CPU_EXPERTS,
     EXPERT_CACHE_FILLS,
     EXPERT_CACHE_POLICIES,
     LOG_FORMATS,
@@ -151,11 +152,14 @@ class WorkerConfig:
     tensor_parallel_rank: int = _opt(0, "this worker process's rank (rank 0 talks to the scheduler)", minimum=0)
     tensor_parallel_addr: str = _opt("", "rendezvous of the worker ranks (default: tcp://127.0.0.1:<port + 90>)")
     stream_interval: int = _opt(1, "steps whose tokens the worker sends as one chunk", minimum=1)
-    expert_cache_bytes: str = _opt("0", "MoE experts held in RAM: bytes, or a percentage of their size such as 25% (0: all resident)")
+    expert_cache_bytes: str = _opt("0", "MoE experts held in RAM (a GPU's memory on one): bytes or a percentage such as 25% (0: all resident)")
     expert_cache_dir: str = _opt("", "directory of the expert cache's spill file (default: ~/.cache/tokenyard/experts)")
     expert_cache_policy: str = _opt("lfu", "which expert the expert cache evicts: lfu (scan resistant, the default) or lru", choices=EXPERT_CACHE_POLICIES)
     expert_cache_fill: str = _opt(
         "auto", "how steps read experts: on-demand misses, whole layers streamed, or auto (by measured rates)", choices=EXPERT_CACHE_FILLS
+    )
+    expert_cache_cpu_experts: str = _opt(
+        "auto", "GPU worker: run a missed expert few tokens use on the CPU, not copy it (auto: by measured rates)", choices=EXPERT_CACHE_CPU_EXPERTS
     )
 
 

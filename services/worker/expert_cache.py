@@ -82,6 +82,11 @@ def cache_bytes(spec: str, experts_bytes: int) -> int:
     raise ValueError(f"--expert-cache-bytes takes bytes or a percentage (0% to 100%) of the experts' size, such as 25%; got {spec!r}")
 
 
+def expert_cache_on(spec: str) -> bool:
+    """Whether ``--expert-cache-bytes`` asks for a cache (not 0 or 0 %)."""
+    return cache_bytes(spec, 1 << 60) > 0
+
+
 def default_store_dir() -> str:
     """Where a worker writes its expert store unless ``--expert-cache-dir`` says: the user's cache directory
     (a disk, where the temporary directory may be memory)."""
@@ -748,6 +753,8 @@ class ExpertSpill:
     holds more than about one layer's experts; ``attach`` then runs the MoE layers from a bank of slots over that
     store. Refuses (ValueError, naming why) what the cache cannot serve, each as soon as it is known."""
 
+    on_device = False  # takes blocks (moe.ExpertSink)
+
     def __init__(self, spec: str, directory: str, policy: str, fill: str = "auto") -> None:
         self.spec, self.directory, self.policy, self.fill = spec, directory, policy, fill
         self.store: ExpertStore | None = None
@@ -757,10 +764,10 @@ class ExpertSpill:
     def plan(cls, spec: str, directory: str, policy: str, device: torch.device, sharded: bool, fill: str = "auto") -> ExpertSpill | None:
         """The spill of ``spec`` (``cache_bytes``) under replacement ``policy`` (``POLICIES``) and ``fill`` mode, its store under
         ``directory``; None where ``spec`` is 0 (all resident)."""
-        if cache_bytes(spec, 1 << 60) == 0:  # 0 or 0%
+        if not expert_cache_on(spec):
             return None
         if device.type != "cpu":
-            raise ValueError("--expert-cache-bytes runs on a CPU worker only (there is no GPU expert cache yet)")
+            raise ValueError("a GPU worker's expert cache is device_expert_cache.DeviceExpertSpill")
         if sharded:
             raise ValueError("--expert-cache-bytes does not run with tensor parallelism: leave --tensor-parallel-size at 1")
         if policy not in POLICIES:

@@ -213,7 +213,11 @@ class WorkerLoop:
             facts = self.runner.expert_cache.describe()
             self.log.info(
                 "expert_cache",
-                **{key: facts[key] for key in ("bytes", "slots", "experts", "store", "store_reads", "fill_policy", "streamed_prefill", "policy")},
+                **{
+                    key: facts[key]
+                    for key in ("bytes", "slots", "experts", "store", "store_reads", "fill_policy", "streamed_prefill", "policy", "cpu_experts")
+                    if key in facts
+                },
             )
         if cuda:
             DEVICE_MEMORY_USED.set_function(lambda: torch.cuda.memory_allocated(device))

@@ -32,6 +32,7 @@ from services.worker.cpu_kernels import cpu_kernels
 from services.worker.linear import BLOCK_QUANT_MAX_ROWS
 
 if TYPE_CHECKING:
+    from services.worker.device_expert_cache import DeviceExpertCache
     from services.worker.expert_cache import ExpertCache
 
 Weight = torch.Tensor | BlockQuantized
@@ -137,9 +138,14 @@ class ExpertSink(Protocol):
     while the model loads: ``expert_cache.ExpertSpill``); the layer then keeps only their shapes. A layer whose
     experts load as floats puts them in blocks under ``EXPERT_QUANT`` (``expert_format``) as it is built (an expert
     at a time where the checkpoint stores them so: ``SparseMoE.load``), so that the sink has each layer's before
-    the next layer's are read."""
+    the next layer's are read. A GPU worker's (``on_device``: ``device_expert_cache.DeviceExpertSpill``) takes each
+    layer's float experts as loaded (``hold``) instead."""
+
+    on_device: bool
 
     def append(self, panels: ExpertPanels) -> None: ...
+
+    def hold(self, gate_up: torch.Tensor, down: torch.Tensor) -> None: ...
 
 
 EXPERT_SINK: ContextVar[ExpertSink | None] = ContextVar("expert_sink", default=None)
@@ -237,7 +243,7 @@ class SparseMoE:
         self.router, self.top_k, self.renormalize, self.backend = router, top_k, renormalize, backend
         self.panels: ExpertPanels | None = None
         self.shared_panels: ExpertPanels | None = None
-        self.cache: ExpertCache | None = None
+        self.cache: ExpertCache | DeviceExpertCache | None = None
         self.int8_activations = False
         self.quantized_at_load = False  # float experts put in blocks as the layer was built (``load``)
         blocks = [isinstance(t, BlockQuantized) for t in (w_gate_up, w_down)]
@@ -248,7 +254,11 @@ class SparseMoE:
         w_gate_up, w_down = (t.dequantize().to(router.dtype) if isinstance(t, BlockQuantized) else t for t in (w_gate_up, w_down))
         self.w_gate_up, self.w_down = w_gate_up.contiguous(), w_down.contiguous()
         self._experts = MOE_BACKENDS[backend]()
-        if EXPERT_SINK.get() is not None:
+        if (sink := EXPERT_SINK.get()) is not None:
+            if sink.on_device:  # a GPU worker's expert cache: the float experts go to host memory now
+                sink.hold(self.w_gate_up, self.w_down)
+                self.w_gate_up, self.w_down = _placeholder(tuple(w_gate_up.shape), w_gate_up.dtype), _placeholder(tuple(w_down.shape), w_down.dtype)
+                return
             if not quantize_experts(self, EXPERT_QUANT.get()):
                 raise ValueError(BLOCKS_NEEDED)
             self.quantized_at_load = True
@@ -300,6 +310,15 @@ class SparseMoE:
         self.cache, self.cache_layer = cache, layer
         self._route = cpu_kernels()[0].route_experts
         self._grouped = self._from_cache
+
+    def experts_from_device_cache(self, cache: DeviceExpertCache, layer: int) -> None:
+        """From now on the float experts run over ``cache``'s bank in device memory as its MoE layer ``layer`` (a GPU worker's)."""
+        kernel, self.cache, self.cache_layer = self._experts, cache, layer
+
+        def experts(x: torch.Tensor, _gate_up: Weight, _down: Weight, weights: torch.Tensor, ids: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+            return cache.run(layer, x, weights, ids, residual, kernel)
+
+        self._experts = experts
 
     def add_shared_expert(self, shared: SharedExpert) -> None:
         """A shared expert that every token takes, scaled by sigmoid(gate · x), in the same call (the experts

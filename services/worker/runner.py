@@ -27,6 +27,7 @@ from services.worker.cpu_kernels import cpu_kernels
 from services.worker.cuda_graphs import Capture, CudaGraphCapture, DecodeGraphs
 from services.worker.decoder_backends import select_decoder_backend
 from services.worker.device import resolve_dtype
+from services.worker.device_expert_cache import DeviceExpertCache, DeviceExpertSpill
 from services.worker.device_memory import ActivationProfile, CudaMemoryProbe, KVBudget, MemoryProbe, profile_step
 from services.worker.expert_cache import ExpertSpill, default_store_dir
 from services.worker.gdn_state import GDNStateCache, SlotMetadata
@@ -77,6 +78,7 @@ class RunnerConfig:
     expert_cache_dir: str = ""  # where the spill file goes ("": expert_cache.default_store_dir())
     expert_cache_policy: str = "lfu"  # which expert the bank evicts (expert_cache.POLICIES)
     expert_cache_fill: str = "auto"  # how a step reads the experts it misses (expert_cache.ExpertCache.fill_mode)
+    expert_cache_cpu_experts: str = "auto"  # a GPU worker's: whether missed experts may run on the CPU (device_expert_cache.CoExecution)
 
     @classmethod
     def of(cls, config: StackConfig, num_blocks: int, device: str = "cpu") -> RunnerConfig:
@@ -87,7 +89,8 @@ class RunnerConfig:
             gdn_checkpoint_slots=gdn_checkpoints(load_model_info(config.model), config), speculative_method=config.speculative_method, ngram=(config.ngram_min, config.ngram_max),
             verify_states=min(config.speculative_max_batch, config.max_num_seqs) * config.num_speculative_tokens if config.speculative_method else 0,
             expert_cache_bytes=config.expert_cache_bytes, expert_cache_dir=config.expert_cache_dir, expert_cache_policy=config.expert_cache_policy,
-            expert_cache_fill=config.expert_cache_fill, draft_model=config.draft_model, draft_kv_blocks=config.draft_kv_blocks,
+            expert_cache_fill=config.expert_cache_fill, expert_cache_cpu_experts=config.expert_cache_cpu_experts, draft_model=config.draft_model,
+            draft_kv_blocks=config.draft_kv_blocks,
         )  # fmt: skip
 
 
@@ -119,7 +122,10 @@ class ModelRunner:
             raise ValueError("speculative decoding does not run with tensor parallelism")
 
         store_dir = config.expert_cache_dir or default_store_dir()
-        spill = ExpertSpill.plan(config.expert_cache_bytes, store_dir, config.expert_cache_policy, self.device, tp is not None, config.expert_cache_fill)
+        if self.device.type == "cpu":
+            spill = ExpertSpill.plan(config.expert_cache_bytes, store_dir, config.expert_cache_policy, self.device, tp is not None, config.expert_cache_fill)
+        else:
+            spill = DeviceExpertSpill.plan(config.expert_cache_bytes, config.expert_cache_policy, config.expert_cache_cpu_experts, self.device, tp is not None)
         model_config, self.model, self.weight_quant, self.quantized_linears = load_model(config.model, DTYPES[dtype], self.device, weight_quant, tp, spill)
         self.family = model_config.get("model_type", "llama")
         self.expert_cache = None if spill is None else spill.attach(self.model)
@@ -151,7 +157,8 @@ class ModelRunner:
 
         # One GDN state slot per request the scheduler may run at once; it hands out ids 0..max_num_seqs-1.
         # With graphs, slot max_num_seqs past them is the dummy slot that padding rows run in.
-        graphed = config.cuda_graph_max_batch > 0
+        # An expert cache in device memory reads each layer's routing on the host: decode steps run eagerly.
+        graphed = config.cuda_graph_max_batch > 0 and not isinstance(self.expert_cache, DeviceExpertCache)
         shape = self.model.gdn_shape
         self._dummy_slot = max_num_seqs if graphed and shape is not None else None
         pool_slots = max_num_seqs + (self._dummy_slot is not None)
@@ -314,6 +321,8 @@ class ModelRunner:
             raise ValueError(f"{len(self.requests)} requests still hold the KV cache: a resize runs once every request is released")
         if self.graphs is not None or self.tp is not None:
             raise ValueError("memory is resized on a CPU worker without tensor parallelism only")
+        if expert_cache_bytes >= 0 and isinstance(self.expert_cache, DeviceExpertCache):
+            raise ValueError("a GPU worker's expert cache keeps the size it started with")
         split = self.memory_split()
         blocks = self.num_blocks if kv_cache_bytes < 0 else kv_cache_bytes // split.kv_block_bytes
         if blocks < 1:

@@ -1,7 +1,9 @@
 """The GPU path on a real CUDA device (marked ``gpu``; skipped without one; run by ``bench/gpu_check.sh``):
 bf16 parity with transformers for every family the harness builds, graphed decode identical to eager
 decode over 64 steps of a mixed batch whose requests join and leave (every family, the hybrid
-qwen3_next included), and the Triton paged attention and fusion kernels in bf16 against the torch path.
+qwen3_next included), the Triton paged attention and fusion kernels in bf16 against the torch path, and a
+MoE model served from an expert cache in device memory: the all-resident greedy tokens without co-execution, and
+close logits with missed experts forced onto the CPU.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 from services.worker.attention import AttentionMetadata, paged_attention, paged_attention_triton
+from services.worker.device_expert_cache import CoExecution, DeviceExpertCache
 from services.worker.runner import ModelRunner, RunnerConfig
 from shared.frames import SamplingParams, Slice, StepPlan
 
@@ -113,3 +116,31 @@ def test_fusion_kernels_on_the_gpu_match_their_references(dtype: torch.dtype) ->
         assert torch.equal(updated, expected_updated) and rel_err(out.float(), expected.float()) < 1e-2
         gate_up = (torch.randn(rows, 2 * hidden + 6, generator=generator) * 2).to("cuda", dtype)
         assert rel_err(silu_and_mul(gate_up).float(), silu_and_mul_torch(gate_up).float()) < 1e-2
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+def test_a_moe_model_from_an_expert_cache_in_device_memory_decodes_as_resident_and_co_executes_close(family: str, tmp_path) -> None:
+    path = str(tmp_path / "model")
+    build_tiny(family, path, **(TINY_QWEN3_NEXTS["gqa-dense-layer"] if family == "qwen3_next" else {}))
+    prompts = {f"r{i}": prompt_of(60 + i, n) for i, n in enumerate((5, 17, 9))}
+
+    def runner(spec: str, cpu_experts: str = "off") -> ModelRunner:
+        return ModelRunner(
+            RunnerConfig(path, 64, 16, dtype="float32", device="cuda", cuda_graph_max_batch=8, expert_cache_bytes=spec, expert_cache_cpu_experts=cpu_experts)
+        )
+
+    resident = runner("0")
+    expected, _ = drive(resident, prompts, 16, chunk=8, seed=5)
+    for spec in ("34%", "100%"):
+        cached = runner(spec)
+        assert isinstance(cached.expert_cache, DeviceExpertCache) and cached.graphs is None  # each layer reads its routing on the host
+        assert drive(cached, prompts, 16, chunk=8, seed=5)[0] == expected, spec
+        facts = cached.describe()["expert_cache"]
+        assert facts["misses"] > 0 and facts["cpu_experts"] == "off" and cached.expert_cache.gate_up.is_cuda
+    co = runner("34%", "auto")
+    print("expert cache co-execution rates measured:", co.describe()["expert_cache"]["cpu_experts"])
+    co.expert_cache.cpu = CoExecution(copy_rate=1e9, cpu_rate=3.5e9)  # experts of up to 3 tokens run on the CPU
+    prompt = prompt_of(70, 24)
+    plan = StepPlan(0, [Slice("l", 0, len(prompt), prompt, [0, 1], sampling=SamplingParams(temperature=0), slot=0 if co.states is not None else -1)])
+    ours, theirs = co.logits(plan)["l"], resident.logits(plan)["l"]
+    assert co.expert_cache.cpu_pairs > 0 and rel_err(ours.float(), theirs.float()) < 1e-4
