@@ -127,11 +127,6 @@ class SchedulerConfig:
     ngram_max: int = _opt(4, "longest such n-gram (the longest that matches proposes)", minimum=1)
     speculative_max_batch: int = _opt(4, "requests may speculate only while at most this many run", minimum=1)
 
-    @property
-    def draft_kv_blocks(self) -> int:
-        """The draft model's KV blocks (speculative_method draft): kv_cache_tokens' worth, whatever sizes the model's."""
-        return max(1, self.kv_cache_tokens // self.block_size)
-
 
 @dataclass(frozen=True)
 class WorkerConfig:

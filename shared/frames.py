@@ -348,6 +348,7 @@ class Heartbeat(_Frame):
     detail: str = ""
     progress: float = 0.0
     kv_blocks: int = 0  # the worker's KV cache blocks (it may size them from device memory); 0: not said
+    draft_kv_blocks: int = 0  # the worker's draft model's KV blocks (speculative method draft); 0: none, or not said
     memory: MemorySplit | None = None  # once loaded
 
 

@@ -114,7 +114,8 @@ class SchedulerLoop:
             if config.tensor_parallel_size > 1:
                 raise ValueError("speculative decoding does not run with tensor parallelism")
             speculation = Speculation(config.num_speculative_tokens, config.speculative_max_batch)
-        draft_blocks = DraftBlocks(config.draft_kv_blocks, config.block_size) if config.speculative_method == "draft" else None
+        # The draft's KV holds as many blocks as the target's as configured; the worker's count, once it says it, is adopted.
+        draft_blocks = DraftBlocks(max(1, num_blocks), config.block_size) if config.speculative_method == "draft" else None
         self.core = Scheduler(
             pool,
             config.max_num_seqs,
@@ -375,9 +376,21 @@ class SchedulerLoop:
             self.memory = beat.memory or self.memory
             if beat.kv_blocks and beat.kv_blocks != self.core.pool.num_blocks:
                 self._adopt_kv_blocks(beat.kv_blocks)
+            draft = self.core.draft_blocks
+            if beat.draft_kv_blocks and draft is not None and beat.draft_kv_blocks != draft.pool.num_blocks:
+                self._adopt_draft_blocks(beat.draft_kv_blocks)
         peer.serving = peer.serving or beat.state == ProcessState.READY
         if changed and lost is None:  # readiness changes reach the api at once, not at the next periodic status
             self._send_status()
+
+    def _adopt_draft_blocks(self, num_blocks: int) -> None:
+        """The worker's draft KV holds ``num_blocks``: the draft pool takes its count, while no request holds draft blocks."""
+        if self.core.requests:
+            self.log.error("draft_kv_blocks_mismatch", scheduler=self.core.draft_blocks.pool.num_blocks, worker=num_blocks)
+            return
+        previous = self.core.draft_blocks.pool.num_blocks
+        self.core.draft_blocks = DraftBlocks(num_blocks, self.core.draft_blocks.pool.block_size)
+        self.log.info("draft_kv_blocks_adopted", previous=previous, num_blocks=num_blocks)
 
     def _adopt_kv_blocks(self, num_blocks: int) -> None:
         """The worker sized its KV cache itself (from device memory): plan with its count. Only while

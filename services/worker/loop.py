@@ -123,7 +123,14 @@ class WorkerLoop:
     def _heartbeat(self) -> Heartbeat:
         memory = self.memory_split() if self.state == ProcessState.READY else None
         return Heartbeat(
-            process=Process.WORKER, pid=os.getpid(), state=self.state, detail=self.detail, progress=self.progress, kv_blocks=self.num_blocks, memory=memory
+            process=Process.WORKER,
+            pid=os.getpid(),
+            state=self.state,
+            detail=self.detail,
+            progress=self.progress,
+            kv_blocks=self.num_blocks,
+            draft_kv_blocks=self.runner.draft_kv_blocks if self.runner is not None else 0,
+            memory=memory,
         )
 
     def memory_split(self) -> MemorySplit | None:

@@ -73,7 +73,7 @@ class RunnerConfig:
     verify_states: int = 0  # a hybrid model's GDN states a step's verifies roll back to: speculative_max_batch × k (gdn_state.py)
     ngram: tuple[int, int] = (2, 4)  # the n-gram lengths prompt lookup matches
     draft_model: str = ""  # speculative_method "draft": the draft model's directory (speculative/draft.py)
-    draft_kv_blocks: int = 0  # its KV cache's blocks, the scheduler's draft pool (0: num_blocks)
+    draft_kv_blocks: int = 0  # its KV cache's blocks (0: num_blocks, the KV cache's as configured), which the scheduler's draft pool adopts
     expert_cache_bytes: str = "0"  # a MoE model's experts in a bank of slots over a spill file (expert_cache.py); "0": all resident
     expert_cache_dir: str = ""  # where the spill file goes ("": expert_cache.default_store_dir())
     expert_cache_policy: str = "lfu"  # which expert the bank evicts (expert_cache.POLICIES)
@@ -90,7 +90,6 @@ class RunnerConfig:
             verify_states=min(config.speculative_max_batch, config.max_num_seqs) * config.num_speculative_tokens if config.speculative_method else 0,
             expert_cache_bytes=config.expert_cache_bytes, expert_cache_dir=config.expert_cache_dir, expert_cache_policy=config.expert_cache_policy,
             expert_cache_fill=config.expert_cache_fill, expert_cache_cpu_experts=config.expert_cache_cpu_experts, draft_model=config.draft_model,
-            draft_kv_blocks=config.draft_kv_blocks,
         )  # fmt: skip
 
 
@@ -141,6 +140,7 @@ class ModelRunner:
                 raise ValueError("speculative method 'mtp' reads every step's hidden states, which a decode graph does not give: leave CUDA graphs off")
             self._mtp = MTPProposer.load(config.model, self.family, self.model, self.requests, block_size)
         self.speculator = Speculator(config.speculative_method, *config.ngram, block_size, draft, self._mtp) if config.speculative_method else None
+        self.draft_kv_blocks = 0 if draft is None else draft.num_blocks
         self.sampler = Sampler(self.device, config.model, self.model.vocab_size)
         self._grammars = self.sampler if tp is None or tp.leader else None  # only the leader samples
         self.decoder = select_decoder_backend(self.model, sharded=tp is not None)  # the weights are in their final form
