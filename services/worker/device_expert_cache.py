@@ -5,7 +5,7 @@ replacement policies (``expert_cache.SlotLRU`` / ``SlotLFU``), holds the experts
 
 A layer-step reads its routing on the host, keeps its hits, copies its misses into their slots (on the step's
 stream, so that a copy never overtakes a kernel still reading the slot it refills), and runs the layer's kernel
-(the fused Triton MoE) over the bank, each (token, expert) pair's expert mapped to its slot. A step whose tokens route
+(the fused Triton MoE) over the bank with each expert's slot (``expert_slots``): the same bits as resident. A step whose tokens route
 to more experts than the bank holds runs in groups of consecutive tokens that fit.
 
 Co-execution (``--expert-cache-cpu-experts auto``, FreeToken's bandwidth-adaptive execution): a missed expert that
@@ -200,10 +200,10 @@ class DeviceExpertCache:
             on_cpu = [e for e in experts[slot_of[experts] < 0].tolist() if self.cpu.runs_on_cpu(int(counts[e]))]
         hits, fills = self.policy.take(layer, sorted(set(experts.tolist()) - set(on_cpu)))
         self._fill(layer, fills)
-        call_slots = slot_of.copy()
+        call_slots = slot_of.astype(np.int32)
         call_slots[on_cpu] = self.zero_slot  # their pairs run against zeros here: the CPU adds theirs
-        slots = torch.from_numpy(call_slots).to(self.device)[ids.long()]
-        out = kernel(x.contiguous(), self.gate_up, self.down, weights, slots, None if residual is None else residual.contiguous())
+        slots = torch.from_numpy(call_slots).to(self.device)
+        out = kernel(x.contiguous(), self.gate_up, self.down, weights, ids, None if residual is None else residual.contiguous(), expert_slots=slots)
         if on_cpu:  # while the device runs the kernel
             out = self._add_cpu_experts(layer, on_cpu, x, weights, routed, out)
         self.hits += len(hits)

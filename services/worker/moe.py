@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 
 Weight = torch.Tensor | BlockQuantized
 
-# (x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], topk_weights [T, k], topk_ids [T, k], residual [T, H] | None) -> [T, H]
-ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# (x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], topk_weights [T, k], topk_ids [T, k], residual [T, H] | None) -> [T, H];
+# keyword expert_slots (int32 [E]): the weights' row of each expert, where they are a bank of slots (device_expert_cache.py)
+ExpertsFn = Callable[..., torch.Tensor]
 
 
 class MLP(Protocol):
@@ -64,8 +65,10 @@ def experts_torch(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     residual: torch.Tensor | None = None,
+    expert_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``residual + Σ_j topk_weights[t, j] · down_e(silu(gate_e(x_t)) · up_e(x_t))`` with ``e = topk_ids[t, j]``.
+    """``residual + Σ_j topk_weights[t, j] · down_e(silu(gate_e(x_t)) · up_e(x_t))`` with ``e = topk_ids[t, j]``,
+    expert e's weights at row ``expert_slots[e]`` of the stacks where given (a bank of slots), else at row e.
 
     The T·k pairs are sorted by expert (stable: within an expert, in token order) so each active
     expert runs as two GEMMs over its contiguous rows; experts that receive no token cost nothing.
@@ -73,7 +76,8 @@ def experts_torch(
     top_k, inter = topk_ids.shape[1], w_down.shape[2]
     flat = topk_ids.flatten()
     order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=w_gate_up.shape[0] if expert_slots is None else expert_slots.numel()).tolist()
+    rows_of = range(len(counts)) if expert_slots is None else expert_slots.tolist()
     token = order // top_k
     rows_in = x.index_select(0, token)
     rows_out = torch.empty_like(rows_in)
@@ -81,9 +85,9 @@ def experts_torch(
     for expert, n in enumerate(counts):
         if n:
             rows = slice(start, start + n)
-            gate_up = F.linear(rows_in[rows], w_gate_up[expert])
+            gate_up = F.linear(rows_in[rows], w_gate_up[rows_of[expert]])
             act = F.silu(gate_up[:, :inter], inplace=True).mul_(gate_up[:, inter:])
-            torch.mm(act, w_down[expert].t(), out=rows_out[rows])
+            torch.mm(act, w_down[rows_of[expert]].t(), out=rows_out[rows])
             start += n
     rows_out.mul_(topk_weights.flatten()[order, None].to(rows_out.dtype))
     return (torch.zeros_like(x) if residual is None else residual).index_add(0, token, rows_out)

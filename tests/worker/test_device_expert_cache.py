@@ -1,6 +1,7 @@
 """A GPU worker's expert cache (services/worker/device_expert_cache.py), run here on the CPU as its own device: the
 experts' kernel over the bank gives the all-resident output at every bank size from one layer's top-k up, a step
-routing to more experts than the bank holds included, with the fused Triton MoE (under the interpreter) to the bit;
+routing to more experts than the bank holds included, to the bit (the torch path, and the fused Triton MoE under the
+interpreter);
 the bank holds what the slot maps say and its zero slot stays zeros; the co-execution rule chooses the CPU below
 ``cpu_rate / copy_rate`` tokens an expert, as injected rates say, and the experts it sends there take no slot and
 add the same products; a MoE layer loaded into the spill keeps no experts of its own and runs from the bank."""
@@ -52,7 +53,11 @@ def test_the_bank_gives_the_resident_output_at_every_size_and_holds_what_its_slo
         x, weights, ids = _routing(tokens, seed)
         residual = torch.randn(tokens, HIDDEN)
         expected = experts_torch(x, *layers[layer], weights, ids, residual)
-        torch.testing.assert_close(cache.run(layer, x, weights, ids, residual, experts_torch), expected, rtol=1e-5, atol=1e-5)
+        out = cache.run(layer, x, weights, ids, residual, experts_torch)
+        if len(ids.unique()) <= slots:  # each expert's rows from its slot, in the same order
+            assert torch.equal(out, expected)
+        else:  # in groups of tokens: the torch GEMMs round by their row count
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
         for (held_layer, expert), slot in cache.policy.held.items():
             assert cache.slot_of[held_layer][expert] == slot
             assert torch.equal(cache.gate_up[slot], layers[held_layer][0][expert]) and torch.equal(cache.down[slot], layers[held_layer][1][expert])
@@ -131,7 +136,7 @@ def test_a_moe_layer_loaded_into_the_spill_keeps_no_experts_and_runs_from_the_ba
     for _ in range(4):
         for layer in range(LAYERS):
             x, residual = torch.randn(3, HIDDEN), torch.randn(3, HIDDEN)
-            torch.testing.assert_close(cached[layer](x, residual), resident[layer](x, residual), rtol=1e-5, atol=1e-5)
+            assert torch.equal(cached[layer](x, residual), resident[layer](x, residual))
     assert cache.hits > 0 and cache.misses > 0 and "from the expert cache" in cached[0].describe()
 
 
@@ -172,5 +177,6 @@ def test_a_runner_serving_from_the_bank_decodes_the_resident_tokens(
         cache = runner.expert_cache
         assert isinstance(cache, DeviceExpertCache) and cache.misses > 0 and (cache.cpu_pairs > 0) == (cpu is not None)
         assert out == resident_out, spec
-        assert rel_err(logits, resident_logits) < 1e-5, spec
+        # bitwise where every step fits the bank (a step in groups of tokens runs the torch GEMMs on fewer rows, which round otherwise)
+        assert torch.equal(logits, resident_logits) if spec == "100%" else rel_err(logits, resident_logits) < 1e-5, spec
         assert runner.describe()["expert_cache"]["slots"] == cache.slots

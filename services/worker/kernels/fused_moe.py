@@ -83,11 +83,13 @@ def _moe_gemm_kernel(
     stride_om,
     code_bytes,
     blocks,
+    slots_ptr,  # HAS_SLOTS: w's row of each expert (a bank of slots)
     FMT: tl.constexpr,  # 0: float weights (strides in elements); 1-3: q4_0 / q4_1 / q8_0 rows (strides in bytes)
     TOP_K: tl.constexpr,  # a's row of pair p is p // TOP_K (1: a has one row per pair)
     SWIGLU: tl.constexpr,  # w holds [gate; up] ([2N, K]): out = silu(a @ gate.T) * (a @ up.T)
     MUL_WEIGHT: tl.constexpr,  # scale row p by topk_weights[p]
     DOT_PRECISION: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -107,6 +109,8 @@ def _moe_gemm_kernel(
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pairs < num_pairs
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if HAS_SLOTS:
+        expert = tl.load(slots_ptr + expert).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -166,12 +170,14 @@ def fused_moe(
     topk_ids: torch.Tensor,
     residual: torch.Tensor | None = None,
     config: MoEConfig | None = None,
+    expert_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``residual + Σ_j topk_weights[t, j] · down_e(silu(gate_e(x_t)) · up_e(x_t))``, ``e = topk_ids[t, j]``:
     the contract of ``services.worker.moe.experts_torch``. ``x`` [T, H], ``w_gate_up`` [E, 2I, H] and
-    ``w_down`` [E, H, I] contiguous, or either in blocks (``BlockQuantized``, products in fp32 or x's dtype)."""
+    ``w_down`` [E, H, I] contiguous, or either in blocks (``BlockQuantized``, products in fp32 or x's dtype);
+    ``expert_slots`` (int32 [E]): the weights' row of each expert, where they are a bank of slots."""
     tokens, hidden = x.shape
-    num_experts, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2
+    num_experts, inter = w_gate_up.shape[0] if expert_slots is None else expert_slots.numel(), w_gate_up.shape[1] // 2
     top_k = topk_ids.shape[1]
     if tokens == 0:
         return torch.zeros_like(x) if residual is None else residual.clone()
@@ -181,12 +187,14 @@ def fused_moe(
     sorted_ids, expert_ids, num_padded = moe_align_triton(topk_ids, num_experts, cfg.block_m)
     num_pairs, blocks_m = tokens * top_k, expert_ids.numel()
     weights = topk_weights.contiguous()
+    slots = sorted_ids if expert_slots is None else expert_slots.contiguous()  # any pointer where there are none
     launch = dict(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 serving means fp32 products
+        HAS_SLOTS=expert_slots is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -194,13 +202,13 @@ def fused_moe(
     w, w_half, stride_we, stride_wn, code_bytes, blocks, fmt = _weights(w_gate_up)
     _moe_gemm_kernel[(blocks_m * triton.cdiv(inter, cfg.block_n),)](
         x, w, w_half, act, weights, sorted_ids, expert_ids, num_padded, num_pairs, blocks_m, inter, hidden,
-        x.stride(0), stride_we, stride_wn, act.stride(0), code_bytes, blocks, FMT=fmt, TOP_K=top_k, SWIGLU=True, MUL_WEIGHT=False, **launch,
+        x.stride(0), stride_we, stride_wn, act.stride(0), code_bytes, blocks, slots, FMT=fmt, TOP_K=top_k, SWIGLU=True, MUL_WEIGHT=False, **launch,
     )  # fmt: skip
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     w, w_half, stride_we, stride_wn, code_bytes, blocks, fmt = _weights(w_down)
     _moe_gemm_kernel[(blocks_m * triton.cdiv(hidden, cfg.block_n),)](
         act, w, w_half, y, weights, sorted_ids, expert_ids, num_padded, num_pairs, blocks_m, hidden, inter,
-        act.stride(0), stride_we, stride_wn, y.stride(0), code_bytes, blocks, FMT=fmt, TOP_K=1, SWIGLU=False, MUL_WEIGHT=True, **launch,
+        act.stride(0), stride_we, stride_wn, y.stride(0), code_bytes, blocks, slots, FMT=fmt, TOP_K=1, SWIGLU=False, MUL_WEIGHT=True, **launch,
     )  # fmt: skip
     out = torch.empty_like(x)
     block_h = min(1024, triton.next_power_of_2(hidden))
