@@ -31,7 +31,6 @@ import torch
 from services.worker.expert_cache import (
     BYTES_READ,
     EVICTIONS,
-    FAMILIES,
     HITS,
     MISSES,
     POLICIES,
@@ -40,8 +39,9 @@ from services.worker.expert_cache import (
     Fill,
     SlotPolicy,
     cache_bytes,
+    cached_moe_shape,
     expert_cache_on,
-    moe_layer_count,
+    refuse_unserved,
 )
 from services.worker.moe import ExpertsFn, routed_experts
 from shared.choices import EXPERT_CACHE_CPU_EXPERTS
@@ -307,18 +307,13 @@ class DeviceExpertSpill:
         """The spill of ``spec`` (``cache_bytes``) on a GPU ``device``; None where ``spec`` is 0 (all resident)."""
         if not expert_cache_on(spec):
             return None
-        if sharded:
-            raise ValueError("--expert-cache-bytes does not run with tensor parallelism: leave --tensor-parallel-size at 1")
-        if policy not in POLICIES:
-            raise ValueError(f"--expert-cache-policy is one of {', '.join(POLICIES)}, not {policy!r}")
+        refuse_unserved(sharded, policy)
         if cpu_experts not in EXPERT_CACHE_CPU_EXPERTS:
             raise ValueError(f"--expert-cache-cpu-experts is one of {', '.join(EXPERT_CACHE_CPU_EXPERTS)}, not {cpu_experts!r}")
         return cls(spec, policy, cpu_experts, device)
 
     def begin(self, config: dict[str, Any]) -> None:
-        if (family := config.get("model_type", "llama")) not in FAMILIES:
-            raise ValueError(f"--expert-cache-bytes serves {' and '.join(FAMILIES)} models, not {family}")
-        self.num_layers, self.top_k = moe_layer_count(config), config["num_experts_per_tok"]
+        self.num_layers, self.top_k = cached_moe_shape(config)
 
     def hold(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         """The next MoE layer's float experts, into host memory."""

@@ -746,6 +746,21 @@ def moe_layer_count(config: dict[str, Any]) -> int:
     return sum(i not in dense and (i + 1) % step == 0 for i in range(config["num_hidden_layers"]))
 
 
+def refuse_unserved(sharded: bool, policy: str) -> None:
+    """What no worker's expert cache serves (ValueError, naming why): tensor parallelism, an unknown policy."""
+    if sharded:
+        raise ValueError("--expert-cache-bytes does not run with tensor parallelism: leave --tensor-parallel-size at 1")
+    if policy not in POLICIES:
+        raise ValueError(f"--expert-cache-policy is one of {', '.join(POLICIES)}, not {policy!r}")
+
+
+def cached_moe_shape(config: dict[str, Any]) -> tuple[int, int]:
+    """(MoE layers, top-k) of a model's config, read before its weights; ValueError for a family the cache does not serve."""
+    if (family := config.get("model_type", "llama")) not in FAMILIES:
+        raise ValueError(f"--expert-cache-bytes serves {' and '.join(FAMILIES)} models, not {family}")
+    return moe_layer_count(config), config["num_experts_per_tok"]
+
+
 class ExpertSpill:
     """A worker's expert cache planned before its weights are read (``plan``): while the model loads, each MoE layer's
     experts go to the store as that layer's blocks are made (``moe.EXPERT_SINK``, set by ``weights_loading.load_model``:
@@ -768,19 +783,14 @@ class ExpertSpill:
             return None
         if device.type != "cpu":
             raise ValueError("a GPU worker's expert cache is device_expert_cache.DeviceExpertSpill")
-        if sharded:
-            raise ValueError("--expert-cache-bytes does not run with tensor parallelism: leave --tensor-parallel-size at 1")
-        if policy not in POLICIES:
-            raise ValueError(f"--expert-cache-policy is one of {', '.join(POLICIES)}, not {policy!r}")
+        refuse_unserved(sharded, policy)
         if fill not in EXPERT_CACHE_FILLS:
             raise ValueError(f"--expert-cache-fill is one of {', '.join(EXPERT_CACHE_FILLS)}, not {fill!r}")
         return cls(spec, directory, policy, fill)
 
     def begin(self, config: dict[str, Any]) -> None:
         """The model's config, read before its weights: its family, MoE layers and top-k."""
-        if (family := config.get("model_type", "llama")) not in FAMILIES:
-            raise ValueError(f"--expert-cache-bytes serves {' and '.join(FAMILIES)} models, not {family}")
-        self.layers, self.top_k = moe_layer_count(config), config["num_experts_per_tok"]
+        self.layers, self.top_k = cached_moe_shape(config)
 
     def append(self, panels: ExpertPanels) -> None:
         """The next MoE layer's experts, into the store (created on the first layer: the bank's size is known from there)."""
