@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from prometheus_client import Counter
 
 from services.worker.expert_cache import (
     BYTES_READ,
@@ -45,7 +46,9 @@ from services.worker.expert_cache import (
 )
 from services.worker.moe import ExpertsFn, routed_experts
 from shared.choices import EXPERT_CACHE_CPU_EXPERTS
+from shared.metrics import PREFIX
 
+CPU_EXPERTS = Counter(f"{PREFIX}expert_cache_cpu_experts", "Missed experts a GPU worker's layer-step ran on the CPU instead of copying them")
 RATE_WEIGHT = 0.25  # the newest measurement's weight in the rates' moving averages
 PROBES = 3  # timed rounds of each rate's probe at start
 
@@ -246,6 +249,7 @@ class DeviceExpertCache:
         self.cpu.computed(len(tokens) * self.expert_bytes, time.perf_counter() - began)
         self.cpu_expert_steps += len(experts)
         self.cpu_pairs += len(tokens)
+        CPU_EXPERTS.inc(len(experts))
         return out.index_add(0, token_ids.to(out.device), products.to(out.device, out.dtype))
 
     def describe(self) -> dict[str, Any]:

@@ -14,11 +14,13 @@ from unittest import mock
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from services.worker.device_expert_cache import CoExecution, DeviceExpertCache, DeviceExpertSpill
 from services.worker.moe import EXPERT_SINK, SparseMoE, experts_torch, route
 from services.worker.runner import ModelRunner, RunnerConfig
 from shared.frames import Slice, StepPlan
+from shared.metrics import exposition
 
 from .harness import GREEDY, Checkpoint, drive, prompt_of, rel_err
 
@@ -107,6 +109,7 @@ def test_experts_few_tokens_route_to_run_on_the_cpu_take_no_slot_and_add_the_sam
     cache = DeviceExpertCache(layers, EXPERTS, TOP_K, 0, torch.device("cpu"), "lfu", cpu=CoExecution(copy_rate=1e9, cpu_rate=2.5e9))  # up to 2 tokens
     x, weights, ids = _routing(12, seed=7)
     counts = torch.bincount(ids.flatten(), minlength=EXPERTS)
+    counted = REGISTRY.get_sample_value("tokenyard:expert_cache_cpu_experts_total")
     residual = torch.randn(12, HIDDEN)
     out = cache.run(0, x, weights, ids, residual, experts_torch)
     torch.testing.assert_close(out, experts_torch(x, *layers[0], weights, ids, residual), rtol=1e-5, atol=1e-5)
@@ -116,6 +119,7 @@ def test_experts_few_tokens_route_to_run_on_the_cpu_take_no_slot_and_add_the_sam
     assert not cache.gate_up[cache.zero_slot].any()
     described = cache.describe()["cpu_experts"]
     assert described["expert_layer_steps"] == len(on_cpu) and described["most_tokens_on_cpu"] >= 0
+    assert f"tokenyard:expert_cache_cpu_experts_total {float(counted + len(on_cpu))}" in exposition({}).decode()
 
 
 def test_a_moe_layer_loaded_into_the_spill_keeps_no_experts_and_runs_from_the_bank() -> None:
