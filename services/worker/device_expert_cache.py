@@ -113,6 +113,7 @@ class DeviceExpertCache:
         self.slot_of = [np.full(self.num_experts, -1, dtype=np.int64) for _ in layers]
         self.hits = self.misses = self.evictions = self.bytes_copied = 0
         self.cpu_expert_steps = self.cpu_pairs = 0  # experts (per layer-step) and (token, expert) pairs run on the CPU
+        self._copy_timing: tuple[Any, Any, int] | None = None  # (start, end event, bytes) of the last copies timed on a GPU
         SLOTS_TOTAL.set(slots)
         SLOTS_USED.set(0)
 
@@ -201,14 +202,15 @@ class DeviceExpertCache:
         on_cpu: list[int] = []
         if self.cpu is not None:
             on_cpu = [e for e in experts[slot_of[experts] < 0].tolist() if self.cpu.runs_on_cpu(int(counts[e]))]
+        pairs = self._cpu_pairs(on_cpu, x, weights, routed) if on_cpu else None  # read back before copies are queued
         hits, fills = self.policy.take(layer, sorted(set(experts.tolist()) - set(on_cpu)))
         self._fill(layer, fills)
         call_slots = slot_of.astype(np.int32)
         call_slots[on_cpu] = self.zero_slot  # their pairs run against zeros here: the CPU adds theirs
         slots = torch.from_numpy(call_slots).to(self.device)
         out = kernel(x.contiguous(), self.gate_up, self.down, weights, ids, None if residual is None else residual.contiguous(), expert_slots=slots)
-        if on_cpu:  # while the device runs the kernel
-            out = self._add_cpu_experts(layer, on_cpu, x, weights, routed, out)
+        if pairs is not None:  # computed while the device copies and runs the kernel
+            out = self._add_cpu_products(layer, len(on_cpu), pairs, out)
         self.hits += len(hits)
         HITS.inc(len(hits))
         return out
@@ -217,6 +219,11 @@ class DeviceExpertCache:
         if not fills:
             return
         gate_up, down = self.host[layer]
+        self._harvest_copy_time()
+        timed = self.cpu is not None and self.device.type == "cuda"
+        if timed:  # timed by events, read once done: waiting for the copies here would stall the CPU's share
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
         began = time.perf_counter()
         for expert, slot, evicted in fills:
             if evicted is not None:
@@ -225,6 +232,11 @@ class DeviceExpertCache:
             self.down[slot].copy_(down[expert], non_blocking=True)
             self.slot_of[layer][expert] = slot
         nbytes, evictions = len(fills) * self.expert_bytes, sum(fill.evicted is not None for fill in fills)
+        if timed:
+            end.record()
+            self._copy_timing = (start, end, nbytes)
+        elif self.cpu is not None:  # a device whose copies are done when they return
+            self.cpu.copied(nbytes, time.perf_counter() - began)
         self.misses += len(fills)
         self.evictions += evictions
         self.bytes_copied += nbytes
@@ -232,24 +244,32 @@ class DeviceExpertCache:
         EVICTIONS.inc(evictions)
         BYTES_READ.inc(nbytes)
         SLOTS_USED.set(len(self.policy.held))
-        if self.cpu is not None and self.device.type == "cuda":  # the copies' own time: a wait that the kernel would pay anyway
-            _synchronize(self.device)
-            self.cpu.copied(nbytes, time.perf_counter() - began)
 
-    def _add_cpu_experts(self, layer: int, experts: list[int], x: torch.Tensor, weights: torch.Tensor, routed: np.ndarray, out: torch.Tensor) -> torch.Tensor:
-        """``out`` plus the weighted products of ``experts`` (run on the CPU from host memory) for their tokens."""
+    def _harvest_copy_time(self) -> None:
+        """The last timed copies' rate, into the co-execution rule, once the device has done them."""
+        if self._copy_timing is not None and self._copy_timing[1].query():
+            start, end, nbytes = self._copy_timing
+            self.cpu.copied(nbytes, start.elapsed_time(end) / 1e3)
+            self._copy_timing = None
+
+    def _cpu_pairs(self, experts: list[int], x: torch.Tensor, weights: torch.Tensor, routed: np.ndarray) -> tuple[torch.Tensor, ...]:
+        """The (token, expert) pairs of ``experts`` on the host: (tokens, x rows, routing weights, expert ids)."""
         tokens, choices = np.nonzero(np.isin(routed, experts))
-        began = time.perf_counter()
         token_ids = torch.from_numpy(tokens)
         pairs_x = x.index_select(0, token_ids.to(x.device)).to("cpu")
         pair_weights = weights[token_ids.to(weights.device), torch.from_numpy(choices).to(weights.device)].to("cpu").float()[:, None]
-        pair_ids = torch.from_numpy(routed[tokens, choices]).long()[:, None]
+        return token_ids, pairs_x, pair_weights, torch.from_numpy(routed[tokens, choices]).long()[:, None]
+
+    def _add_cpu_products(self, layer: int, experts: int, pairs: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
+        """``out`` plus the weighted products of the ``pairs`` (of ``experts`` experts), run on the CPU from host memory."""
+        token_ids, pairs_x, pair_weights, pair_ids = pairs
+        began = time.perf_counter()
         gate_up, down = self.host[layer]
         products = _cpu_products(pairs_x, gate_up, down, pair_weights, pair_ids)
-        self.cpu.computed(len(tokens) * self.expert_bytes, time.perf_counter() - began)
-        self.cpu_expert_steps += len(experts)
-        self.cpu_pairs += len(tokens)
-        CPU_EXPERTS.inc(len(experts))
+        self.cpu.computed(len(token_ids) * self.expert_bytes, time.perf_counter() - began)
+        self.cpu_expert_steps += experts
+        self.cpu_pairs += len(token_ids)
+        CPU_EXPERTS.inc(experts)
         return out.index_add(0, token_ids.to(out.device), products.to(out.device, out.dtype))
 
     def describe(self) -> dict[str, Any]:
