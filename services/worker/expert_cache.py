@@ -243,6 +243,11 @@ class SlotPolicy(ABC):
     def take(self, layer: int, experts: Iterable[int]) -> tuple[dict[int, int], list[Fill]]:
         """(the hits' slots, the misses' fills) of ``layer``'s ``experts``."""
 
+    def touch(self, layer: int, experts: list[int]) -> None:
+        """A layer-step of ``layer``'s ``experts`` (distinct, ascending), every one held: ``take`` without misses."""
+        hits, fills = self.take(layer, experts)
+        assert not fills, f"layer {layer}'s experts {experts} ran from the bank, but the policy does not hold them all"
+
     @abstractmethod
     def ranked(self) -> list[tuple[int, int]]:
         """The held (layer, expert) keys, least worth keeping first."""
@@ -307,6 +312,10 @@ class SlotLRU(SlotPolicy):
             fills.append(Fill(expert, slot, evicted))
         return hits, fills
 
+    def touch(self, layer: int, experts: list[int]) -> None:
+        for expert in experts:
+            self.held.move_to_end((layer, expert))  # KeyError: not held
+
     def ranked(self) -> list[tuple[int, int]]:
         return list(self.held)
 
@@ -332,13 +341,22 @@ class SlotLFU(SlotPolicy):
         self.last = np.zeros(slots, dtype=np.int64)  # the layer-step that last read the slot
         self.step = self.layer = self.passes = 0
 
-    def take(self, layer: int, experts: Iterable[int]) -> tuple[dict[int, int], list[Fill]]:
-        wanted = self._wanted(experts, self.slots)
+    def _next_step(self, layer: int) -> None:
         if layer <= self.layer:
             self.passes += 1
             if self.passes % self.AGING_PASSES == 0:
                 self.count >>= 1
         self.layer, self.step = layer, self.step + 1
+
+    def touch(self, layer: int, experts: list[int]) -> None:
+        read = [self.held[(layer, e)] for e in experts]  # KeyError: not held
+        self._next_step(layer)
+        self.count[read] += 1
+        self.last[read] = self.step
+
+    def take(self, layer: int, experts: Iterable[int]) -> tuple[dict[int, int], list[Fill]]:
+        wanted = self._wanted(experts, self.slots)
+        self._next_step(layer)
         hits = {e: slot for e in wanted if (slot := self.held.get((layer, e))) is not None}
         read = np.fromiter(hits.values(), dtype=np.int64, count=len(hits))
         self.count[read] += 1
@@ -666,12 +684,18 @@ class ExpertCache:
     def ran_from_bank(self, layer_steps: list[tuple[int, list[int], float]], tokens: int) -> None:
         """Layer-steps of ``tokens`` tokens that found every routed expert (ascending) held and ran over the bank without
         a fill, each (layer, experts, seconds of its call) (the one-call decoder's, in C++): the policy hears of them in
-        order and they are counted, as ``fill`` and ``layer_ran`` would have."""
+        order and they are counted as ``fill`` and ``layer_ran`` would have (no fill time is observed: none ran)."""
+        hits = 0
         for layer, experts, seconds in layer_steps:
-            hits, fills = self.policy.take(layer, experts)
-            assert not fills, f"layer {layer}'s experts {experts} ran from the bank, but the policy does not hold them all"
-            self._count(len(experts), len(hits), fills, 0, 0.0)
+            self.policy.touch(layer, experts)
+            hits += len(experts)
             self.layer_ran(layer, tokens, seconds)
+        if layer_steps:  # every lookup a hit: each step moves the recent hit rate RATE_WEIGHT of the way to 1
+            self.hit_rate_recent = 1 - (1 - self.hit_rate_recent) * (1 - RATE_WEIGHT) ** len(layer_steps)
+            self.hits += hits
+            self.layer_steps["on-demand"] += len(layer_steps)
+            HITS.inc(hits)
+            LAYER_STEPS.labels("on-demand").inc(len(layer_steps))
 
     def _count(self, lookups: int, hits: int, fills: list[Fill], read: int, seconds: float) -> None:
         """One on-demand layer-step's counters: ``lookups`` routed experts, ``hits`` of them held, ``fills`` read
