@@ -13,7 +13,8 @@ are rounded to int16 per block of 32 (int8 beyond ``BLOCK_QUANT_MAX_ROWS`` rows 
 the dense block kernels round them. The router's logits there are the C++ ``router_logits`` (each dot
 product in one fixed order), which the one-call decoder (``decoder_backends.py``) computes alike. With an
 expert cache (``expert_cache.py``) the call runs over its bank of slots, the layer's misses filled once the
-kernel's own routing has named them.
+kernel's own routing has named them; on a GPU worker's (``device_expert_cache.py``) the float experts' kernel runs
+over a bank in device memory, each expert read at its slot (``expert_slots``).
 """
 
 from __future__ import annotations
