@@ -88,7 +88,7 @@ class WorkerLoop:
         self.model = load_model_info(config.model)
         # Known once load() has resolved the device and the KV dtype; heartbeats carry 0 until then,
         # which the scheduler does not adopt (a byte budget in fp32 terms would be adopted, then replaced).
-        self.num_blocks = 0
+        self.num_blocks = self.draft_kv_blocks = 0
         self.ctx = zmq.Context()
         self.curve = Curve.from_file(config.curve_key_file)
         self.inbox = Inbox(self.ctx, config.worker_address, "worker_inbox", self.curve)
@@ -129,7 +129,7 @@ class WorkerLoop:
             detail=self.detail,
             progress=self.progress,
             kv_blocks=self.num_blocks,
-            draft_kv_blocks=self.runner.draft_kv_blocks if self.runner is not None else 0,
+            draft_kv_blocks=self.draft_kv_blocks,
             memory=memory,
         )
 
@@ -216,6 +216,7 @@ class WorkerLoop:
         budget = KVBudget(size_kv, profile_tokens=self.config.max_num_batched_tokens) if size_kv else None
         self.runner = ModelRunner(RunnerConfig.of(self.config, self.num_blocks, str(device)), tp=tp, budget=budget)
         self.num_blocks = self.runner.num_blocks  # the scheduler adopts it from the heartbeats
+        self.draft_kv_blocks = self.runner.draft_kv_blocks  # and its draft pool this
         if self.runner.expert_cache is not None:
             facts = self.runner.expert_cache.describe()
             self.log.info(
