@@ -43,6 +43,7 @@ from services.worker.expert_cache import (
     cached_moe_shape,
     expert_cache_on,
     refuse_unserved,
+    token_groups,
 )
 from services.worker.moe import ExpertsFn, routed_experts
 from shared.choices import EXPERT_CACHE_CPU_EXPERTS
@@ -185,13 +186,7 @@ class DeviceExpertCache:
         if len(np.unique(routed)) <= self.slots:
             yield slice(0, routed.shape[0])
             return
-        start, group = 0, set()
-        for t, row in enumerate(routed.tolist()):
-            if len(group.union(row)) > self.slots:
-                yield slice(start, t)
-                start, group = t, set()
-            group.update(row)
-        yield slice(start, routed.shape[0])
+        yield from token_groups(routed.tolist(), self.slots)
 
     def _run_group(
         self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, routed: np.ndarray, residual: torch.Tensor | None, kernel: ExpertsFn

@@ -401,6 +401,18 @@ class SlotLFU(SlotPolicy):
 POLICIES: dict[str, type[SlotPolicy]] = keyed_by(EXPERT_CACHE_POLICIES, {policy.name: policy for policy in (SlotLRU, SlotLFU)})
 
 
+def token_groups(routed: list[list[int]], slots: int) -> Iterator[slice]:
+    """Consecutive tokens (each one's routed experts) whose experts fit ``slots`` at once: a step that routes to more
+    experts than a bank holds runs a group at a time (a token's bits do not depend on the other tokens of its call)."""
+    start, group = 0, set()
+    for t, row in enumerate(routed):
+        if len(group.union(row)) > slots:
+            yield slice(start, t)
+            start, group = t, set()
+        group.update(row)
+    yield slice(start, len(routed))
+
+
 def _runs(fills: list[Fill], most: int = READ_MOST) -> Iterator[list[Fill]]:
     """``fills`` (in expert order) cut into runs of consecutive experts, each one read of adjacent records (at most ``most``)."""
     run: list[Fill] = []
@@ -643,15 +655,10 @@ class ExpertCache:
             self.fill(layer, experts)
             yield slice(0, ids.shape[0]), self.slot_of[layer]
             return
-        start, group = 0, set()
-        for t, row in enumerate(ids.tolist()):
-            if len(group.union(row)) > self.slots:
-                self.fill(layer, sorted(group))
-                yield slice(start, t), self.slot_of[layer]
-                start, group = t, set()
-            group.update(row)
-        self.fill(layer, sorted(group))
-        yield slice(start, ids.shape[0]), self.slot_of[layer]
+        routed = ids.tolist()
+        for rows in token_groups(routed, self.slots):
+            self.fill(layer, sorted(set().union(*routed[rows])))
+            yield rows, self.slot_of[layer]
 
     def fill(self, layer: int, experts: list[int]) -> None:
         """Makes ``layer``'s ``experts`` (ascending) resident: hits stay, misses are read from the store, a run of
