@@ -34,9 +34,10 @@ from prometheus_client import REGISTRY
 
 from bench.moe_model import SHAPES, MoeSpec, calibration_text, write_hf
 from bench.report import write_results
-from services.worker.expert_cache import ALIGN, POLICIES, READERS, ExpertStore
+from services.worker.expert_cache import ALIGN, POLICIES, ExpertStore
+from services.worker.expert_reads import READERS
 from services.worker.runner import ModelRunner, RunnerConfig
-from shared.choices import EXPERT_CACHE_FILLS
+from shared.choices import EXPERT_CACHE_FILLS, EXPERT_CACHE_PREFETCH
 from shared.config import StackConfig
 from shared.frames import SamplingParams, Slice, StepPlan
 from shared.metrics import PREFIX
@@ -52,9 +53,14 @@ class Setting(NamedTuple):
     percent: float  # of the experts' size; 0: all resident
     policy: str  # the expert cache's --expert-cache-policy ("" when all resident)
     fill: str = ""  # its --expert-cache-fill ("" when all resident)
+    prefetch: str = ""  # its --expert-cache-prefetch ("" when all resident)
 
     def __str__(self) -> str:
-        return f"{self.percent:g}% {self.policy} {self.fill}" if self.percent else "0"
+        return f"{self.percent:g}% {self.policy} {self.fill} prefetch {self.prefetch}" if self.percent else "0"
+
+    @property
+    def tag(self) -> str:
+        return f"{self.percent:g}-{self.policy}-{self.fill}-{self.prefetch}"
 
 
 @dataclass
@@ -67,18 +73,22 @@ class Totals:
     decode_tokens: int = 0
     hits: int = 0
     misses: int = 0
+    read_ahead_used: int = 0  # experts read ahead that their layer-step routed to
+    read_ahead_unused: int = 0
     bytes_read: int = 0
     fill_seconds: float = 0.0
     outputs: list[dict[str, list[int]]] = field(default_factory=list)
 
 
-def counters(runner: ModelRunner) -> tuple[int, int, int, float]:
-    """(hits, misses, bytes read, fill seconds) of ``runner``'s expert cache so far; zeros without one."""
+def counters(runner: ModelRunner) -> tuple[int, int, int, int, int, float]:
+    """(hits, misses, experts read ahead used and unused, bytes read, fill seconds) of ``runner``'s expert cache so far;
+    zeros without one."""
     cache = runner.expert_cache
     if cache is None:
-        return 0, 0, 0, 0.0
+        return 0, 0, 0, 0, 0, 0.0
     described = cache.describe()  # what /instrumentation shows
-    return described["hits"], described["misses"], described["bytes_read"], REGISTRY.get_sample_value(FILL_SECONDS) or 0.0
+    ahead = described["prefetched"]
+    return described["hits"], described["misses"], ahead["used"], ahead["unused"], described["bytes_read"], REGISTRY.get_sample_value(FILL_SECONDS) or 0.0
 
 
 def chat_prompts(model: str) -> list[list[int]]:
@@ -114,13 +124,13 @@ def decode_batch(runner: ModelRunner, tag: str, prompts: list[list[int]], max_to
     totals.step_seconds.append((ended - decoding) / steps)
     totals.decode_steps += max_tokens - 1
     totals.decode_tokens += (max_tokens - 1) * len(prompts)
-    hits, misses, read, fill = (b - a for a, b in zip(before, after))
-    totals.hits, totals.misses, totals.bytes_read, totals.fill_seconds = (
-        totals.hits + hits,
-        totals.misses + misses,
-        totals.bytes_read + read,
-        totals.fill_seconds + fill,
-    )
+    hits, misses, used, unused, read, fill = (b - a for a, b in zip(before, after))
+    totals.hits += hits
+    totals.misses += misses
+    totals.read_ahead_used += used
+    totals.read_ahead_unused += unused
+    totals.bytes_read += read
+    totals.fill_seconds += fill
     totals.outputs.append({rid.rsplit("-", 1)[1]: tokens for rid, tokens in outputs.items()})
 
 
@@ -141,7 +151,7 @@ def _reader(store: ExpertStore) -> tuple[int, bool]:
 
 def read_bandwidth(store: ExpertStore) -> tuple[float, float, float, str]:
     """(sequential bytes/s in CHUNK reads, bytes/s of one record a read in random order, bytes/s of random records
-    read ``READERS`` + 1 side by side as the miss path reads a layer-step's misses, how the page cache was
+    read ``READERS`` side by side as the miss path reads a layer-step's misses, how the page cache was
     bypassed) over ``store``'s file: the storage's read bandwidth, measured on the very file the cache reads."""
     fd, direct = _reader(store)
     how = "O_DIRECT" if direct else "buffered reads after posix_fadvise(DONTNEED), each followed by DONTNEED"
@@ -167,7 +177,7 @@ def read_bandwidth(store: ExpertStore) -> tuple[float, float, float, str]:
         records = list(range(store.num_layers * store.num_experts))
         random.Random(0).shuffle(records)
         records = records[: max(1, min(len(records), (64 << 20) // store.record))]
-        buffers = [mmap.mmap(-1, store.record) for _ in range(READERS + 1)]
+        buffers = [mmap.mmap(-1, store.record) for _ in range(READERS)]
         began = time.perf_counter()
         for index in records:
             read(index, buffers[0])
@@ -175,11 +185,9 @@ def read_bandwidth(store: ExpertStore) -> tuple[float, float, float, str]:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         with ThreadPoolExecutor(READERS) as readers:
             began = time.perf_counter()
-            for first in range(0, len(records), READERS + 1):
-                group = records[first : first + READERS + 1]
-                beside = [readers.submit(read, index, buffer) for index, buffer in zip(group[1:], buffers[1:])]
-                read(group[0], buffers[0])
-                for future in beside:
+            for first in range(0, len(records), READERS):
+                group = records[first : first + READERS]
+                for future in [readers.submit(read, index, buffer) for index, buffer in zip(group, buffers)]:
                     future.result()
             side_by_side = len(records) * store.record / (time.perf_counter() - began)
     finally:
@@ -190,7 +198,8 @@ def read_bandwidth(store: ExpertStore) -> tuple[float, float, float, str]:
 def load_runners(model: str, args: argparse.Namespace, blocks: int) -> dict[Setting, ModelRunner]:
     """A warmed runner per setting (0: all resident), each with its own store and bank, as a worker launched with it."""
     runners = {}
-    for setting in [Setting(0.0, ""), *(Setting(ratio, policy, fill) for ratio in RATIOS for policy in args.policy for fill in args.fills)]:
+    settings = (Setting(ratio, policy, fill, prefetch) for ratio in RATIOS for policy in args.policy for fill in args.fills for prefetch in args.prefetch)
+    for setting in [Setting(0.0, ""), *settings]:
         config = StackConfig(
             model=model,
             weight_quant=args.weight_quant,
@@ -198,6 +207,7 @@ def load_runners(model: str, args: argparse.Namespace, blocks: int) -> dict[Sett
             expert_cache_dir=args.cache_dir,
             expert_cache_policy=setting.policy or StackConfig().expert_cache_policy,
             expert_cache_fill=setting.fill or StackConfig().expert_cache_fill,
+            expert_cache_prefetch=setting.prefetch or StackConfig().expert_cache_prefetch,
         )
         runners[setting] = runner = ModelRunner(RunnerConfig.of(config, num_blocks=blocks))
         runner.warmup()
@@ -209,7 +219,7 @@ def bench_model(model: str, args: argparse.Namespace, label: str) -> dict[str, A
     prompts = chat_prompts(model)
     blocks = max(CONCURRENCIES) * (-(-(max(map(len, prompts)) + args.max_tokens + 1) // StackConfig().block_size)) + 8
     runners = load_runners(model, args, blocks)
-    cache = runners[Setting(RATIOS[0], args.policy[0], args.fills[0])].expert_cache
+    cache = runners[Setting(RATIOS[0], args.policy[0], args.fills[0], args.prefetch[0])].expert_cache
     assert cache is not None
     described = cache.describe()
     print(
@@ -220,7 +230,7 @@ def bench_model(model: str, args: argparse.Namespace, label: str) -> dict[str, A
     )
     warm = prompts[-max(CONCURRENCIES) :]
     for setting, runner in runners.items():  # each cache in its steady state before the first timed run
-        decode_batch(runner, f"warm-{setting.percent:g}-{setting.policy}-{setting.fill}", warm, max(4, args.max_tokens // 4))
+        decode_batch(runner, f"warm-{setting.tag}", warm, max(4, args.max_tokens // 4))
     totals = {(setting, c): Totals() for setting in runners for c in CONCURRENCIES}
     bandwidths: list[tuple[float, float, float]] = []
     how = ""
@@ -233,7 +243,7 @@ def bench_model(model: str, args: argparse.Namespace, label: str) -> dict[str, A
             for setting, runner in runners.items():
                 decode_batch(
                     runner,
-                    f"r{round_}-c{concurrency}-{setting.percent:g}-{setting.policy}-{setting.fill}",
+                    f"r{round_}-c{concurrency}-{setting.tag}",
                     batch,
                     args.max_tokens,
                     totals[(setting, concurrency)],
@@ -243,12 +253,12 @@ def bench_model(model: str, args: argparse.Namespace, label: str) -> dict[str, A
     side_by_side = statistics.median(b[2] for b in bandwidths)
     print(
         f"storage read bandwidth ({how}): {sequential / 1e9:.2f} GB/s sequential in {CHUNK >> 20} MiB reads, "
-        f"{per_record / 1e9:.2f} GB/s a record ({cache.store.record} bytes) at a time, {side_by_side / 1e9:.2f} GB/s {READERS + 1} records "
+        f"{per_record / 1e9:.2f} GB/s a record ({cache.store.record} bytes) at a time, {side_by_side / 1e9:.2f} GB/s {READERS} records "
         "side by side; rounds: " + ", ".join(f"{s / 1e9:.2f}/{r / 1e9:.2f}/{b / 1e9:.2f}" for s, r, b in bandwidths),
         flush=True,
     )
     header = (
-        f"{'c':>2} {'cache':>6} {'policy':>6} {'fill':>9} {'tok/s':>8} {'vs 0':>5} {'hit rate':>8} {'KB read/tok':>11} {'fill ms/tok':>11} "
+        f"{'c':>2} {'cache':>6} {'policy':>6} {'fill':>9} {'ahead':>5} {'tok/s':>8} {'vs 0':>5} {'hit rate':>8} {'ahead used':>10} {'KB read/tok':>11} {'fill ms/tok':>11} "
         f"{'step ms':>8} {'bound ms':>8} {'step/bound':>10} {'miss GB/s':>9} {'of bw':>6} {'of 4x':>6} {'same tokens':>11}"
     )
     print(header)
@@ -261,20 +271,25 @@ def bench_model(model: str, args: argparse.Namespace, label: str) -> dict[str, A
             t = totals[(setting, concurrency)]
             rate = concurrency * args.max_tokens / statistics.median(t.seconds)
             step = statistics.median(t.step_seconds)
-            lookups = t.hits + t.misses
-            bound = base_step + t.bytes_read / max(t.decode_steps, 1) / sequential
+            lookups = t.hits + t.misses + t.read_ahead_used
+            missed_bytes = (t.misses + t.read_ahead_used) * cache.slot_bytes  # routed experts not held before their step predicted them
+            bound = base_step + missed_bytes / max(t.decode_steps, 1) / sequential
+            ahead = t.read_ahead_used + t.read_ahead_unused
             miss_rate = t.bytes_read / t.fill_seconds if t.bytes_read and t.fill_seconds else None
             row = {
                 "concurrency": concurrency,
                 "cache_percent": setting.percent,
                 "policy": setting.policy,
                 "fill": setting.fill,
+                "prefetch": setting.prefetch,
                 "cache_bytes": runners[setting].expert_cache.budget if setting.percent else 0,
                 "output_tokens_per_s": rate,
                 "vs_resident": rate / base_rate,
                 "hit_rate": t.hits / lookups if lookups else None,
                 "hits": t.hits,
                 "misses": t.misses,
+                "read_ahead_used": t.read_ahead_used,
+                "read_ahead_unused": t.read_ahead_unused,
                 "bytes_read_per_token": t.bytes_read / max(t.decode_tokens, 1),
                 "fill_ms_per_token": t.fill_seconds / max(t.decode_tokens, 1) * 1e3,
                 "step_ms": step * 1e3,
@@ -289,9 +304,11 @@ def bench_model(model: str, args: argparse.Namespace, label: str) -> dict[str, A
             }
             rows.append(row)
             hit = f"{row['hit_rate']:.3f}" if row["hit_rate"] is not None else "-"
+            used = f"{t.read_ahead_used / ahead:.3f}" if ahead else "-"
             miss = f"{miss_rate / 1e9:>9.2f} {miss_rate / sequential:>6.2f} {miss_rate / side_by_side:>6.2f}" if miss_rate else f"{'-':>9} {'-':>6} {'-':>6}"
             print(
-                f"{concurrency:>2} {f'{setting.percent:g}%' if setting.percent else '0':>6} {setting.policy or '-':>6} {setting.fill or '-':>9} {rate:>8.1f} {rate / base_rate:>5.2f} {hit:>8} "
+                f"{concurrency:>2} {f'{setting.percent:g}%' if setting.percent else '0':>6} {setting.policy or '-':>6} {setting.fill or '-':>9} "
+                f"{setting.prefetch or '-':>5} {rate:>8.1f} {rate / base_rate:>5.2f} {hit:>8} {used:>10} "
                 f"{row['bytes_read_per_token'] / 1e3:>11.1f} {row['fill_ms_per_token']:>11.3f} {step * 1e3:>8.2f} {bound * 1e3:>8.2f} "
                 f"{step / bound:>10.2f} {miss} {str(row['same_tokens_as_resident']):>11}",
                 flush=True,
@@ -334,6 +351,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--fills", nargs="+", choices=EXPERT_CACHE_FILLS, default=[StackConfig().expert_cache_fill], help="--expert-cache-fill settings, each at every size"
+    )
+    parser.add_argument(
+        "--prefetch",
+        nargs="+",
+        choices=EXPERT_CACHE_PREFETCH,
+        default=[StackConfig().expert_cache_prefetch],
+        help="--expert-cache-prefetch settings, each at every size",
     )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--skewed", action="store_true", help="also run a model whose routers favour a subset of experts")

@@ -17,6 +17,7 @@ DEVICES = ("auto", "cpu", "cuda")  # services/worker/device.py
 ROUTER_POLICY_NAMES = ("load", "prefix", "round_robin")  # services/api/router.py: POLICIES
 EXPERT_CACHE_POLICIES = ("lru", "lfu")  # services/worker/expert_cache.py: POLICIES
 EXPERT_CACHE_FILLS = ("auto", "on-demand", "streamed")  # services/worker/expert_cache.py: ExpertCache.fill_mode
+EXPERT_CACHE_PREFETCH = ("on", "off")  # services/worker/expert_cache.py: ExpertCache.prefetch
 EXPERT_CACHE_CPU_EXPERTS = ("auto", "off")  # services/worker/device_expert_cache.py: CoExecution
 TOOL_PARSER_NAMES = ("hermes", "qwen3_coder", "llama3_json")  # services/api/tool_parsers.py: TOOL_PARSERS
 REASONING_PARSER_NAMES = ("think",)  # services/api/reasoning.py: REASONING_PARSERS

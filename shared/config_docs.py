@@ -95,6 +95,7 @@ READERS: dict[str, tuple[str, ...]] = {
     "expert_cache_dir": ("worker",),
     "expert_cache_policy": ("worker",),
     "expert_cache_fill": ("worker",),
+    "expert_cache_prefetch": ("worker",),
     "expert_cache_cpu_experts": ("worker",),
     # Processes
     "replicas": (*EVERY, "launcher"),

@@ -45,6 +45,7 @@ SOURCES = [
         "block_quant_gemm.cpp",
         "grouped_moe.cpp",
         "decoder_fusions.cpp",
+        "direct_reads.cpp",
         "decoder_layers.cpp",
         "sample_rows.cpp",
     )

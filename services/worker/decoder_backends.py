@@ -10,7 +10,8 @@ first of ``DECODER_BACKENDS`` that runs its model:
   sparse MoE MLPs (experts in blocks, resident or in an expert cache, no shared expert: Llama, Qwen3, Qwen3-MoE) on
   the CPU kernels with weights in blocks (int4, or a GGUF's), not sharded, at every row count. A cached MoE layer
   runs in the call when the bank holds every expert it routes to, and calls back into the cache (``run_cached``)
-  to fill its misses or stream; the layer-steps that ran in C++ are replayed into the cache's policy after the call. It rounds each projection's
+  to fill its misses or stream (or, where the cache reads ahead, to read the next layer's predicted experts it does
+  not hold); the layer-steps that ran in C++ are replayed into the cache's policy after the call. It rounds each projection's
   activations as the per-layer path does: to int16 in steps of up to ``BLOCK_QUANT_MAX_ROWS`` rows, beyond
   them to int8 where int4-a8 says so.
 - ``fused``: layer by layer, each residual add folded into the RMSNorm after it, where the fusion kernels are on.
@@ -113,6 +114,8 @@ class OneCallCpp:
             many_row_bits=[_many_row_bits(layer) for layer in layers], few_rows=BLOCK_QUANT_MAX_ROWS,
             top_k=moe[0].top_k if moe else 1, renormalize=bool(moe and moe[0].renormalize),
             heads=model.num_heads, kv_heads=model.num_kv_heads, head_dim=model.head_dim, eps=model.cfg.eps,
+            predictors=[m.predictor if i in self._cached else None for i, m in enumerate(mlp)],
+            predicted_maps=[m.cache.slot_of[m.cache_layer + 1] if i in self._cached and m.predictor is not None else None for i, m in enumerate(mlp)],
         )  # fmt: skip
 
     def __call__(
@@ -132,7 +135,7 @@ class OneCallCpp:
             return self._cached[layer].run_cached(x, logits)
 
         try:
-            return self._layers.forward(*args, bank=bank, cached_layer=cached_layer)
+            return self._layers.forward(*args, bank=bank, cached_layer=cached_layer, read_ahead=cache.reads_ahead)
         finally:
             self._replay_bank_hits(rows)
 

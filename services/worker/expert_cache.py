@@ -28,16 +28,16 @@ import time
 import weakref
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from collections.abc import Collection, Iterable, Iterator
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.worker.moe import BLOCKS_NEEDED, ExpertPanels, routed_experts
-from shared.choices import EXPERT_CACHE_FILLS, EXPERT_CACHE_POLICIES, keyed_by
+from services.worker.expert_reads import StoreReads
+from services.worker.moe import BLOCKS_NEEDED, ExpertPanels, SharedExpertMoE, SparseMoE, routed_experts
+from shared.choices import EXPERT_CACHE_FILLS, EXPERT_CACHE_POLICIES, EXPERT_CACHE_PREFETCH, keyed_by
 from shared.metrics import PREFIX
 
 FAMILIES = ("qwen3_moe", "qwen3_next")
@@ -50,7 +50,6 @@ COMPUTE_MIN_TOKENS = 16  # layer calls of this many tokens or more measure the e
 RATE_WEIGHT = 0.25  # the newest measurement's weight in the fill rule's moving averages
 READ_MOST = 256  # records one read takes at most: a buffer each, and IOV_MAX is 1024
 ALIGN = 4096  # records and slots start on page boundaries, so that O_DIRECT reads land straight in a slot
-READERS = 3  # reads in flight beside the caller's: a layer-step's misses are a few separate records, and storage answers several at once faster
 
 HITS = Counter(f"{PREFIX}expert_cache_hits", "Routed experts a layer-step found in the expert cache's slots")
 MISSES = Counter(f"{PREFIX}expert_cache_misses", "Routed experts a layer-step read from the expert store into a slot")
@@ -62,8 +61,11 @@ FILL_TIME = Histogram(
     buckets=(1e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0),
 )
 LAYER_STEPS = Counter(f"{PREFIX}expert_cache_layer_steps", "MoE layer-steps run from the expert cache, by how they read their experts", ["fill"])
-for _fill in ("on-demand", "streamed"):  # both series from the start, at 0
-    LAYER_STEPS.labels(_fill)
+LAYER_STEPS_BY_FILL = {fill: LAYER_STEPS.labels(fill) for fill in ("on-demand", "streamed")}  # both series from the start, at 0
+PREFETCHES = Counter(
+    f"{PREFIX}expert_cache_prefetches", "Experts read ahead of their layer-step from a predicted routing, by whether it routed to them", ["outcome"]
+)
+PREFETCHES_BY_OUTCOME = {outcome: PREFETCHES.labels(outcome) for outcome in ("used", "unused")}
 SLOTS_USED = Gauge(f"{PREFIX}expert_cache_slots_used", "Expert cache slots holding an expert")
 SLOTS_TOTAL = Gauge(f"{PREFIX}expert_cache_slots_total", "Expert cache slots")
 
@@ -109,8 +111,13 @@ def _close_all(fds: list[int]) -> None:
 
 
 def _buffer(nbytes: int) -> mmap.mmap:
-    """Anonymous, page-aligned memory (O_DIRECT's buffers must be aligned), touched only when written."""
-    return mmap.mmap(-1, max(nbytes, 1))
+    """Anonymous, page-aligned memory (O_DIRECT's buffers must be aligned), touched only when written; in huge pages
+    where the kernel gives them on request (a direct read pins each page of its buffers when it is queued: 4 KiB
+    pages make that half of a record read's submit cost)."""
+    buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # private: shared memory takes no huge pages here
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    return buffer
 
 
 class ExpertStore:
@@ -230,7 +237,8 @@ class SlotPolicy(ABC):
 
     ``take`` gives one layer-step's experts their slots: hits keep theirs, misses take a free slot or evict a
     victim of the policy's choosing; it never evicts an expert of the same call, so no slot that a layer-step
-    reads is refilled before the step has run (at most ``slots`` experts per call)."""
+    reads is refilled before the step has run (at most ``slots`` experts per call). ``reserve`` gives slots to
+    experts read ahead of their layer-step, as the least worth keeping until a layer-step uses them."""
 
     name: ClassVar[str]
 
@@ -242,6 +250,12 @@ class SlotPolicy(ABC):
     @abstractmethod
     def take(self, layer: int, experts: Iterable[int]) -> tuple[dict[int, int], list[Fill]]:
         """(the hits' slots, the misses' fills) of ``layer``'s ``experts``."""
+
+    @abstractmethod
+    def reserve(self, layer: int, experts: list[int], keep: Collection[int]) -> list[Fill]:
+        """Slots for as many of ``layer``'s ``experts`` (none held) as fit without evicting a slot in ``keep`` (the
+        layer-step's about to run, reads in flight), held as the least worth keeping and counted as no use: an expert
+        read ahead that no layer-step routes to goes first."""
 
     def touch(self, layer: int, experts: list[int]) -> None:
         """A layer-step of ``layer``'s ``experts`` (distinct, ascending), every one held: ``take`` without misses."""
@@ -312,6 +326,21 @@ class SlotLRU(SlotPolicy):
             fills.append(Fill(expert, slot, evicted))
         return hits, fills
 
+    def reserve(self, layer: int, experts: list[int], keep: Collection[int]) -> list[Fill]:
+        fills, kept = [], set(keep)
+        for expert in experts:
+            if self.free:
+                evicted, slot = None, self.free.pop()
+            elif (victim := next((key for key, slot in self.held.items() if slot not in kept), None)) is not None:
+                evicted, slot = victim, self.held.pop(victim)
+            else:
+                break
+            self.held[(layer, expert)] = slot
+            self.held.move_to_end((layer, expert), last=False)  # least recently used: the first to go unless a layer-step uses it
+            kept.add(slot)
+            fills.append(Fill(expert, slot, evicted))
+        return fills
+
     def touch(self, layer: int, experts: list[int]) -> None:
         for expert in experts:
             self.held.move_to_end((layer, expert))  # KeyError: not held
@@ -362,21 +391,32 @@ class SlotLFU(SlotPolicy):
         self.count[read] += 1
         self.last[read] = self.step
         misses = [e for e in wanted if e not in hits]
-        slots = [self.free.pop() for _ in range(min(len(misses), len(self.free)))]
-        if (victims := len(misses) - len(slots)) > 0:  # no free slot is left: every other slot is held
+        fills = self._place(layer, misses, read)
+        filled = np.asarray([fill.slot for fill in fills], dtype=np.int64)
+        self.count[filled], self.last[filled] = 1, self.step
+        return hits, fills
+
+    def reserve(self, layer: int, experts: list[int], keep: Collection[int]) -> list[Fill]:
+        fills = self._place(layer, experts[: self.slots - len(set(keep))], np.fromiter(keep, dtype=np.int64, count=len(keep)))
+        filled = np.asarray([fill.slot for fill in fills], dtype=np.int64)
+        self.count[filled], self.last[filled] = 0, self.step
+        return fills
+
+    def _place(self, layer: int, experts: list[int], keep: np.ndarray) -> list[Fill]:
+        """Slots for ``layer``'s ``experts`` (none held): the free ones, then the victims outside ``keep``."""
+        slots = [self.free.pop() for _ in range(min(len(experts), len(self.free)))]
+        if (victims := len(experts) - len(slots)) > 0:  # no free slot is left: every other slot is held
             score = self.count * (self.step + 1) - self.last  # the fewest uses, then the most recent
-            score[read] = self.NEVER
+            score[keep] = self.NEVER
             score[slots] = self.NEVER
             slots += np.argpartition(score, victims - 1)[:victims].tolist()
         fills = []
-        for expert, slot in zip(misses, slots):
+        for expert, slot in zip(experts, slots):
             if (evicted := self.key_of[slot]) is not None:
                 del self.held[evicted]
             self.held[(layer, expert)], self.key_of[slot] = slot, (layer, expert)
             fills.append(Fill(expert, slot, evicted))
-        filled = np.asarray(slots, dtype=np.int64)
-        self.count[filled], self.last[filled] = 1, self.step
-        return hits, fills
+        return fills
 
     def drop(self, key: tuple[int, int]) -> None:
         self.key_of[self.held[key]] = None
@@ -430,35 +470,35 @@ class LayerStream:
     layer computes from one half, the next layer's experts are read into the other. Each layer's records are adjacent
     in the store, so a layer is a few long reads (``READ_MOST`` records each), side by side."""
 
-    def __init__(self, store: ExpertStore, slot_buffers: list[memoryview], slots: list[int], readers: ThreadPoolExecutor) -> None:
-        experts = store.num_experts
-        self.store, self.readers, self.slots = store, readers, slots
-        halves = [slots[:experts], slots[experts : 2 * experts]]
-        self.maps = [torch.tensor(half, dtype=torch.int32) for half in halves]  # each half's expert -> slot
-        self.buffers = [[slot_buffers[slot] for slot in half] for half in halves]
-        self.reads: dict[int, tuple[float, list[Future[tuple[int, float]]]]] = {}  # layer -> (submitted at, its reads)
+    def __init__(self, reads: StoreReads, slots: list[int]) -> None:
+        experts = reads.store.num_experts
+        self.store_reads, self.slots = reads, slots
+        self.halves = [slots[:experts], slots[experts : 2 * experts]]
+        self.maps = [torch.tensor(half, dtype=torch.int32) for half in self.halves]  # each half's expert -> slot
+        self.reads: dict[int, tuple[float, list[Any]]] = {}  # layer -> (started at, its reads)
 
     def start(self, layer: int) -> None:
         """Starts reading ``layer``'s experts into its half (``layer % 2``), which no layer still computing reads."""
-        buffers = self.buffers[layer % 2]
-        reads = [self.readers.submit(self._read, layer, first, buffers[first : first + READ_MOST]) for first in range(0, len(buffers), READ_MOST)]
-        self.reads[layer] = (time.perf_counter(), reads)
+        half = self.halves[layer % 2]
+        self.reads[layer] = (
+            time.perf_counter(),
+            [_start(self.store_reads, layer, first, half[first : first + READ_MOST]) for first in range(0, len(half), READ_MOST)],
+        )
 
-    def _read(self, layer: int, first: int, buffers: list[memoryview]) -> tuple[int, float]:
-        read = self.store.read_into(layer, first, buffers)
-        return read, time.perf_counter()
-
-    def take(self, layer: int) -> tuple[torch.Tensor, int, float]:
-        """Waits for ``layer``'s experts: its slot map, the bytes read and the read's rate (bytes a second)."""
-        submitted, reads = self.reads.pop(layer)
-        wait(reads)  # all of them, before one's failure gives the slots back
-        done = [read.result() for read in reads]
-        nbytes = sum(n for n, _ in done)
-        return self.maps[layer % 2], nbytes, nbytes / max(max(t for _, t in done) - submitted, 1e-9)
+    def take(self, layer: int) -> tuple[torch.Tensor, int, float, bool]:
+        """Waits for ``layer``'s experts: its slot map, the bytes read, their rate (bytes a second since the reads
+        started), and whether the caller waited for them (if not, the rate is only a lower bound)."""
+        started, reads = self.reads.pop(layer)
+        outcomes = _wait_all(self.store_reads, reads)  # all of them, before one's failure gives the slots back
+        if failed := next((o for o in outcomes if isinstance(o, BaseException)), None):
+            raise failed
+        nbytes, waited = sum(o[0] for o in outcomes), any(o[1] for o in outcomes)
+        return self.maps[layer % 2], nbytes, nbytes / max(time.perf_counter() - started, 1e-9), waited
 
     def drain(self) -> None:
         """Waits for every read still in flight (a failed step's), so that no read lands in a slot given back."""
-        wait([read for _, reads in self.reads.values() for read in reads])
+        for _, reads in self.reads.values():
+            _wait_all(self.store_reads, reads)
         self.reads.clear()
 
 
@@ -477,15 +517,18 @@ class ExpertCache:
     ``EXPLORE_EVERY``-th such step it kept on demand, to measure again); ``streamed`` streams every step of two
     tokens or more, ``on-demand`` none. A bank that cannot lend two layers' experts fills on demand."""
 
-    def __init__(self, store: ExpertStore, slots: int, top_k: int, budget: int, policy: str = "lru", fill: str = "auto") -> None:
+    def __init__(self, store: ExpertStore, slots: int, top_k: int, budget: int, policy: str = "lru", fill: str = "auto", prefetch: str = "on") -> None:
         if slots < top_k:
             raise ValueError(f"the expert cache holds {slots} experts, fewer than one layer's top-k ({top_k})")
         self.store, self.top_k = store, top_k
         self.slot_of = [torch.full((store.num_experts,), -1, dtype=torch.int32) for _ in range(store.num_layers)]
         self._slot_of = [t.numpy() for t in self.slot_of]  # the same maps, written through numpy: a torch item write costs ~10 us
-        self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="expert-read")  # a layer-step's runs of misses, read side by side
+        self.reads = StoreReads.of(store)  # a layer-step's runs of misses, in flight side by side
         self.hits = self.misses = self.evictions = self.bytes_read = 0
         self.fill_mode, self.last_fill = fill, ""  # last_fill: how the latest step read its experts
+        self.prefetch = prefetch
+        self._ahead: list[tuple[int, list[Fill], Any]] = []  # reads ahead in flight: (layer, the run's fills, its read)
+        self.prefetched = {"used": 0, "unused": 0}
         self.layer_steps = {"on-demand": 0, "streamed": 0}
         self._stream: LayerStream | None = None
         self._kept_on_demand = 0  # eligible steps the rule kept on demand since the last streamed one
@@ -502,7 +545,7 @@ class ExpertCache:
         self.records = torch.frombuffer(_buffer(slots * store.record), dtype=torch.uint8, count=slots * store.record).view(slots, store.record)
         self.gate_up = _panels(self.records, store.gate_up_shape, 0)
         self.down = _panels(self.records, store.down_shape, store.gate_up_bytes)
-        self._slot_buffers = [memoryview(self.records[s].numpy()) for s in range(slots)]
+        self.reads.bank(self.records)
         for slot_of in self.slot_of:
             slot_of.fill_(-1)
         SLOTS_TOTAL.set(slots)
@@ -511,6 +554,11 @@ class ExpertCache:
     @property
     def slot_bytes(self) -> int:
         return self.store.record
+
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether layer-steps read the next layer's predicted experts ahead: on, and the bank does not hold every expert."""
+        return self.prefetch == "on" and self.slots < self.experts
 
     @property
     def streams(self) -> bool:
@@ -523,11 +571,11 @@ class ExpertCache:
         experts, record = self.store.num_experts, self.store.record
         began = time.perf_counter()
         for expert in range(0, experts, max(1, experts // 4)):
-            self.store.read_into(0, expert, [self._slot_buffers[0]])
+            self.reads.wait(self.reads.start(0, expert, [0]))
         one_at_a_time = -(-experts // max(1, experts // 4)) * record / max(time.perf_counter() - began, 1e-9)
         began = time.perf_counter()
         layer = min(experts, READ_MOST)
-        self.store.read_into(0, 0, self._slot_buffers[:layer])
+        self.reads.wait(self.reads.start(0, 0, list(range(layer))))
         return one_at_a_time, layer * record / max(time.perf_counter() - began, 1e-9)
 
     def _streamed_is_faster(self, tokens: int) -> bool:
@@ -556,6 +604,7 @@ class ExpertCache:
     def begin_step(self, tokens: int) -> None:
         """The first MoE layer of a step of ``tokens`` tokens: ends the stream a failed step left, and chooses this
         step's fill (``fill_mode``); a streamed step lends its slots and starts reading its first two layers."""
+        self._land()
         self._end_stream()
         if not self._chooses_streaming(tokens):
             self.last_fill = "on-demand"
@@ -566,7 +615,7 @@ class ExpertCache:
         self.evictions += len(evicted)
         EVICTIONS.inc(len(evicted))
         SLOTS_USED.set(len(self.policy.held))
-        self._stream, self.last_fill = LayerStream(self.store, self._slot_buffers, slots, self._readers), "streamed"
+        self._stream, self.last_fill = LayerStream(self.reads, slots), "streamed"
         for layer in range(min(2, self.store.num_layers)):
             self._stream.start(layer)
 
@@ -583,16 +632,16 @@ class ExpertCache:
         if 1 <= layer < self.store.num_layers - 1:
             stream.start(layer + 1)
         try:
-            slots, nbytes, rate = stream.take(layer)
+            slots, nbytes, rate, waited = stream.take(layer)
         except BaseException:
             self._end_stream()
             raise
-        if layer >= 2:  # read alone (the first two are read side by side)
-            self.stream_rate += RATE_WEIGHT * (rate - self.stream_rate)
+        if layer >= 2 and (waited or rate > self.stream_rate):  # read alone (the first two are read side by side); a read that landed before
+            self.stream_rate += RATE_WEIGHT * (rate - self.stream_rate)  # its layer asked for it gives a lower bound only
         self.bytes_read += nbytes
         BYTES_READ.inc(nbytes)
         self.layer_steps["streamed"] += 1
-        LAYER_STEPS.labels("streamed").inc()
+        LAYER_STEPS_BY_FILL["streamed"].inc()
         return slots
 
     def layer_ran(self, layer: int, tokens: int, seconds: float) -> None:
@@ -626,6 +675,7 @@ class ExpertCache:
     def resize(self, budget: int) -> None:
         """Rebuilds the bank at ``budget`` bytes (the store stays), keeping the experts that the policy ranks most worth
         keeping that fit (the most recently used under LRU). Only between steps: no layer-step may hold slots of the old bank."""
+        self._land()
         self._end_stream()
         policy, moved = self.policy.rebuilt(self.slots_for(budget))
         old = self.records
@@ -646,13 +696,14 @@ class ExpertCache:
     def nbytes(self) -> int:
         return self.records.nbytes
 
-    def passes(self, layer: int, ids: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]]:
+    def passes(self, layer: int, ids: torch.Tensor, ahead: tuple[int, list[int]] | None = None) -> Iterator[tuple[slice, torch.Tensor]]:
         """Groups of consecutive tokens (rows of the routed ``ids`` [T, k]) whose experts fit the bank at once,
-        each with ``layer``'s slot map once the group's misses are filled: one group when the step fits. The
-        caller runs a group before asking for the next, whose fills may evict the previous group's experts."""
-        experts = ids.unique().tolist()
+        each with ``layer``'s slot map once the group's misses are filled: one group when the step fits (which
+        then reads ``ahead``: (a later layer, its predicted experts)). The caller runs a group before asking for
+        the next, whose fills may evict the previous group's experts."""
+        experts = sorted(set(ids.view(-1).tolist()))
         if len(experts) <= self.slots:
-            self.fill(layer, experts)
+            self.fill(layer, experts, ahead)
             yield slice(0, ids.shape[0]), self.slot_of[layer]
             return
         routed = ids.tolist()
@@ -660,33 +711,78 @@ class ExpertCache:
             self.fill(layer, sorted(set().union(*routed[rows])))
             yield rows, self.slot_of[layer]
 
-    def fill(self, layer: int, experts: list[int]) -> None:
-        """Makes ``layer``'s ``experts`` (ascending) resident: hits stay, misses are read from the store, a run of
-        consecutive experts in one read."""
+    def fill(self, layer: int, experts: list[int], ahead: tuple[int, list[int]] | None = None) -> None:
+        """Makes ``layer``'s ``experts`` (ascending) resident: hits stay (those read ahead once their read lands),
+        misses are read from the store, a run of consecutive experts in one read; and once they are queued, starts
+        reading ``ahead`` (a later layer, the experts its router is predicted to pick), where the cache reads ahead."""
         started = time.perf_counter()
         self._end_stream()  # a failed streamed step's slots: back in the policy's hands before it takes any
+        read_ahead = self._land(layer, experts)
         hits, fills = self.policy.take(layer, experts)
-        for fill in fills:
-            if fill.evicted is not None:
-                self._slot_of[fill.evicted[0]][fill.evicted[1]] = -1
+        self._forget(fill.evicted for fill in fills)
         runs = list(_runs(fills))
-        reads = [self._readers.submit(self._read_run, layer, run) for run in runs[1:]]
+        reads = [_start(self.reads, layer, run[0].expert, [fill.slot for fill in run]) for run in runs]
+        if ahead is not None and self.reads_ahead:
+            self._read_ahead(*ahead, keep=[*hits.values(), *(fill.slot for fill in fills)])
         read, failure = 0, None
-        for run, outcome in zip(runs, [None, *reads]):
-            try:
-                read += self._read_run(layer, run) if outcome is None else outcome.result()
-            except BaseException as exc:  # its slots hold nothing: free again (the other runs are still waited for)
+        for run, outcome in zip(runs, _wait_all(self.reads, reads)):
+            if isinstance(outcome, BaseException):  # its slots hold nothing: free again (the other runs were waited for)
                 for failed in run:
                     self.policy.drop((layer, failed.expert))
-                failure = failure or exc
+                failure = failure or outcome
                 continue
+            read += outcome[0]
             for expert, slot, _ in run:
                 self._slot_of[layer][expert] = slot
         if failure is not None:
             raise failure
         if read:  # the whole fill's time, its bookkeeping too: what a step waits for a byte of its misses
             self.fill_rate += RATE_WEIGHT * (read / max(time.perf_counter() - started, 1e-9) - self.fill_rate)
-        self._count(len(experts), len(hits), fills, read, time.perf_counter() - started)
+        self._count(len(experts), len(hits) - read_ahead, fills, read, time.perf_counter() - started, read_ahead)
+
+    def _read_ahead(self, layer: int, experts: list[int], keep: list[int]) -> None:
+        """Starts reading ``layer``'s ``experts`` that are not held into slots the policy reserves (never one in
+        ``keep`` or of a read in flight); the slot map shows them once they land (``_land``)."""
+        wanted = [e for e in experts if (layer, e) not in self.policy.held]
+        if not wanted:
+            return
+        fills = self.policy.reserve(layer, wanted, [*keep, *(fill.slot for _, run, _ in self._ahead for fill in run)])
+        self._forget(fill.evicted for fill in fills)
+        evictions = sum(fill.evicted is not None for fill in fills)
+        self.evictions += evictions
+        EVICTIONS.inc(evictions)
+        SLOTS_USED.set(len(self.policy.held))
+        self._ahead += [(layer, run, _start(self.reads, layer, run[0].expert, [fill.slot for fill in run])) for run in _runs(fills)]
+
+    def _land(self, layer: int = -1, routed: Collection[int] = ()) -> int:
+        """Waits for every read ahead and maps the experts it read (a failed one's slot is free again); returns how
+        many of ``layer``'s ``routed`` experts were among them."""
+        if not self._ahead:
+            return 0
+        used = landed = 0
+        for (ahead_layer, run, _), outcome in zip(self._ahead, _wait_all(self.reads, [read for _, _, read in self._ahead])):
+            if isinstance(outcome, BaseException):  # a layer-step that routes to them reads them again, and fails there if the store does
+                for fill in run:
+                    self.policy.drop((ahead_layer, fill.expert))
+                continue
+            for expert, slot, _ in run:
+                self._slot_of[ahead_layer][expert] = slot
+                used += ahead_layer == layer and expert in routed
+            landed += len(run)
+        self._ahead.clear()
+        self.prefetched["used"] += used
+        self.prefetched["unused"] += landed - used
+        PREFETCHES_BY_OUTCOME["used"].inc(used)
+        PREFETCHES_BY_OUTCOME["unused"].inc(landed - used)
+        self.bytes_read += landed * self.store.record
+        BYTES_READ.inc(landed * self.store.record)
+        return used
+
+    def _forget(self, evicted: Iterable[tuple[int, int] | None]) -> None:
+        """Unmaps the experts evicted from their slots."""
+        for key in evicted:
+            if key is not None:
+                self._slot_of[key[0]][key[1]] = -1
 
     def ran_from_bank(self, layer_steps: list[tuple[int, list[int], float]], tokens: int) -> None:
         """Layer-steps of ``tokens`` tokens that found every routed expert (ascending) held and ran over the bank without
@@ -702,15 +798,15 @@ class ExpertCache:
             self.hits += hits
             self.layer_steps["on-demand"] += len(layer_steps)
             HITS.inc(hits)
-            LAYER_STEPS.labels("on-demand").inc(len(layer_steps))
+            LAYER_STEPS_BY_FILL["on-demand"].inc(len(layer_steps))
 
-    def _count(self, lookups: int, hits: int, fills: list[Fill], read: int, seconds: float) -> None:
-        """One on-demand layer-step's counters: ``lookups`` routed experts, ``hits`` of them held, ``fills`` read
-        (``read`` bytes) in ``seconds``."""
-        if lookups:
-            self.hit_rate_recent += RATE_WEIGHT * (hits / lookups - self.hit_rate_recent)
+    def _count(self, lookups: int, hits: int, fills: list[Fill], read: int, seconds: float, read_ahead: int = 0) -> None:
+        """One on-demand layer-step's counters: ``lookups`` routed experts, ``hits`` of them held before it (and
+        ``read_ahead`` read ahead for it), ``fills`` read (``read`` bytes) in ``seconds``."""
+        if lookups:  # the experts it found without waiting for a read of its own
+            self.hit_rate_recent += RATE_WEIGHT * ((hits + read_ahead) / lookups - self.hit_rate_recent)
         self.layer_steps["on-demand"] += 1
-        LAYER_STEPS.labels("on-demand").inc()
+        LAYER_STEPS_BY_FILL["on-demand"].inc()
         evictions = sum(f.evicted is not None for f in fills)
         self.hits, self.misses, self.evictions, self.bytes_read = (
             self.hits + hits,
@@ -733,12 +829,9 @@ class ExpertCache:
             return "the bank holds every expert"
         return f"the bank's {self.slots} slots are fewer than two layers' {2 * self.store.num_experts} experts"
 
-    def _read_run(self, layer: int, run: list[Fill]) -> int:
-        return self.store.read_into(layer, run[0].expert, [self._slot_buffers[f.slot] for f in run])
-
     def describe(self) -> dict[str, Any]:
         """The cache's configuration and hit rate, for /instrumentation."""
-        lookups = self.hits + self.misses
+        lookups = self.hits + self.misses + self.prefetched["used"]
         return {
             "bytes": self.budget,
             "slots": self.slots,
@@ -750,6 +843,7 @@ class ExpertCache:
             "store": self.store.path,
             "store_bytes": self.store.nbytes,
             "store_reads": self.store.read_mode,
+            "reads_in_flight": self.reads.how,
             "fill_policy": self.fill_mode,
             "streamed_prefill": "on" if self.streams else f"off ({self._why_not_streamed()})",
             "last_step_fill": self.last_fill,
@@ -766,6 +860,8 @@ class ExpertCache:
             "evictions": self.evictions,
             "bytes_read": self.bytes_read,
             "hit_rate": round(self.hits / lookups, 4) if lookups else None,
+            "prefetch": self.prefetch,
+            "prefetched": dict(self.prefetched),
         }
 
 
@@ -801,15 +897,15 @@ class ExpertSpill:
 
     on_device = False  # takes blocks (moe.ExpertSink)
 
-    def __init__(self, spec: str, directory: str, policy: str, fill: str = "auto") -> None:
-        self.spec, self.directory, self.policy, self.fill = spec, directory, policy, fill
+    def __init__(self, spec: str, directory: str, policy: str, fill: str = "auto", prefetch: str = "on") -> None:
+        self.spec, self.directory, self.policy, self.fill, self.prefetch = spec, directory, policy, fill, prefetch
         self.store: ExpertStore | None = None
         self.layers = self.top_k = self.slots = self.budget = 0
 
     @classmethod
-    def plan(cls, spec: str, directory: str, policy: str, device: torch.device, sharded: bool, fill: str = "auto") -> ExpertSpill | None:
-        """The spill of ``spec`` (``cache_bytes``) under replacement ``policy`` (``POLICIES``) and ``fill`` mode, its store under
-        ``directory``; None where ``spec`` is 0 (all resident)."""
+    def plan(cls, spec: str, directory: str, policy: str, device: torch.device, sharded: bool, fill: str = "auto", prefetch: str = "on") -> ExpertSpill | None:
+        """The spill of ``spec`` (``cache_bytes``) under replacement ``policy`` (``POLICIES``), ``fill`` mode and ``prefetch``
+        (on: read ahead), its store under ``directory``; None where ``spec`` is 0 (all resident)."""
         if not expert_cache_on(spec):
             return None
         if device.type != "cpu":
@@ -817,7 +913,9 @@ class ExpertSpill:
         refuse_unserved(sharded, policy)
         if fill not in EXPERT_CACHE_FILLS:
             raise ValueError(f"--expert-cache-fill is one of {', '.join(EXPERT_CACHE_FILLS)}, not {fill!r}")
-        return cls(spec, directory, policy, fill)
+        if prefetch not in EXPERT_CACHE_PREFETCH:
+            raise ValueError(f"--expert-cache-prefetch is one of {', '.join(EXPERT_CACHE_PREFETCH)}, not {prefetch!r}")
+        return cls(spec, directory, policy, fill, prefetch)
 
     def begin(self, config: dict[str, Any]) -> None:
         """The model's config, read before its weights: its family, MoE layers and top-k."""
@@ -846,11 +944,46 @@ class ExpertSpill:
         if len(layers) != self.store.num_layers:
             raise ValueError(f"the model has {len(layers)} MoE layers where its config says {self.store.num_layers}")
         self.store.seal()
-        cache = ExpertCache(self.store, self.slots, self.top_k, self.budget, self.policy, self.fill)
-        for layer, moe in enumerate(layers):
-            moe.stream_from(cache, layer)
+        cache = ExpertCache(self.store, self.slots, self.top_k, self.budget, self.policy, self.fill, self.prefetch)
+        predictors = read_ahead_predictors(model) if self.prefetch == "on" else [None] * len(layers)
+        for layer, (moe, predictor) in enumerate(zip(layers, predictors)):
+            moe.stream_from(cache, layer, predictor)
         _return_freed_memory()
         return cache
+
+
+def read_ahead_predictors(model: object) -> list[torch.Tensor | None]:
+    """Per MoE layer, the next MoE layer's router as it would see this layer's normed input ``x = RMSNorm(h) * w``
+    (None for the last): ``router' * (w' / w)`` per hidden channel, w and w' the two layers' post-attention norm weights,
+    so that its top-k over ``x`` is the next layer's routing of ``h``: the residual stream before this layer's MLP and
+    the next layer's attention add to it, which in trained (and random) models moves few of a token's top-k."""
+    layers = [layer for layer in model.layers if isinstance(layer.mlp, SparseMoE | SharedExpertMoE)]
+    norms = [layer.post_norm.weight.float() for layer in layers]
+    routers = [moe.router.float() for moe in routed_experts(model)]
+    predictors: list[torch.Tensor | None] = []
+    for this, following, router in zip(norms, norms[1:], routers[1:]):
+        scale = torch.where(this != 0, following / torch.where(this != 0, this, 1), 0)  # a channel the norm zeroes tells nothing
+        predictors.append((router * scale).contiguous())
+    return [*predictors, None]
+
+
+def _start(reads: StoreReads, layer: int, first: int, slots: list[int]) -> Any:
+    """``reads.start``, or the OSError it raised (which waiting for it raises)."""
+    try:
+        return reads.start(layer, first, slots)
+    except OSError as exc:
+        return exc
+
+
+def _wait_all(reads: StoreReads, started: list[Any]) -> list[tuple[int, bool] | BaseException]:
+    """Waits for every read of ``started`` (``_start``'s): each one's (bytes, waited), or what it raised."""
+    outcomes: list[tuple[int, bool] | BaseException] = []
+    for read in started:
+        try:
+            outcomes.append(read if isinstance(read, BaseException) else reads.wait(read))
+        except BaseException as exc:
+            outcomes.append(exc)
+    return outcomes
 
 
 def _panels(records: torch.Tensor, shape: tuple[int, ...], offset: int) -> torch.Tensor:

@@ -223,7 +223,7 @@ class WorkerLoop:
                 "expert_cache",
                 **{
                     key: facts[key]
-                    for key in ("bytes", "slots", "experts", "store", "store_reads", "fill_policy", "streamed_prefill", "policy", "cpu_experts")
+                    for key in ("bytes", "slots", "experts", "store", "store_reads", "fill_policy", "streamed_prefill", "prefetch", "policy", "cpu_experts")
                     if key in facts
                 },
             )

@@ -251,6 +251,7 @@ class SparseMoE:
         self.cache: ExpertCache | DeviceExpertCache | None = None
         self.int8_activations = False
         self.quantized_at_load = False  # float experts put in blocks as the layer was built (``load``)
+        self.predictor: torch.Tensor | None = None  # over an expert cache that reads ahead: the next MoE layer's router (stream_from)
         blocks = [isinstance(t, BlockQuantized) for t in (w_gate_up, w_down)]
         if any(blocks) and all(blocks) and grouped_kernel_runs(router.device, router.dtype):
             self.hold_blocks(w_gate_up, w_down)
@@ -308,11 +309,12 @@ class SparseMoE:
         self._logits_weight = self.router
         self._grouped = self._resident
 
-    def stream_from(self, cache: ExpertCache, layer: int) -> None:
+    def stream_from(self, cache: ExpertCache, layer: int, predictor: torch.Tensor | None = None) -> None:
         """From now on the experts run from ``cache``'s bank as its MoE layer ``layer``; their panels (in the
-        cache's store) are dropped from memory."""
+        cache's store) are dropped from memory. ``predictor``: the next MoE layer's router over this layer's normed
+        input (``read_ahead_predictors``), whose top-k the cache reads ahead while this layer runs."""
         self.panels = self.panels.placeholders()
-        self.cache, self.cache_layer = cache, layer
+        self.cache, self.cache_layer, self.predictor = cache, layer, predictor
         self._route = cpu_kernels()[0].route_experts
         self._grouped = self._from_cache
 
@@ -388,7 +390,12 @@ class SparseMoE:
             computing = time.perf_counter() - began
         else:
             weights, ids = self._route(logits, self.top_k, self.renormalize, self.router.shape[0])
-            for rows, slots in cache.passes(layer, ids):
+            ahead = (
+                None
+                if self.predictor is None or not cache.reads_ahead
+                else (layer + 1, sorted(set(self._route(self._logits(x, self.predictor), self.top_k, False)[1].view(-1).tolist())))
+            )
+            for rows, slots in cache.passes(layer, ids, ahead):
                 began = time.perf_counter()
                 self._kernel(
                     x[rows], logits[rows], self.top_k, self.renormalize, cache.gate_up, cache.down, *shared, out[rows], bits,

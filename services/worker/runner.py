@@ -78,6 +78,7 @@ class RunnerConfig:
     expert_cache_dir: str = ""  # where the spill file goes ("": expert_cache.default_store_dir())
     expert_cache_policy: str = "lfu"  # which expert the bank evicts (expert_cache.POLICIES)
     expert_cache_fill: str = "auto"  # how a step reads the experts it misses (expert_cache.ExpertCache.fill_mode)
+    expert_cache_prefetch: str = "on"  # whether the cache reads a layer's predicted experts ahead (expert_cache.ExpertCache.prefetch)
     expert_cache_cpu_experts: str = "auto"  # a GPU worker's: whether missed experts may run on the CPU (device_expert_cache.CoExecution)
 
     @classmethod
@@ -89,7 +90,7 @@ class RunnerConfig:
             gdn_checkpoint_slots=gdn_checkpoints(load_model_info(config.model), config), speculative_method=config.speculative_method, ngram=(config.ngram_min, config.ngram_max),
             verify_states=min(config.speculative_max_batch, config.max_num_seqs) * config.num_speculative_tokens if config.speculative_method else 0,
             expert_cache_bytes=config.expert_cache_bytes, expert_cache_dir=config.expert_cache_dir, expert_cache_policy=config.expert_cache_policy,
-            expert_cache_fill=config.expert_cache_fill, expert_cache_cpu_experts=config.expert_cache_cpu_experts, draft_model=config.draft_model,
+            expert_cache_fill=config.expert_cache_fill, expert_cache_prefetch=config.expert_cache_prefetch, expert_cache_cpu_experts=config.expert_cache_cpu_experts, draft_model=config.draft_model,
         )  # fmt: skip
 
 
@@ -122,7 +123,15 @@ class ModelRunner:
 
         store_dir = config.expert_cache_dir or default_store_dir()
         if self.device.type == "cpu":
-            spill = ExpertSpill.plan(config.expert_cache_bytes, store_dir, config.expert_cache_policy, self.device, tp is not None, config.expert_cache_fill)
+            spill = ExpertSpill.plan(
+                config.expert_cache_bytes,
+                store_dir,
+                config.expert_cache_policy,
+                self.device,
+                tp is not None,
+                config.expert_cache_fill,
+                config.expert_cache_prefetch,
+            )
         else:
             spill = DeviceExpertSpill.plan(config.expert_cache_bytes, config.expert_cache_policy, config.expert_cache_cpu_experts, self.device, tp is not None)
         model_config, self.model, self.weight_quant, self.quantized_linears = load_model(config.model, DTYPES[dtype], self.device, weight_quant, tp, spill)

@@ -9,6 +9,7 @@ read; and what the cache cannot serve is refused at start, naming why."""
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import ctypes.util
 import errno
@@ -18,10 +19,10 @@ import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 from unittest import mock
 
 import pytest
@@ -37,9 +38,11 @@ from services.worker.block_quant import BlockQuantized
 from services.worker.cpu_kernels import cpu_kernels
 from services.worker.decoder_backends import DECODER_BACKENDS
 from services.worker.expert_cache import ALIGN, POLICIES, ExpertCache, ExpertSpill, ExpertStore, SlotLFU, SlotLRU, cache_bytes, default_store_dir, padded
+from services.worker.expert_reads import AioReads, StoreReads, ThreadReads
 from services.worker.moe import ExpertPanels, SharedExpert, SparseMoE, routed_experts
 from services.worker.runner import ModelRunner, RunnerConfig
 from services.worker.weights import SafetensorsFile
+from shared.choices import EXPERT_CACHE_PREFETCH
 from shared.config import StackConfig
 from shared.frames import Slice, StepPlan
 from shared.metrics import exposition
@@ -127,6 +130,44 @@ def test_each_policy_keeps_hits_in_place_refills_no_slot_its_step_reads_and_leak
         assert {slot: key for key, slot in lru.held.items()} == holds  # the policy's view is the bank's
         assert sorted([*lru.held.values(), *lru.free]) == list(range(slots))  # bound respected, no slot leaked
         assert sorted(lru.ranked()) == sorted(lru.held)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@given(
+    slots=st.integers(1, LAYERS * EXPERTS), steps=steps, predicted=st.lists(st.lists(st.integers(0, EXPERTS - 1), max_size=EXPERTS), min_size=40, max_size=40)
+)
+def test_experts_read_ahead_take_no_slot_the_step_reads_and_are_the_first_to_go_unless_a_step_uses_them(
+    policy: str, slots: int, steps: list[tuple[int, list[int]]], predicted: list[list[int]]
+) -> None:
+    cache = POLICIES[policy](slots)
+    for (layer, experts), ahead in zip(steps, predicted):
+        hits, fills = cache.take(layer, experts[:slots])
+        keep = [*hits.values(), *(f.slot for f in fills)]
+        following = (layer + 1) % LAYERS
+        wanted = [e for e in dict.fromkeys(ahead) if (following, e) not in cache.held]
+        holds = {slot: key for key, slot in cache.held.items()}
+        reserved = cache.reserve(following, wanted, keep)
+        assert len(reserved) == min(len(wanted), slots - len(keep))  # as many as fit beside the step's own
+        taken = [f.slot for f in reserved]
+        assert len(set(taken)) == len(taken) and not set(taken) & set(keep)
+        assert all(f.evicted == holds.get(f.slot) and cache.held[(following, f.expert)] == f.slot for f in reserved)
+        assert sorted([*cache.held.values(), *cache.free]) == list(range(slots))
+        if reserved and not cache.free:  # the next victim is an expert read ahead that no step has used
+            probe = copy.deepcopy(cache)
+            _, (victim,) = probe.take(LAYERS, [0])
+            assert victim.evicted in {(following, f.expert) for f in reserved}
+
+
+def failing_reads(reads: StoreReads, fails: Callable[[int, int], bool]) -> Any:
+    """Patches ``reads`` so that the reads of (layer, first expert) that ``fails`` picks fail with EIO."""
+    start = reads.start
+
+    def failing(layer: int, first: int, slots: list[int]) -> Any:
+        if fails(layer, first):
+            raise OSError(errno.EIO, "Input/output error")
+        return start(layer, first, slots)
+
+    return mock.patch.object(reads, "start", side_effect=failing)
 
 
 def _cyclic_scan_hit_rate(policy: str, slots: int, layers: int, routed: int, passes: int) -> float:
@@ -249,16 +290,42 @@ def test_misses_are_read_once_and_hits_are_not_read(store_dir: StoreDir) -> None
     assert cache.store.read_mode == store_dir.mode
     slot_bytes = padded(layers[0].gate_up[0].nbytes + layers[0].down[0].nbytes)
     ids = torch.tensor([[0, 1], [1, 2]], dtype=torch.int32)
-    with mock.patch("os.preadv", wraps=os.preadv) as preadv:
+    with mock.patch.object(cache.reads, "start", wraps=cache.reads.start) as start:
         assert [r for r, _ in cache.passes(0, ids)] == [slice(0, 2)]
     assert (cache.hits, cache.misses, cache.bytes_read) == (0, 3, 3 * slot_bytes)
-    assert preadv.call_count == 1  # three adjacent records: one read
+    assert start.call_count == 1  # three adjacent records: one read
     list(cache.passes(0, ids))
     assert (cache.hits, cache.misses, cache.bytes_read) == (3, 3, 3 * slot_bytes)
     list(cache.passes(1, torch.tensor([[4, 5]], dtype=torch.int32)))  # evicts layer 0's two least recently used
     assert (cache.misses, cache.evictions) == (5, 1) and int(cache.slot_of[0][0]) == -1 and cache.describe()["slots_used"] == 4
     wide = torch.tensor([[0, 1], [2, 3], [4, 5], [0, 5]], dtype=torch.int32)  # six experts over four slots: two groups of tokens
     assert [r for r, _ in cache.passes(1, wide)] == [slice(0, 2), slice(2, 4)]
+
+
+@needs_kernels
+def test_reads_in_flight_land_every_byte_in_any_order_and_a_short_read_fails_at_its_wait(store_dir: StoreDir) -> None:
+    layers = [_random_panels(EXPERTS, (2, 2, 1024), (4, 1, 1024), seed=layer) for layer in range(LAYERS)]
+    store = ExpertStore(store_dir.path, layers)
+    reads = StoreReads.of(store)
+    assert isinstance(reads, AioReads if store.direct else ThreadReads)
+    records = torch.frombuffer(mmap.mmap(-1, EXPERTS * store.record), dtype=torch.uint8, count=EXPERTS * store.record).view(EXPERTS, store.record)
+    reads.bank(records)
+    gate_up_bytes = layers[0].gate_up[0].nbytes
+    for layer in range(LAYERS):
+        runs = [(0, [5, 1]), (2, [0, 3, 2]), (5, [4])]  # (first expert, its slots): adjacent records, one read each
+        started = [reads.start(layer, first, slots) for first, slots in runs]
+        for (first, slots), read in reversed(list(zip(runs, started))):  # waited for in any order
+            assert reads.wait(read)[0] == len(slots) * store.record
+            for expert, slot in enumerate(slots, first):
+                assert torch.equal(records[slot][:gate_up_bytes], layers[layer].gate_up[expert].reshape(-1))
+                assert torch.equal(records[slot][gate_up_bytes : gate_up_bytes + layers[layer].down[expert].nbytes], layers[layer].down[expert].reshape(-1))
+    past_the_end = reads.start(LAYERS, 0, [0])
+    with pytest.raises(OSError, match="gave 0 of"):
+        reads.wait(past_the_end)
+    if store.direct:  # where the kernel refuses AIO contexts, threads read
+        with mock.patch.object(cpu_kernels()[0], "DirectReads", side_effect=RuntimeError("io_setup: Operation not permitted")):
+            refused = StoreReads.of(store)
+        assert isinstance(refused, ThreadReads) and refused.how == "threads (native AIO: io_setup: Operation not permitted)"
 
 
 @needs_kernels
@@ -291,13 +358,13 @@ def test_a_layer_with_its_shared_expert_gives_the_resident_bits_from_a_bank_of_t
 
 
 def _greedy_and_logits(
-    path: str, spec: str, store: str, policy: str = "lfu", weight_quant: str = "int4", fill: str = "on-demand", decoder: str = ""
+    path: str, spec: str, store: str, policy: str = "lfu", weight_quant: str = "int4", fill: str = "on-demand", decoder: str = "", prefetch: str = "on"
 ) -> tuple[dict[str, list[int]], torch.Tensor, ModelRunner]:
     """Greedy tokens of four staggered requests in chunked, mixed steps, and one prompt's logits; ``decoder``: a decoder
     backend in place of the one chosen at load."""
     config = RunnerConfig(
         path, num_blocks=64, block_size=4, weight_quant=weight_quant, expert_cache_bytes=spec, expert_cache_dir=store, expert_cache_policy=policy,
-        expert_cache_fill=fill,
+        expert_cache_fill=fill, expert_cache_prefetch=prefetch,
     )  # fmt: skip
     runner = ModelRunner(config)
     if decoder:
@@ -312,37 +379,43 @@ def _greedy_and_logits(
 
 
 @needs_kernels
+@pytest.mark.parametrize("prefetch", EXPERT_CACHE_PREFETCH)
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
 def test_greedy_tokens_and_logits_are_the_resident_ones_at_every_cache_size(
-    family: str, policy: str, tiny_qwen3_moes: dict[str, Checkpoint], tiny_qwen3_nexts: dict[str, Checkpoint], store_dir: StoreDir
+    family: str, policy: str, prefetch: str, tiny_qwen3_moes: dict[str, Checkpoint], tiny_qwen3_nexts: dict[str, Checkpoint], store_dir: StoreDir
 ) -> None:
     tiny = tiny_qwen3_moes["renorm-dense-middle"] if family == "qwen3_moe" else tiny_qwen3_nexts["interval-tied-bias"]
     resident_out, resident_logits, resident = _greedy_and_logits(tiny.path, "0", store_dir.path)
     assert resident.expert_cache is None and resident.describe()["expert_cache"] is None
     top_k, experts = tiny.reference.config.num_experts_per_tok, tiny.reference.config.num_experts
     slot_bytes = padded(2 * 32 * 64 // 32 * 20 + 64 * 32 // 32 * 20)  # q4_1 gate_up [64, 64] + down [64, 32]: 20 bytes per block of 32, in a page
-    layers = resident.describe()["moe_layers"]
+    layers, read_ahead_total = resident.describe()["moe_layers"], 0
     for spec in [str(top_k * slot_bytes), str((top_k + 1) * slot_bytes), str((experts - 1) * slot_bytes), "50%", "100%"]:
-        out, logits, runner = _greedy_and_logits(tiny.path, spec, store_dir.path, policy)
+        out, logits, runner = _greedy_and_logits(tiny.path, spec, store_dir.path, policy, prefetch=prefetch)
         facts = runner.describe()["expert_cache"]
-        assert facts["policy"] == policy
+        assert facts["policy"] == policy and facts["prefetch"] == prefetch
         assert all(moe.held_bytes() == 0 for moe in routed_experts(runner.model))  # the bank alone holds experts
         assert facts["bank_bytes"] == facts["slots"] * slot_bytes
         assert facts["slots"] == min(cache_bytes(spec, slot_bytes * experts * layers) // slot_bytes, experts * layers) and facts["slot_bytes"] == slot_bytes
-        assert facts["misses"] > 0 and facts["bytes_read"] == facts["misses"] * slot_bytes and facts["fill_policy"] == "on-demand"
+        read_ahead = sum(facts["prefetched"].values())
+        assert facts["misses"] > 0 and facts["bytes_read"] == (facts["misses"] + read_ahead) * slot_bytes and facts["fill_policy"] == "on-demand"
+        assert read_ahead == 0 or prefetch == "on", spec
+        read_ahead_total += read_ahead
         assert (facts["evictions"] > 0) == (facts["slots"] < experts * layers)
         assert out == resident_out, spec
         assert torch.equal(logits, resident_logits), spec
     assert facts["store_reads"] == store_dir.mode
     assert facts["hit_rate"] > 0.5  # 100 %: only the first touch of each expert misses
+    assert (read_ahead_total > 0) == (prefetch == "on")
 
 
 @needs_kernels
+@pytest.mark.parametrize("prefetch", EXPERT_CACHE_PREFETCH)
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 @pytest.mark.parametrize("spec", ["50%", "100%"])
 def test_the_one_call_decoder_runs_held_experts_in_cpp_and_leaves_the_cache_as_the_per_layer_path_does(
-    spec: str, policy: str, tiny_qwen3_moes: dict[str, Checkpoint], store_dir: StoreDir
+    spec: str, policy: str, prefetch: str, tiny_qwen3_moes: dict[str, Checkpoint], store_dir: StoreDir
 ) -> None:
     path = tiny_qwen3_moes["renorm-dense-middle"].path
     replayed, replay = [], ExpertCache.ran_from_bank
@@ -352,10 +425,11 @@ def test_the_one_call_decoder_runs_held_experts_in_cpp_and_leaves_the_cache_as_t
         replay(cache, layer_steps, tokens)
 
     with mock.patch.object(ExpertCache, "ran_from_bank", counted):
-        one_call = _greedy_and_logits(path, spec, store_dir.path, policy)
-    per_layer = _greedy_and_logits(path, spec, store_dir.path, policy, decoder="fused")
+        one_call = _greedy_and_logits(path, spec, store_dir.path, policy, prefetch=prefetch)
+    per_layer = _greedy_and_logits(path, spec, store_dir.path, policy, decoder="fused", prefetch=prefetch)
     assert (one_call[2].decoder.name, per_layer[2].decoder.name) == ("one-call-cpp", "fused")
-    assert sum(replayed) > 0  # layer-steps that found their experts held ran in C++
+    # layer-steps that found their experts held ran in C++ (reading ahead, those whose next layer's predicted experts were held too)
+    assert sum(replayed) > 0 or (prefetch == "on" and spec != "100%")
     assert one_call[0] == per_layer[0] and torch.equal(one_call[1], per_layer[1])
     caches = [runner.expert_cache for _, _, runner in (one_call, per_layer)]
     facts = [{k: v for k, v in cache.describe().items() if k not in ("store", "fill_rule")} for cache in caches]
@@ -603,14 +677,7 @@ def test_without_a_cache_int4_experts_still_load_a_layer_at_a_time(wide_moe_chec
 def test_a_failed_read_frees_its_slots_and_the_runs_read_beside_it_are_held(store_dir: StoreDir) -> None:
     layers = [_random_panels(EXPERTS, (8, 2, 20), (8, 1, 20), seed=layer) for layer in range(1)]
     cache = ExpertCache(ExpertStore(store_dir.path, layers), 6, 2, 0)
-    read_into = cache.store.read_into
-
-    def failing(layer: int, first: int, slots: list[memoryview]) -> int:
-        if first == 3:
-            raise OSError(errno.EIO, "Input/output error")
-        return read_into(layer, first, slots)
-
-    with mock.patch.object(cache.store, "read_into", side_effect=failing), pytest.raises(OSError, match="Input/output"):
+    with failing_reads(cache.reads, lambda layer, first: first == 3), pytest.raises(OSError, match="Input/output"):
         cache.fill(0, [0, 3, 5])  # three runs, read side by side: the second fails
     assert sorted(cache.policy.held) == [(0, 0), (0, 5)] and cache.slot_of[0].tolist()[3] == -1
     for expert in (0, 5):
@@ -618,6 +685,28 @@ def test_a_failed_read_frees_its_slots_and_the_runs_read_beside_it_are_held(stor
         assert torch.equal(cache.gate_up[slot], layers[0].gate_up[expert]) and torch.equal(cache.down[slot], layers[0].down[expert])
     cache.fill(0, [3])  # read again on the next try
     assert torch.equal(cache.gate_up[int(cache.slot_of[0][3])], layers[0].gate_up[3])
+
+
+def test_experts_read_ahead_land_as_the_next_layers_hits_and_a_failed_one_is_read_again_on_demand(store_dir: StoreDir) -> None:
+    layers = [_random_panels(EXPERTS, (8, 2, 20), (8, 1, 20), seed=layer) for layer in range(2)]
+    cache = ExpertCache(ExpertStore(store_dir.path, layers), 8, 2, 0, "lfu", "on-demand")
+    slot_bytes = cache.slot_bytes
+    with failing_reads(cache.reads, lambda layer, first: (layer, first) == (1, 4)):
+        cache.fill(0, [0, 1], ahead=(1, [2, 4]))  # layer 1's 2 and 4 read ahead while layer 0 runs; 4's read fails
+        assert cache.slot_of[1].tolist()[2] == -1  # not mapped until it has landed
+        cache.fill(1, [2, 3, 4])
+    assert cache.prefetched == {"used": 1, "unused": 0} and (cache.hits, cache.misses) == (0, 4)  # 4 read again on demand
+    assert cache.bytes_read == 5 * slot_bytes
+    for expert in (2, 3, 4):
+        slot = int(cache.slot_of[1][expert])
+        assert torch.equal(cache.gate_up[slot], layers[1].gate_up[expert]) and torch.equal(cache.down[slot], layers[1].down[expert])
+    cache.fill(1, [0], ahead=(0, [0, 5]))  # 0 is held: only 5 is read ahead
+    cache.begin_step(1)  # a read ahead that no layer-step used lands at the latest when the next step begins
+    assert cache.prefetched == {"used": 1, "unused": 1} and int(cache.slot_of[0][5]) >= 0
+    assert cache.describe()["hit_rate"] == round(cache.hits / (cache.hits + cache.misses + 1), 4)
+    off = ExpertCache(ExpertStore(store_dir.path, layers), 8, 2, 0, "lfu", "on-demand", prefetch="off")
+    off.fill(0, [0], ahead=(1, [2]))
+    assert off.prefetched == {"used": 0, "unused": 0} and off.slot_of[1].tolist()[2] == -1 and not off.policy.held.get((1, 2))
 
 
 @needs_kernels
@@ -632,7 +721,7 @@ def test_a_read_that_fails_inside_the_one_call_decoder_reaches_the_caller_and_th
     resident = ModelRunner(RunnerConfig(path, num_blocks=16, block_size=4, weight_quant="int4")).logits(plan("r"))["r"]
     runner = ModelRunner(RunnerConfig(path, num_blocks=16, block_size=4, weight_quant="int4", expert_cache_bytes="50%", expert_cache_dir=store_dir.path))
     assert runner.decoder.name == "one-call-cpp"
-    with mock.patch.object(runner.expert_cache.store, "read_into", side_effect=OSError(errno.EIO, "Input/output error")):
+    with failing_reads(runner.expert_cache.reads, lambda layer, first: True):
         with pytest.raises(OSError, match="Input/output"):  # raised in a fill the C++ decoder called back for
             runner.logits(plan("failed"))
     runner.release(["failed"])

@@ -49,15 +49,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<std::optional<torch::Tensor>>, std::vector<std::optional<torch::Tensor>>,
                     std::vector<torch::Tensor>, std::vector<std::optional<torch::Tensor>>, std::vector<std::optional<torch::Tensor>>, std::vector<torch::Tensor>,
                     std::vector<torch::Tensor>, std::vector<std::optional<torch::Tensor>>, std::vector<std::vector<int64_t>>, int64_t, int64_t, bool,
-                    int64_t, int64_t, int64_t, double>(),
+                    int64_t, int64_t, int64_t, double, std::vector<std::optional<torch::Tensor>>, std::vector<std::optional<torch::Tensor>>>(),
            py::arg("norms"), py::arg("qkv"), py::arg("qkv_bias"), py::arg("head_norms"), py::arg("o_proj"), py::arg("o_bias"), py::arg("routers"),
            py::arg("gate_up"), py::arg("down"), py::arg("slot_maps"), py::arg("many_row_bits"), py::arg("few_rows"), py::arg("top_k"), py::arg("renormalize"),
-           py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"))
+           py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("predictors") = std::vector<std::optional<torch::Tensor>>{},
+           py::arg("predicted_maps") = std::vector<std::optional<torch::Tensor>>{})
       .def("forward", &DecoderLayers::forward, "final-normed hidden states [rows, hidden] of a step's embedded rows, every layer in one call",
            py::arg("embedded"), py::arg("caches"), py::arg("cos"), py::arg("sin"), py::arg("write_slots"), py::arg("block_tables"), py::arg("context_lens"),
-           py::arg("block_size"), py::arg("bank") = py::none(), py::arg("cached_layer") = py::none(), no_gil)
+           py::arg("block_size"), py::arg("bank") = py::none(), py::arg("cached_layer") = py::none(), py::arg("read_ahead") = true, no_gil)
       .def("take_bank_hits", &DecoderLayers::take_bank_hits,
            "the (layer, experts, seconds) of the layer-steps that ran from the expert cache's bank since the last call, in order");
+  py::class_<DirectReads>(m, "DirectReads", "reads of an O_DIRECT file in flight while the caller computes (Linux native AIO, no threads)")
+      .def(py::init<int64_t>(), py::arg("depth"))
+      .def("submit", &DirectReads::submit, "queue one read at offset into buffers (addresses, nbytes each); its ticket", py::arg("fd"), py::arg("offset"),
+           py::arg("addresses"), py::arg("nbytes"))
+      .def("wait", &DirectReads::wait, "(bytes read or -errno, whether it had to be waited for) of a ticket's read", py::arg("ticket"), no_gil)
+      .def_property_readonly("in_flight", &DirectReads::in_flight);
   m.def(
       "takeover_pool_stats",
       [] {

@@ -17,7 +17,9 @@
 // expert its tokens route to is held in the bank: grouped_moe over the bank's slots, with route_experts'
 // routing, the same bits as resident. Otherwise (a miss, or a step that streams its layers) the cache's
 // Python side runs the layer (cached_layer: fills, then the same call). The replacement policy stays in
-// Python: the layer-steps that ran here are logged (take_bank_hits) and replayed into it in order.
+// Python: the layer-steps that ran here are logged (take_bank_hits) and replayed into it in order. Where the
+// cache reads ahead, a layer runs here only if the next cached layer's predicted experts are held too (else
+// Python reads them ahead while this layer runs).
 
 #include "kernels.h"
 
@@ -37,10 +39,11 @@ DecoderLayers::DecoderLayers(std::vector<torch::Tensor> norms, std::vector<torch
                              std::vector<std::optional<torch::Tensor>> o_bias, std::vector<std::optional<torch::Tensor>> routers,
                              std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down, std::vector<std::optional<torch::Tensor>> slot_maps,
                              std::vector<std::vector<int64_t>> many_row_bits, int64_t few_rows, int64_t top_k, bool renormalize, int64_t heads,
-                             int64_t kv_heads, int64_t head_dim, double eps)
+                             int64_t kv_heads, int64_t head_dim, double eps, std::vector<std::optional<torch::Tensor>> predictors,
+                             std::vector<std::optional<torch::Tensor>> predicted_maps)
     : norms_(std::move(norms)), qkv_(std::move(qkv)), qkv_bias_(std::move(qkv_bias)), head_norms_(std::move(head_norms)), o_proj_(std::move(o_proj)),
       o_bias_(std::move(o_bias)), routers_(std::move(routers)), gate_up_(std::move(gate_up)), down_(std::move(down)),
-      slot_maps_(std::move(slot_maps)), many_row_bits_(std::move(many_row_bits)), few_rows_(few_rows), top_k_(top_k),
+      slot_maps_(std::move(slot_maps)), predictors_(std::move(predictors)), predicted_maps_(std::move(predicted_maps)), many_row_bits_(std::move(many_row_bits)), few_rows_(few_rows), top_k_(top_k),
       renormalize_(renormalize), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps) {
   const size_t layers = qkv_.size();
   TORCH_CHECK(norms_.size() == 2 * layers + 1, "norms: input and post-attention norm of every layer, then the final norm");
@@ -48,6 +51,9 @@ DecoderLayers::DecoderLayers(std::vector<torch::Tensor> norms, std::vector<torch
                   routers_.size() == layers && gate_up_.size() == layers && down_.size() == layers && slot_maps_.size() == layers &&
                   many_row_bits_.size() == layers,
               "one qkv, qkv bias, head norm, o_proj, o bias, router, gate_up, down, slot map and many_row_bits per layer");
+  if (predictors_.empty()) predictors_.resize(layers);
+  if (predicted_maps_.empty()) predicted_maps_.resize(layers);
+  TORCH_CHECK(predictors_.size() == layers && predicted_maps_.size() == layers, "predictors and predicted_maps: none, or one per layer");
   for (size_t i = 0; i < layers; ++i) {
     TORCH_CHECK(many_row_bits_[i].size() == 4, "layer ", i, "'s many_row_bits must be [qkv, o_proj, gate_up, down]");
     for (int64_t bits : many_row_bits_[i]) TORCH_CHECK(bits == 8 || bits == 16, "layer ", i, "'s many_row_bits must be 8 or 16, got ", bits);
@@ -67,13 +73,20 @@ DecoderLayers::DecoderLayers(std::vector<torch::Tensor> norms, std::vector<torch
       TORCH_CHECK(routers_[i] && slots.dim() == 1 && slots.scalar_type() == torch::kInt32 && slots.is_contiguous() && slots.size(0) == routers_[i]->size(0),
                   "layer ", i, "'s slot map must be contiguous int32 [experts] of a MoE layer");
     }
+    if (predictors_[i]) {
+      const auto& map = predicted_maps_[i];
+      TORCH_CHECK(slot_maps_[i] && map && map->scalar_type() == torch::kInt32 && map->is_contiguous() && predictors_[i]->dim() == 2 &&
+                      predictors_[i]->size(0) == map->size(0) && predictors_[i]->size(1) == routers_[i]->size(1),
+                  "layer ", i, "'s predictor must be [experts, hidden] with the predicted layer's int32 slot map, on a cached layer");
+    }
   }
 }
 
 torch::Tensor DecoderLayers::forward(const torch::Tensor& embedded, const std::vector<torch::Tensor>& caches, const torch::Tensor& cos,
                                      const torch::Tensor& sin, const torch::Tensor& write_slots, const torch::Tensor& block_tables,
                                      const torch::Tensor& context_lens, int64_t block_size,
-                                     const std::optional<std::tuple<torch::Tensor, torch::Tensor>>& bank, const std::optional<CachedLayer>& cached_layer) {
+                                     const std::optional<std::tuple<torch::Tensor, torch::Tensor>>& bank, const std::optional<CachedLayer>& cached_layer,
+                                     bool read_ahead) {
   const int64_t layers = static_cast<int64_t>(qkv_.size());
   TORCH_CHECK(caches.size() == qkv_.size(), "one cache per layer: ", layers, " layers, ", caches.size(), " caches");
   TORCH_CHECK(embedded.dim() == 2, "embedded must be [rows, hidden]");
@@ -93,7 +106,7 @@ torch::Tensor DecoderLayers::forward(const torch::Tensor& embedded, const std::v
     std::tie(x, residual) = add_rms_norm(block_quant_gemm(attended, o_proj_[i], hidden, o_bias_[i], std::nullopt, bits(O_PROJ)), residual, norms_[2 * i + 1], eps_);
     torch::Tensor mlp_out;
     if (slot_maps_[i]) {
-      mlp_out = from_cache(i, x, router_logits(x, *routers_[i]), bits(GATE_UP), bank, cached_layer);
+      mlp_out = from_cache(i, x, router_logits(x, *routers_[i]), bits(GATE_UP), bank, cached_layer, read_ahead);
     } else if (routers_[i]) {
       mlp_out = grouped_moe(x, router_logits(x, *routers_[i]), top_k_, renormalize_, gate_up_[i], down_[i], std::nullopt, std::nullopt, std::nullopt, bits(GATE_UP),
                             std::nullopt, std::nullopt, std::nullopt);
@@ -108,7 +121,7 @@ torch::Tensor DecoderLayers::forward(const torch::Tensor& embedded, const std::v
 
 torch::Tensor DecoderLayers::from_cache(int64_t layer, const torch::Tensor& x, const torch::Tensor& logits, int64_t bits,
                                         const std::optional<std::tuple<torch::Tensor, torch::Tensor>>& bank,
-                                        const std::optional<CachedLayer>& cached_layer) {
+                                        const std::optional<CachedLayer>& cached_layer, bool read_ahead) {
   TORCH_CHECK(cached_layer.has_value(), "layer ", layer, "'s experts are in an expert cache: forward needs cached_layer");
   const auto& slot_map = *slot_maps_[layer];
   if (bank) {
@@ -125,6 +138,12 @@ torch::Tensor DecoderLayers::from_cache(int64_t layer, const torch::Tensor& x, c
         all_held = slot[e] >= 0;
         held.push_back(e);
       }
+    }
+    if (all_held && read_ahead && predictors_[layer]) {  // the next layer's predicted experts, all held too? else Python reads them ahead
+      const auto predicted = std::get<1>(route_experts(router_logits(x, *predictors_[layer]), top_k_, false, experts));
+      const int32_t* next_slot = predicted_maps_[layer]->data_ptr<int32_t>();
+      const int32_t* next = predicted.data_ptr<int32_t>();
+      for (int64_t j = 0; j < predicted.numel() && all_held; ++j) all_held = next_slot[next[j]] >= 0;
     }
     if (all_held) {
       const auto began = std::chrono::steady_clock::now();

@@ -3,10 +3,15 @@
 
 #include <torch/extension.h>
 
+#include <linux/aio_abi.h>
+
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
+#include <system_error>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& block_tables,
@@ -53,17 +58,20 @@ class DecoderLayers {
                 std::vector<std::optional<torch::Tensor>> head_norms, std::vector<torch::Tensor> o_proj, std::vector<std::optional<torch::Tensor>> o_bias,
                 std::vector<std::optional<torch::Tensor>> routers, std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down,
                 std::vector<std::optional<torch::Tensor>> slot_maps, std::vector<std::vector<int64_t>> many_row_bits, int64_t few_rows, int64_t top_k,
-                bool renormalize, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps);
+                bool renormalize, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
+                std::vector<std::optional<torch::Tensor>> predictors = {}, std::vector<std::optional<torch::Tensor>> predicted_maps = {});
   // bank: the expert cache's (gate_up, down) slots, where a layer-step whose experts are all held may run here
-  // (none: every cached layer goes to cached_layer, as in a streamed step).
+  // (none: every cached layer goes to cached_layer, as in a streamed step); read_ahead: whether the predictors apply.
   torch::Tensor forward(const torch::Tensor& embedded, const std::vector<torch::Tensor>& caches, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& write_slots, const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t block_size,
-                        const std::optional<std::tuple<torch::Tensor, torch::Tensor>>& bank, const std::optional<CachedLayer>& cached_layer);
+                        const std::optional<std::tuple<torch::Tensor, torch::Tensor>>& bank, const std::optional<CachedLayer>& cached_layer,
+                        bool read_ahead = true);
   std::vector<BankHit> take_bank_hits();
 
  private:
   torch::Tensor from_cache(int64_t layer, const torch::Tensor& x, const torch::Tensor& logits, int64_t bits,
-                           const std::optional<std::tuple<torch::Tensor, torch::Tensor>>& bank, const std::optional<CachedLayer>& cached_layer);
+                           const std::optional<std::tuple<torch::Tensor, torch::Tensor>>& bank, const std::optional<CachedLayer>& cached_layer,
+                           bool read_ahead);
 
   std::vector<torch::Tensor> norms_, qkv_;
   std::vector<std::optional<torch::Tensor>> qkv_bias_, head_norms_;
@@ -71,10 +79,35 @@ class DecoderLayers {
   std::vector<std::optional<torch::Tensor>> o_bias_, routers_;
   std::vector<torch::Tensor> gate_up_, down_;
   std::vector<std::optional<torch::Tensor>> slot_maps_;
+  // per cached layer, where its cache reads ahead: the next cached layer's router over this layer's normed x
+  // ([experts, hidden]) and that layer's slot map
+  std::vector<std::optional<torch::Tensor>> predictors_, predicted_maps_;
   std::vector<std::vector<int64_t>> many_row_bits_;  // per layer: qkv, o_proj, gate_up (a MoE layer: its experts'), down
   int64_t few_rows_, top_k_;
   bool renormalize_;
   int64_t heads_, kv_heads_, head_dim_;
   double eps_;
   std::vector<BankHit> bank_hits_;  // since the last take_bank_hits
+};
+
+// Reads of a file opened with O_DIRECT, in flight while the caller computes (direct_reads.cpp): submit queues one
+// read of adjacent records into buffers (each nbytes, at the given addresses) and gives its ticket; wait gives
+// (its result: bytes read or -errno, whether it had still to be waited for). Every submitted read must be waited for.
+class DirectReads {
+ public:
+  explicit DirectReads(int64_t depth);  // std::system_error where the kernel refuses native AIO
+  ~DirectReads();
+  DirectReads(const DirectReads&) = delete;
+  DirectReads& operator=(const DirectReads&) = delete;
+  int64_t submit(int64_t fd, int64_t offset, const std::vector<int64_t>& addresses, int64_t nbytes);
+  std::tuple<int64_t, bool> wait(int64_t ticket);
+  int64_t in_flight() const { return in_flight_; }
+
+ private:
+  struct Read;
+  bool reap(long at_least);  // takes the completions there are, waiting for at least at_least of them
+
+  aio_context_t ctx_ = 0;
+  int64_t depth_, in_flight_ = 0, next_ticket_ = 0;
+  std::unordered_map<int64_t, std::unique_ptr<Read>> reads_;
 };
