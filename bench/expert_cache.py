@@ -1,17 +1,18 @@
 """The expert cache against the physical bound: the MoE benchmark model (``bench.moe_model``) with its experts in
 int4 blocks, driven in-process (one ``ModelRunner`` per setting, the stack's worker settings), greedy decoding of
 ``--max-tokens`` a stream (ignoring EOS) at concurrency 1 and 8, with everything resident and with the expert cache
-at 100 / 50 / 25 / 12.5 % of the experts' size under each ``--policy`` and ``--fills`` setting listed, the settings taking turns round by round.
+at 100 / 50 / 25 / 12.5 % of the experts' size under each ``--policy``, ``--fills`` and ``--prefetch`` setting listed, the
+settings taking turns round by round.
 
     .venv/bin/python -m bench.expert_cache [--model DIR] [--shape a135m|tiny] [--rounds 2] [--max-tokens 64] [--policy lru lfu] \\
-        [--fills on-demand auto] [--skewed [--hot-model DIR] [--hot-experts 16] [--hot-bias 3]] [--cache-dir DIR] [--out bench/results/expert_cache.json]
+        [--fills on-demand auto] [--prefetch on off] [--skewed [--hot-model DIR] [--hot-experts 16] [--hot-bias 3]] [--cache-dir DIR] [--out bench/results/expert_cache.json]
 
 Per setting and concurrency it prints output tokens/s and its ratio to all-resident, and over the decode steps the
 cache's hit rate, bytes read and fill time per output token (the cache's own counters), the decode step time against
 the bound ``all-resident step + missed bytes / storage read bandwidth``, the miss path's own read rate, and whether
 the tokens are those of the all-resident run. The storage's read bandwidth is measured each round by reading the
 expert store file sequentially in 4 MiB reads with the page cache bypassed (O_DIRECT, else buffered reads after and
-behind ``posix_fadvise(DONTNEED)``; the report says which), and at the miss path's size: one expert's record at a
+behind ``posix_fadvise(DONTNEED)``; the report says which; the better of one and four reads in flight), and at the miss path's size: one expert's record at a
 time in random order, and as many side by side as the miss path reads a layer-step's misses (its share of that
 too: what the storage gives a few random records at once). ``--skewed`` runs the same table on a model whose routers favour
 ``--hot-experts`` experts per layer and prints what that gains in hit rate.
@@ -30,12 +31,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import torch
 from prometheus_client import REGISTRY
 
 from bench.moe_model import SHAPES, MoeSpec, calibration_text, write_hf
 from bench.report import write_results
-from services.worker.expert_cache import ALIGN, POLICIES, ExpertStore
-from services.worker.expert_reads import READERS
+from services.worker.expert_cache import ALIGN, POLICIES, ExpertStore, aligned_buffer
+from services.worker.expert_reads import READERS, StoreReads
 from services.worker.runner import ModelRunner, RunnerConfig
 from shared.choices import EXPERT_CACHE_FILLS, EXPERT_CACHE_PREFETCH
 from shared.config import StackConfig
@@ -150,29 +152,29 @@ def _reader(store: ExpertStore) -> tuple[int, bool]:
 
 
 def read_bandwidth(store: ExpertStore) -> tuple[float, float, float, str]:
-    """(sequential bytes/s in CHUNK reads, bytes/s of one record a read in random order, bytes/s of random records
-    read ``READERS`` side by side as the miss path reads a layer-step's misses, how the page cache was
-    bypassed) over ``store``'s file: the storage's read bandwidth, measured on the very file the cache reads."""
+    """(sequential bytes/s in CHUNK reads: the better of one in flight, as ``dd``, and ``READERS`` in flight, as ``fio``
+    with that queue depth; bytes/s of one record a read in random order; bytes/s of random records read ``READERS``
+    side by side as the miss path reads a layer-step's misses; how the page cache was bypassed) over ``store``'s
+    file: the storage's read bandwidth, measured on the very file the cache reads."""
     fd, direct = _reader(store)
     how = "O_DIRECT" if direct else "buffered reads after posix_fadvise(DONTNEED), each followed by DONTNEED"
 
-    def read(index: int, buffer: mmap.mmap) -> None:
-        os.preadv(fd, [buffer], index * store.record)
+    def read(index: int, buffer: mmap.mmap, size: int = store.record) -> int:
+        read_now = os.preadv(fd, [buffer], index * size)
         if not direct:
-            os.posix_fadvise(fd, index * store.record, store.record, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(fd, index * size, size, os.POSIX_FADV_DONTNEED)
+        return read_now
+
+    def sequential(in_flight: int) -> float:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        chunks, chunk_buffers = -(-store.nbytes // CHUNK), [mmap.mmap(-1, CHUNK) for _ in range(in_flight)]  # contents unused
+        with ThreadPoolExecutor(in_flight) as readers:
+            began = time.perf_counter()
+            total = sum(readers.map(lambda i: read(i, chunk_buffers[i % in_flight], CHUNK), range(chunks)))
+        return total / (time.perf_counter() - began)
 
     try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        buffer = mmap.mmap(-1, CHUNK)
-        began, offset = time.perf_counter(), 0
-        while offset < store.nbytes:
-            read_now = os.preadv(fd, [buffer], offset)
-            if read_now <= 0:
-                break
-            if not direct:
-                os.posix_fadvise(fd, offset, read_now, os.POSIX_FADV_DONTNEED)
-            offset += read_now
-        sequential = offset / (time.perf_counter() - began)
+        best_sequential = max(sequential(1), sequential(READERS), sequential_as_the_cache_reads(store))
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         records = list(range(store.num_layers * store.num_experts))
         random.Random(0).shuffle(records)
@@ -192,7 +194,26 @@ def read_bandwidth(store: ExpertStore) -> tuple[float, float, float, str]:
             side_by_side = len(records) * store.record / (time.perf_counter() - began)
     finally:
         os.close(fd)
-    return sequential, per_record, side_by_side, how
+    return best_sequential, per_record, side_by_side, how
+
+
+def sequential_as_the_cache_reads(store: ExpertStore) -> float:
+    """Bytes/s of the store read from end to end in CHUNK reads, ``READERS`` in flight, the way the cache reads
+    (``StoreReads``: native AIO where the store reads with O_DIRECT)."""
+    reads = StoreReads.of(store)
+    per_read = max(1, min(store.num_experts, CHUNK // store.record))
+    bank = torch.frombuffer(aligned_buffer(READERS * per_read * store.record), dtype=torch.uint8).view(READERS * per_read, store.record)
+    reads.bank(bank)
+    spans = [(layer, first) for layer in range(store.num_layers) for first in range(0, store.num_experts, per_read)]
+    in_flight: list[Any] = []
+    began, total = time.perf_counter(), 0
+    for n, (layer, first) in enumerate(spans):
+        if len(in_flight) == READERS:
+            total += reads.wait(in_flight.pop(0))[0]
+        lane = n % READERS
+        in_flight.append(reads.start(layer, first, list(range(lane * per_read, lane * per_read + min(per_read, store.num_experts - first)))))
+    total += sum(reads.wait(read)[0] for read in in_flight)
+    return total / (time.perf_counter() - began)
 
 
 def load_runners(model: str, args: argparse.Namespace, blocks: int) -> dict[Setting, ModelRunner]:
@@ -252,7 +273,7 @@ def bench_model(model: str, args: argparse.Namespace, label: str) -> dict[str, A
     per_record = statistics.median(b[1] for b in bandwidths)
     side_by_side = statistics.median(b[2] for b in bandwidths)
     print(
-        f"storage read bandwidth ({how}): {sequential / 1e9:.2f} GB/s sequential in {CHUNK >> 20} MiB reads, "
+        f"storage read bandwidth ({how}): {sequential / 1e9:.2f} GB/s sequential in {CHUNK >> 20} MiB reads (1 or {READERS} in flight), "
         f"{per_record / 1e9:.2f} GB/s a record ({cache.store.record} bytes) at a time, {side_by_side / 1e9:.2f} GB/s {READERS} records "
         "side by side; rounds: " + ", ".join(f"{s / 1e9:.2f}/{r / 1e9:.2f}/{b / 1e9:.2f}" for s, r, b in bandwidths),
         flush=True,

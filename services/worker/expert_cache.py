@@ -110,7 +110,7 @@ def _close_all(fds: list[int]) -> None:
         os.close(fd)
 
 
-def _buffer(nbytes: int) -> mmap.mmap:
+def aligned_buffer(nbytes: int) -> mmap.mmap:
     """Anonymous, page-aligned memory (O_DIRECT's buffers must be aligned), touched only when written; in huge pages
     where the kernel gives them on request (a direct read pins each page of its buffers when it is queued: 4 KiB
     pages make that half of a record read's submit cost)."""
@@ -203,7 +203,7 @@ class ExpertStore:
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
         if self._direct is not None:
             try:
-                if os.preadv(self._direct, [_buffer(self.record)], 0) != self.record:
+                if os.preadv(self._direct, [aligned_buffer(self.record)], 0) != self.record:
                     raise OSError("a short read")
             except OSError as exc:
                 self._buffered_why = f"buffered + DONTNEED (O_DIRECT reads fail here: {exc})"
@@ -542,7 +542,7 @@ class ExpertCache:
         """A bank of ``policy.slots`` empty slots under ``policy``."""
         store, slots = self.store, policy.slots
         self.budget, self.policy = budget, policy
-        self.records = torch.frombuffer(_buffer(slots * store.record), dtype=torch.uint8, count=slots * store.record).view(slots, store.record)
+        self.records = torch.frombuffer(aligned_buffer(slots * store.record), dtype=torch.uint8, count=slots * store.record).view(slots, store.record)
         self.gate_up = _panels(self.records, store.gate_up_shape, 0)
         self.down = _panels(self.records, store.down_shape, store.gate_up_bytes)
         self.reads.bank(self.records)

@@ -22,12 +22,14 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, NamedTuple
 from unittest import mock
 
 import pytest
 import safetensors.torch
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -37,8 +39,21 @@ from services.worker import block_quant, weights_loading
 from services.worker.block_quant import BlockQuantized
 from services.worker.cpu_kernels import cpu_kernels
 from services.worker.decoder_backends import DECODER_BACKENDS
-from services.worker.expert_cache import ALIGN, POLICIES, ExpertCache, ExpertSpill, ExpertStore, SlotLFU, SlotLRU, cache_bytes, default_store_dir, padded
+from services.worker.expert_cache import (
+    ALIGN,
+    POLICIES,
+    ExpertCache,
+    ExpertSpill,
+    ExpertStore,
+    SlotLFU,
+    SlotLRU,
+    cache_bytes,
+    default_store_dir,
+    padded,
+    read_ahead_predictors,
+)
 from services.worker.expert_reads import AioReads, StoreReads, ThreadReads
+from services.worker.rmsnorm import RMSNorm
 from services.worker.moe import ExpertPanels, SharedExpert, SparseMoE, routed_experts
 from services.worker.runner import ModelRunner, RunnerConfig
 from services.worker.weights import SafetensorsFile
@@ -156,6 +171,27 @@ def test_experts_read_ahead_take_no_slot_the_step_reads_and_are_the_first_to_go_
             probe = copy.deepcopy(cache)
             _, (victim,) = probe.take(LAYERS, [0])
             assert victim.evicted in {(following, f.expert) for f in reserved}
+
+
+def test_a_layers_predictor_routes_its_normed_input_as_the_next_layers_router_routes_the_same_residual() -> None:
+    generator = torch.Generator().manual_seed(0)
+    hidden, experts, top_k = 32, 16, 4
+
+    def moe_layer(norm: torch.Tensor) -> SimpleNamespace:
+        router = torch.randn(experts, hidden, generator=generator)
+        w_gate_up, w_down = torch.randn(experts, 2 * 8, hidden, generator=generator), torch.randn(experts, hidden, 8, generator=generator)
+        return SimpleNamespace(post_norm=RMSNorm(norm, 1e-6), mlp=SparseMoE(router, w_gate_up, w_down, top_k, False, "torch"))
+
+    norms = [torch.rand(hidden, generator=generator) + 0.5 for _ in range(3)]
+    norms[1][3] = 0.0  # a channel the second layer's norm zeroes
+    model = SimpleNamespace(layers=[moe_layer(norm) for norm in norms])
+    predictors = read_ahead_predictors(model)
+    assert predictors[-1] is None
+    residual = torch.randn(64, hidden, generator=generator)
+    first, second = model.layers[:2]
+    predicted = torch.topk(F.linear(first.post_norm(residual), predictors[0]), top_k).indices.sort().values
+    assert torch.equal(predicted, torch.topk(F.linear(second.post_norm(residual), second.mlp.router), top_k).indices.sort().values)
+    assert torch.all(predictors[1][:, 3] == 0) and torch.all(predictors[1][:, :3] != 0)  # what the second's norm zeroes tells nothing
 
 
 def failing_reads(reads: StoreReads, fails: Callable[[int, int], bool]) -> Any:
