@@ -116,6 +116,7 @@ class OneCallCpp:
             heads=model.num_heads, kv_heads=model.num_kv_heads, head_dim=model.head_dim, eps=model.cfg.eps,
             predictors=[m.predictor if i in self._cached else None for i, m in enumerate(mlp)],
             predicted_maps=[m.cache.slot_of[m.cache_layer + 1] if i in self._cached and m.predictor is not None else None for i, m in enumerate(mlp)],
+            predicted_k=moe[0].read_ahead_k if moe else 0,
         )  # fmt: skip
 
     def __call__(

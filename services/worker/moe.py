@@ -19,6 +19,7 @@ over a bank in device memory, each expert read at its slot (``expert_slots``).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -228,6 +229,9 @@ class SharedExpert(NamedTuple):
     gate: torch.Tensor  # [1, H]
 
 
+READ_AHEAD_WIDTH = 1.25  # top-10 of a top-8 router: reads 85 % of the next layer's experts ahead where top-8 reads 77 %, for a faster c=1 and c=8 step
+
+
 class SparseMoE:
     """Post-attention-normed ``x`` → ``residual + moe(x)``; an ``MLP`` of the shared decoder."""
 
@@ -308,6 +312,12 @@ class SparseMoE:
         self._kernel, self._logits = cpu_kernels()[0].grouped_moe, cpu_kernels()[0].router_logits
         self._logits_weight = self.router
         self._grouped = self._resident
+
+    @property
+    def read_ahead_k(self) -> int:
+        """How many of the next layer's experts a token's predicted routing reads ahead: a few more than its top-k, since
+        the prediction ranks some of the experts it misses just below them."""
+        return min(self.router.shape[0], math.ceil(self.top_k * READ_AHEAD_WIDTH))
 
     def stream_from(self, cache: ExpertCache, layer: int, predictor: torch.Tensor | None = None) -> None:
         """From now on the experts run from ``cache``'s bank as its MoE layer ``layer``; their panels (in the
@@ -393,7 +403,7 @@ class SparseMoE:
             ahead = (
                 None
                 if self.predictor is None or not cache.reads_ahead
-                else (layer + 1, sorted(set(self._route(self._logits(x, self.predictor), self.top_k, False)[1].view(-1).tolist())))
+                else (layer + 1, sorted(set(self._route(self._logits(x, self.predictor), self.read_ahead_k, False)[1].view(-1).tolist())))
             )
             for rows, slots in cache.passes(layer, ids, ahead):
                 began = time.perf_counter()

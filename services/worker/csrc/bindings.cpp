@@ -49,11 +49,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<std::optional<torch::Tensor>>, std::vector<std::optional<torch::Tensor>>,
                     std::vector<torch::Tensor>, std::vector<std::optional<torch::Tensor>>, std::vector<std::optional<torch::Tensor>>, std::vector<torch::Tensor>,
                     std::vector<torch::Tensor>, std::vector<std::optional<torch::Tensor>>, std::vector<std::vector<int64_t>>, int64_t, int64_t, bool,
-                    int64_t, int64_t, int64_t, double, std::vector<std::optional<torch::Tensor>>, std::vector<std::optional<torch::Tensor>>>(),
+                    int64_t, int64_t, int64_t, double, std::vector<std::optional<torch::Tensor>>, std::vector<std::optional<torch::Tensor>>, int64_t>(),
            py::arg("norms"), py::arg("qkv"), py::arg("qkv_bias"), py::arg("head_norms"), py::arg("o_proj"), py::arg("o_bias"), py::arg("routers"),
            py::arg("gate_up"), py::arg("down"), py::arg("slot_maps"), py::arg("many_row_bits"), py::arg("few_rows"), py::arg("top_k"), py::arg("renormalize"),
            py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("predictors") = std::vector<std::optional<torch::Tensor>>{},
-           py::arg("predicted_maps") = std::vector<std::optional<torch::Tensor>>{})
+           py::arg("predicted_maps") = std::vector<std::optional<torch::Tensor>>{}, py::arg("predicted_k") = 0)
       .def("forward", &DecoderLayers::forward, "final-normed hidden states [rows, hidden] of a step's embedded rows, every layer in one call",
            py::arg("embedded"), py::arg("caches"), py::arg("cos"), py::arg("sin"), py::arg("write_slots"), py::arg("block_tables"), py::arg("context_lens"),
            py::arg("block_size"), py::arg("bank") = py::none(), py::arg("cached_layer") = py::none(), py::arg("read_ahead") = true, no_gil)

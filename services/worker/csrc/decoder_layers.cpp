@@ -40,10 +40,10 @@ DecoderLayers::DecoderLayers(std::vector<torch::Tensor> norms, std::vector<torch
                              std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down, std::vector<std::optional<torch::Tensor>> slot_maps,
                              std::vector<std::vector<int64_t>> many_row_bits, int64_t few_rows, int64_t top_k, bool renormalize, int64_t heads,
                              int64_t kv_heads, int64_t head_dim, double eps, std::vector<std::optional<torch::Tensor>> predictors,
-                             std::vector<std::optional<torch::Tensor>> predicted_maps)
+                             std::vector<std::optional<torch::Tensor>> predicted_maps, int64_t predicted_k)
     : norms_(std::move(norms)), qkv_(std::move(qkv)), qkv_bias_(std::move(qkv_bias)), head_norms_(std::move(head_norms)), o_proj_(std::move(o_proj)),
       o_bias_(std::move(o_bias)), routers_(std::move(routers)), gate_up_(std::move(gate_up)), down_(std::move(down)),
-      slot_maps_(std::move(slot_maps)), predictors_(std::move(predictors)), predicted_maps_(std::move(predicted_maps)), many_row_bits_(std::move(many_row_bits)), few_rows_(few_rows), top_k_(top_k),
+      slot_maps_(std::move(slot_maps)), predictors_(std::move(predictors)), predicted_maps_(std::move(predicted_maps)), predicted_k_(predicted_k > 0 ? predicted_k : top_k), many_row_bits_(std::move(many_row_bits)), few_rows_(few_rows), top_k_(top_k),
       renormalize_(renormalize), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps) {
   const size_t layers = qkv_.size();
   TORCH_CHECK(norms_.size() == 2 * layers + 1, "norms: input and post-attention norm of every layer, then the final norm");
@@ -140,7 +140,7 @@ torch::Tensor DecoderLayers::from_cache(int64_t layer, const torch::Tensor& x, c
       }
     }
     if (all_held && read_ahead && predictors_[layer]) {  // the next layer's predicted experts, all held too? else Python reads them ahead
-      const auto predicted = std::get<1>(route_experts(router_logits(x, *predictors_[layer]), top_k_, false, experts));
+      const auto predicted = std::get<1>(route_experts(router_logits(x, *predictors_[layer]), predicted_k_, false, experts));
       const int32_t* next_slot = predicted_maps_[layer]->data_ptr<int32_t>();
       const int32_t* next = predicted.data_ptr<int32_t>();
       for (int64_t j = 0; j < predicted.numel() && all_held; ++j) all_held = next_slot[next[j]] >= 0;

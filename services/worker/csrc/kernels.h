@@ -59,7 +59,8 @@ class DecoderLayers {
                 std::vector<std::optional<torch::Tensor>> routers, std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down,
                 std::vector<std::optional<torch::Tensor>> slot_maps, std::vector<std::vector<int64_t>> many_row_bits, int64_t few_rows, int64_t top_k,
                 bool renormalize, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
-                std::vector<std::optional<torch::Tensor>> predictors = {}, std::vector<std::optional<torch::Tensor>> predicted_maps = {});
+                std::vector<std::optional<torch::Tensor>> predictors = {}, std::vector<std::optional<torch::Tensor>> predicted_maps = {},
+                int64_t predicted_k = 0);
   // bank: the expert cache's (gate_up, down) slots, where a layer-step whose experts are all held may run here
   // (none: every cached layer goes to cached_layer, as in a streamed step); read_ahead: whether the predictors apply.
   torch::Tensor forward(const torch::Tensor& embedded, const std::vector<torch::Tensor>& caches, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -80,8 +81,9 @@ class DecoderLayers {
   std::vector<torch::Tensor> gate_up_, down_;
   std::vector<std::optional<torch::Tensor>> slot_maps_;
   // per cached layer, where its cache reads ahead: the next cached layer's router over this layer's normed x
-  // ([experts, hidden]) and that layer's slot map
+  // ([experts, hidden]) and that layer's slot map; the experts a token's prediction reads ahead (its top predicted_k_)
   std::vector<std::optional<torch::Tensor>> predictors_, predicted_maps_;
+  int64_t predicted_k_;
   std::vector<std::vector<int64_t>> many_row_bits_;  // per layer: qkv, o_proj, gate_up (a MoE layer: its experts'), down
   int64_t few_rows_, top_k_;
   bool renormalize_;
