@@ -53,8 +53,8 @@ from services.worker.expert_cache import (
     read_ahead_predictors,
 )
 from services.worker.expert_reads import AioReads, StoreReads, ThreadReads
-from services.worker.rmsnorm import RMSNorm
 from services.worker.moe import ExpertPanels, SharedExpert, SparseMoE, routed_experts
+from services.worker.rmsnorm import RMSNorm
 from services.worker.runner import ModelRunner, RunnerConfig
 from services.worker.weights import SafetensorsFile
 from shared.choices import EXPERT_CACHE_PREFETCH
