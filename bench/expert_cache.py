@@ -211,7 +211,7 @@ def sequential_as_the_cache_reads(store: ExpertStore) -> float:
         if len(in_flight) == READERS:
             total += reads.wait(in_flight.pop(0))[0]
         lane = n % READERS
-        in_flight.append(reads.start(layer, first, list(range(lane * per_read, lane * per_read + min(per_read, store.num_experts - first)))))
+        in_flight += reads.start([(layer, first, list(range(lane * per_read, lane * per_read + min(per_read, store.num_experts - first))))])
     total += sum(reads.wait(read)[0] for read in in_flight)
     return total / (time.perf_counter() - began)
 

@@ -136,7 +136,7 @@ class OneCallCpp:
             return self._cached[layer].run_cached(x, logits)
 
         try:
-            return self._layers.forward(*args, bank=bank, cached_layer=cached_layer, read_ahead=cache.reads_ahead)
+            return self._layers.forward(*args, bank=bank, cached_layer=cached_layer, read_ahead=cache.reads_ahead(rows))
         finally:
             self._replay_bank_hits(rows)
 

@@ -45,6 +45,10 @@ STREAM_MIN_TOKENS = 2  # a one-token step reads its top-k experts at most: never
 # auto streams steps of this many tokens or more only: a decode batch's few misses stay on demand (lending two layers'
 # slots step after step would empty a small bank of the experts its decodes hit)
 AUTO_STREAM_MIN_TOKENS = 16
+# steps of more tokens read no experts ahead: their misses keep the storage busy and the guesses' extra bytes cost more
+# than the overlap gains (a cache of 25 %, one process taking turns: 2 streams 42.0 against 36.8 ms a step without, 4
+# streams 66.8 against 56.0, 8 streams 86.0 against 75.1; one stream at 50 % gains 9-20 %)
+READ_AHEAD_MAX_TOKENS = 1
 EXPLORE_EVERY = 8  # auto: after this many steps the rule kept on demand, one streams anyway, so that both rates stay measured
 COMPUTE_MIN_TOKENS = 16  # layer calls of this many tokens or more measure the experts' compute per token (what a streamed read overlaps)
 RATE_WEIGHT = 0.25  # the newest measurement's weight in the fill rule's moving averages
@@ -480,10 +484,7 @@ class LayerStream:
     def start(self, layer: int) -> None:
         """Starts reading ``layer``'s experts into its half (``layer % 2``), which no layer still computing reads."""
         half = self.halves[layer % 2]
-        self.reads[layer] = (
-            time.perf_counter(),
-            [_start(self.store_reads, layer, first, half[first : first + READ_MOST]) for first in range(0, len(half), READ_MOST)],
-        )
+        self.reads[layer] = (time.perf_counter(), self.store_reads.start([(layer, first, half[first : first + READ_MOST]) for first in range(0, len(half), READ_MOST)]))
 
     def take(self, layer: int) -> tuple[torch.Tensor, int, float, bool]:
         """Waits for ``layer``'s experts: its slot map, the bytes read, their rate (bytes a second since the reads
@@ -555,10 +556,10 @@ class ExpertCache:
     def slot_bytes(self) -> int:
         return self.store.record
 
-    @property
-    def reads_ahead(self) -> bool:
-        """Whether layer-steps read the next layer's predicted experts ahead: on, and the bank does not hold every expert."""
-        return self.prefetch == "on" and self.slots < self.experts
+    def reads_ahead(self, tokens: int) -> bool:
+        """Whether a step of ``tokens`` tokens reads each next layer's predicted experts ahead: on, the bank does not hold
+        every expert, and the step is small enough that its reads leave the storage idle while its layers compute."""
+        return self.prefetch == "on" and self.slots < self.experts and tokens <= READ_AHEAD_MAX_TOKENS
 
     @property
     def streams(self) -> bool:
@@ -571,11 +572,11 @@ class ExpertCache:
         experts, record = self.store.num_experts, self.store.record
         began = time.perf_counter()
         for expert in range(0, experts, max(1, experts // 4)):
-            self.reads.wait(self.reads.start(0, expert, [0]))
+            self.reads.wait(self.reads.start([(0, expert, [0])])[0])
         one_at_a_time = -(-experts // max(1, experts // 4)) * record / max(time.perf_counter() - began, 1e-9)
         began = time.perf_counter()
         layer = min(experts, READ_MOST)
-        self.reads.wait(self.reads.start(0, 0, list(range(layer))))
+        self.reads.wait(self.reads.start([(0, 0, list(range(layer)))])[0])
         return one_at_a_time, layer * record / max(time.perf_counter() - began, 1e-9)
 
     def _streamed_is_faster(self, tokens: int) -> bool:
@@ -713,19 +714,20 @@ class ExpertCache:
 
     def fill(self, layer: int, experts: list[int], ahead: tuple[int, list[int]] | None = None) -> None:
         """Makes ``layer``'s ``experts`` (ascending) resident: hits stay (those read ahead once their read lands),
-        misses are read from the store, a run of consecutive experts in one read; and once they are queued, starts
-        reading ``ahead`` (a later layer, the experts its router is predicted to pick), where the cache reads ahead."""
+        misses are read from the store, a run of consecutive experts in one read; and behind them, in the same
+        submission, starts reading ``ahead`` (a later layer, the experts its router is predicted to pick), where the
+        cache reads ahead."""
         started = time.perf_counter()
         self._end_stream()  # a failed streamed step's slots: back in the policy's hands before it takes any
         read_ahead = self._land(layer, experts)
         hits, fills = self.policy.take(layer, experts)
         self._forget(fill.evicted for fill in fills)
         runs = list(_runs(fills))
-        reads = [_start(self.reads, layer, run[0].expert, [fill.slot for fill in run]) for run in runs]
-        if ahead is not None and self.reads_ahead:
-            self._read_ahead(*ahead, keep=[*hits.values(), *(fill.slot for fill in fills)])
+        ahead_runs = self._reserve_ahead(*ahead, keep=[*hits.values(), *(fill.slot for fill in fills)]) if ahead is not None and self.prefetch == "on" else []
+        reads = self.reads.start([(layer, run[0].expert, [fill.slot for fill in run]) for run in runs] + [(ahead[0], run[0].expert, [fill.slot for fill in run]) for run in ahead_runs])
+        self._ahead += [(ahead[0], run, started_read) for run, started_read in zip(ahead_runs, reads[len(runs) :])]
         read, failure = 0, None
-        for run, outcome in zip(runs, _wait_all(self.reads, reads)):
+        for run, outcome in zip(runs, _wait_all(self.reads, reads[: len(runs)])):
             if isinstance(outcome, BaseException):  # its slots hold nothing: free again (the other runs were waited for)
                 for failed in run:
                     self.policy.drop((layer, failed.expert))
@@ -740,19 +742,19 @@ class ExpertCache:
             self.fill_rate += RATE_WEIGHT * (read / max(time.perf_counter() - started, 1e-9) - self.fill_rate)
         self._count(len(experts), len(hits) - read_ahead, fills, read, time.perf_counter() - started, read_ahead)
 
-    def _read_ahead(self, layer: int, experts: list[int], keep: list[int]) -> None:
-        """Starts reading ``layer``'s ``experts`` that are not held into slots the policy reserves (never one in
-        ``keep`` or of a read in flight); the slot map shows them once they land (``_land``)."""
+    def _reserve_ahead(self, layer: int, experts: list[int], keep: list[int]) -> list[list[Fill]]:
+        """Slots the policy reserves for ``layer``'s ``experts`` that are not held (never one in ``keep`` or of a read
+        in flight), as runs to read; the slot map shows them once they land (``_land``)."""
         wanted = [e for e in experts if (layer, e) not in self.policy.held]
         if not wanted:
-            return
+            return []
         fills = self.policy.reserve(layer, wanted, [*keep, *(fill.slot for _, run, _ in self._ahead for fill in run)])
         self._forget(fill.evicted for fill in fills)
         evictions = sum(fill.evicted is not None for fill in fills)
         self.evictions += evictions
         EVICTIONS.inc(evictions)
         SLOTS_USED.set(len(self.policy.held))
-        self._ahead += [(layer, run, _start(self.reads, layer, run[0].expert, [fill.slot for fill in run])) for run in _runs(fills)]
+        return list(_runs(fills))
 
     def _land(self, layer: int = -1, routed: Collection[int] = ()) -> int:
         """Waits for every read ahead and maps the experts it read (a failed one's slot is free again); returns how
@@ -967,16 +969,8 @@ def read_ahead_predictors(model: object) -> list[torch.Tensor | None]:
     return [*predictors, None]
 
 
-def _start(reads: StoreReads, layer: int, first: int, slots: list[int]) -> Any:
-    """``reads.start``, or the OSError it raised (which waiting for it raises)."""
-    try:
-        return reads.start(layer, first, slots)
-    except OSError as exc:
-        return exc
-
-
 def _wait_all(reads: StoreReads, started: list[Any]) -> list[tuple[int, bool] | BaseException]:
-    """Waits for every read of ``started`` (``_start``'s): each one's (bytes, waited), or what it raised."""
+    """Waits for every read of ``started`` (``StoreReads.start``'s): each one's (bytes, waited), or what it raised."""
     outcomes: list[tuple[int, bool] | BaseException] = []
     for read in started:
         try:

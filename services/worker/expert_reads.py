@@ -1,9 +1,11 @@
-"""The expert cache's reads from its store into its bank, in flight while a step goes on: ``start`` queues one read
-of adjacent records into their slots and gives a handle, ``wait`` gives (bytes read, whether the caller had to wait
-for it) and raises OSError where the read failed. Every started read is waited for before its slots are reused.
+"""The expert cache's reads from its store into its bank, in flight while a step goes on: ``start`` queues reads, each
+of adjacent records into their slots, and gives each one's handle (or the OSError that kept it from being queued),
+``wait`` gives (bytes read, whether the caller had to wait for it) and raises OSError where the read failed. Every
+started read is waited for before its slots are reused.
 
-- ``AioReads``: Linux native AIO (``csrc/direct_reads.cpp``), where the store reads with O_DIRECT: a read is one
-  syscall and its completion wakes no thread. On a 2-core machine a reader thread that wakes takes a core from the
+- ``AioReads``: Linux native AIO (``csrc/direct_reads.cpp``), where the store reads with O_DIRECT: a step's reads are
+  queued by one syscall (one notification of a virtual disk, where each costs the VM an exit) and their completion
+  wakes no thread. On a 2-core machine a reader thread that wakes takes a core from the
   compute kernels, and each Python handoff costs tens of microseconds; random expert records read this way, four in
   flight, come at about the storage's sequential rate.
 - ``ThreadReads``: ``READERS`` threads calling the store's ``preadv`` (a store read through the page cache, where
@@ -42,8 +44,9 @@ class StoreReads(ABC):
         self.records = records
 
     @abstractmethod
-    def start(self, layer: int, first: int, slots: list[int]) -> Any:
-        """Queues the read of ``layer``'s experts ``first``, ``first + 1``, ... into ``slots``; its handle."""
+    def start(self, reads: list[tuple[int, int, list[int]]]) -> list[Any]:
+        """Queues each read (layer, first, slots) of ``layer``'s experts ``first``, ``first + 1``, ... into ``slots``, in
+        order; each one's handle, or the OSError that kept it from being queued (which ``wait`` raises)."""
 
     @abstractmethod
     def wait(self, handle: Any) -> tuple[int, bool]:
@@ -71,16 +74,18 @@ class AioReads(StoreReads):
         super().__init__(store)
         self._reads = reads
 
-    def start(self, layer: int, first: int, slots: list[int]) -> tuple[int, int, int, int]:
+    def start(self, reads: list[tuple[int, int, list[int]]]) -> list[Any]:
         assert self.records is not None, "bank() before start()"
-        record, base = self.store.record, self.records.data_ptr()
-        try:
-            ticket = self._reads.submit(self.store.fd, self.store.offset(layer, first), [base + slot * record for slot in slots], record)
-        except RuntimeError as exc:
-            raise OSError(f"the expert store {self.store.path}: {exc}") from exc
-        return ticket, layer, first, len(slots) * record
+        store, record, base = self.store, self.store.record, self.records.data_ptr()
+        tickets = self._reads.submit(store.fd, [(store.offset(layer, first), [base + slot * record for slot in slots]) for layer, first, slots in reads], record)
+        return [
+            (ticket, layer, first, len(slots) * record) if ticket >= 0 else OSError(-ticket, f"queueing a read of the expert store {store.path}: {os.strerror(-ticket)}")
+            for ticket, (layer, first, slots) in zip(tickets, reads)
+        ]
 
-    def wait(self, handle: tuple[int, int, int, int]) -> tuple[int, bool]:
+    def wait(self, handle: Any) -> tuple[int, bool]:
+        if isinstance(handle, OSError):
+            raise handle
         ticket, layer, first, size = handle
         read, waited = self._reads.wait(ticket)
         if read < 0:
@@ -96,10 +101,10 @@ class ThreadReads(StoreReads):
         self.how = how
         self._threads = ThreadPoolExecutor(READERS, thread_name_prefix="expert-read")
 
-    def start(self, layer: int, first: int, slots: list[int]) -> Future[int]:
+    def start(self, reads: list[tuple[int, int, list[int]]]) -> list[Any]:
         assert self.records is not None, "bank() before start()"
-        buffers = [memoryview(self.records[slot].numpy()) for slot in slots]
-        return self._threads.submit(self.store.read_into, layer, first, buffers)
+        records = self.records
+        return [self._threads.submit(self.store.read_into, layer, first, [memoryview(records[slot].numpy()) for slot in slots]) for layer, first, slots in reads]
 
     def wait(self, handle: Future[int]) -> tuple[int, bool]:
         waited = not handle.done()

@@ -402,7 +402,7 @@ class SparseMoE:
             weights, ids = self._route(logits, self.top_k, self.renormalize, self.router.shape[0])
             ahead = (
                 None
-                if self.predictor is None or not cache.reads_ahead
+                if self.predictor is None or not cache.reads_ahead(x.shape[0])
                 else (layer + 1, sorted(set(self._route(self._logits(x, self.predictor), self.read_ahead_k, False)[1].view(-1).tolist())))
             )
             for rows, slots in cache.passes(layer, ids, ahead):

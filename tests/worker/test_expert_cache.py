@@ -198,10 +198,9 @@ def failing_reads(reads: StoreReads, fails: Callable[[int, int], bool]) -> Any:
     """Patches ``reads`` so that the reads of (layer, first expert) that ``fails`` picks fail with EIO."""
     start = reads.start
 
-    def failing(layer: int, first: int, slots: list[int]) -> Any:
-        if fails(layer, first):
-            raise OSError(errno.EIO, "Input/output error")
-        return start(layer, first, slots)
+    def failing(requests: list[tuple[int, int, list[int]]]) -> list[Any]:
+        started = start([r for r in requests if not fails(*r[:2])])
+        return [OSError(errno.EIO, "Input/output error") if fails(*r[:2]) else started.pop(0) for r in requests]
 
     return mock.patch.object(reads, "start", side_effect=failing)
 
@@ -349,13 +348,13 @@ def test_reads_in_flight_land_every_byte_in_any_order_and_a_short_read_fails_at_
     gate_up_bytes = layers[0].gate_up[0].nbytes
     for layer in range(LAYERS):
         runs = [(0, [5, 1]), (2, [0, 3, 2]), (5, [4])]  # (first expert, its slots): adjacent records, one read each
-        started = [reads.start(layer, first, slots) for first, slots in runs]
+        started = reads.start([(layer, first, slots) for first, slots in runs])  # one submission
         for (first, slots), read in reversed(list(zip(runs, started))):  # waited for in any order
             assert reads.wait(read)[0] == len(slots) * store.record
             for expert, slot in enumerate(slots, first):
                 assert torch.equal(records[slot][:gate_up_bytes], layers[layer].gate_up[expert].reshape(-1))
                 assert torch.equal(records[slot][gate_up_bytes : gate_up_bytes + layers[layer].down[expert].nbytes], layers[layer].down[expert].reshape(-1))
-    past_the_end = reads.start(LAYERS, 0, [0])
+    (past_the_end,) = reads.start([(LAYERS, 0, [0])])
     with pytest.raises(OSError, match="gave 0 of"):
         reads.wait(past_the_end)
     if store.direct:  # where the kernel refuses AIO contexts, threads read

@@ -61,8 +61,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "the (layer, experts, seconds) of the layer-steps that ran from the expert cache's bank since the last call, in order");
   py::class_<DirectReads>(m, "DirectReads", "reads of an O_DIRECT file in flight while the caller computes (Linux native AIO, no threads)")
       .def(py::init<int64_t>(), py::arg("depth"))
-      .def("submit", &DirectReads::submit, "queue one read at offset into buffers (addresses, nbytes each); its ticket", py::arg("fd"), py::arg("offset"),
-           py::arg("addresses"), py::arg("nbytes"))
+      .def("submit", &DirectReads::submit, "queue reads (offset, buffer addresses) of nbytes a buffer in one call; each one's ticket, or -errno",
+           py::arg("fd"), py::arg("reads"), py::arg("nbytes"))
       .def("wait", &DirectReads::wait, "(bytes read or -errno, whether it had to be waited for) of a ticket's read", py::arg("ticket"), no_gil)
       .def_property_readonly("in_flight", &DirectReads::in_flight);
   m.def(

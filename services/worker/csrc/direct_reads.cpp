@@ -46,29 +46,49 @@ DirectReads::~DirectReads() {
   io_destroy(ctx_);
 }
 
-int64_t DirectReads::submit(int64_t fd, int64_t offset, const std::vector<int64_t>& addresses, int64_t nbytes) {
-  TORCH_CHECK(!addresses.empty() && nbytes > 0, "a read needs buffers of a positive size");
-  auto read = std::make_unique<Read>();
-  read->buffers.reserve(addresses.size());
-  for (int64_t address : addresses) read->buffers.push_back({reinterpret_cast<void*>(address), static_cast<size_t>(nbytes)});
-  const int64_t ticket = next_ticket_++;
-  std::memset(&read->cb, 0, sizeof(read->cb));
-  read->cb.aio_data = static_cast<uint64_t>(ticket);
-  read->cb.aio_lio_opcode = IOCB_CMD_PREADV;
-  read->cb.aio_fildes = static_cast<uint32_t>(fd);
-  read->cb.aio_buf = reinterpret_cast<uint64_t>(read->buffers.data());
-  read->cb.aio_nbytes = read->buffers.size();
-  read->cb.aio_offset = offset;
-  iocb* queued = &read->cb;
-  while (in_flight_ >= depth_) reap(1);
-  while (io_submit(ctx_, 1, &queued) != 1) {
-    if (errno == EINTR) continue;
-    if (errno != EAGAIN || in_flight_ == 0) throw std::system_error(errno, std::generic_category(), "io_submit");
-    reap(1);  // the kernel's queue is full: make room
+std::vector<int64_t> DirectReads::submit(int64_t fd, const std::vector<std::tuple<int64_t, std::vector<int64_t>>>& reads, int64_t nbytes) {
+  TORCH_CHECK(nbytes > 0, "a read's buffers must have a positive size, got ", nbytes);
+  std::vector<int64_t> tickets;
+  std::vector<iocb*> queue;
+  for (const auto& [offset, addresses] : reads) {
+    TORCH_CHECK(!addresses.empty(), "a read needs buffers");
+    auto read = std::make_unique<Read>();
+    read->buffers.reserve(addresses.size());
+    for (int64_t address : addresses) read->buffers.push_back({reinterpret_cast<void*>(address), static_cast<size_t>(nbytes)});
+    const int64_t ticket = next_ticket_++;
+    std::memset(&read->cb, 0, sizeof(read->cb));
+    read->cb.aio_data = static_cast<uint64_t>(ticket);
+    read->cb.aio_lio_opcode = IOCB_CMD_PREADV;
+    read->cb.aio_fildes = static_cast<uint32_t>(fd);
+    read->cb.aio_buf = reinterpret_cast<uint64_t>(read->buffers.data());
+    read->cb.aio_nbytes = read->buffers.size();
+    read->cb.aio_offset = offset;
+    queue.push_back(&read->cb);
+    reads_.emplace(ticket, std::move(read));
+    tickets.push_back(ticket);
   }
-  ++in_flight_;
-  reads_.emplace(ticket, std::move(read));
-  return ticket;
+  size_t queued = 0;  // one io_submit for as many as the queue takes: the storage is notified once for them all
+  while (queued < queue.size()) {
+    while (in_flight_ >= depth_) reap(1);
+    const long got = io_submit(ctx_, std::min<long>(static_cast<long>(queue.size() - queued), depth_ - in_flight_), queue.data() + queued);
+    if (got > 0) {
+      queued += got;
+      in_flight_ += got;
+      continue;
+    }
+    if (got < 0 && errno == EINTR) continue;
+    if ((got == 0 || errno == EAGAIN) && in_flight_ > 0) {  // the kernel's queue is full: make room
+      reap(1);
+      continue;
+    }
+    const int error = got == 0 ? EAGAIN : errno;
+    for (size_t i = queued; i < queue.size(); ++i) {
+      reads_.erase(tickets[i]);
+      tickets[i] = -error;
+    }
+    break;
+  }
+  return tickets;
 }
 
 std::tuple<int64_t, bool> DirectReads::wait(int64_t ticket) {

@@ -92,16 +92,17 @@ class DecoderLayers {
   std::vector<BankHit> bank_hits_;  // since the last take_bank_hits
 };
 
-// Reads of a file opened with O_DIRECT, in flight while the caller computes (direct_reads.cpp): submit queues one
-// read of adjacent records into buffers (each nbytes, at the given addresses) and gives its ticket; wait gives
-// (its result: bytes read or -errno, whether it had still to be waited for). Every submitted read must be waited for.
+// Reads of a file opened with O_DIRECT, in flight while the caller computes (direct_reads.cpp): submit queues reads,
+// each (offset, the addresses of its buffers of nbytes each: adjacent records), and gives each one's ticket (-errno
+// where it could not be queued); wait gives (a read's result: bytes read or -errno, whether it had still to be
+// waited for). Every queued read must be waited for.
 class DirectReads {
  public:
   explicit DirectReads(int64_t depth);  // std::system_error where the kernel refuses native AIO
   ~DirectReads();
   DirectReads(const DirectReads&) = delete;
   DirectReads& operator=(const DirectReads&) = delete;
-  int64_t submit(int64_t fd, int64_t offset, const std::vector<int64_t>& addresses, int64_t nbytes);
+  std::vector<int64_t> submit(int64_t fd, const std::vector<std::tuple<int64_t, std::vector<int64_t>>>& reads, int64_t nbytes);
   std::tuple<int64_t, bool> wait(int64_t ticket);
   int64_t in_flight() const { return in_flight_; }
 
