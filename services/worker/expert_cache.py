@@ -484,7 +484,10 @@ class LayerStream:
     def start(self, layer: int) -> None:
         """Starts reading ``layer``'s experts into its half (``layer % 2``), which no layer still computing reads."""
         half = self.halves[layer % 2]
-        self.reads[layer] = (time.perf_counter(), self.store_reads.start([(layer, first, half[first : first + READ_MOST]) for first in range(0, len(half), READ_MOST)]))
+        self.reads[layer] = (
+            time.perf_counter(),
+            self.store_reads.start([(layer, first, half[first : first + READ_MOST]) for first in range(0, len(half), READ_MOST)]),
+        )
 
     def take(self, layer: int) -> tuple[torch.Tensor, int, float, bool]:
         """Waits for ``layer``'s experts: its slot map, the bytes read, their rate (bytes a second since the reads
@@ -724,7 +727,10 @@ class ExpertCache:
         self._forget(fill.evicted for fill in fills)
         runs = list(_runs(fills))
         ahead_runs = self._reserve_ahead(*ahead, keep=[*hits.values(), *(fill.slot for fill in fills)]) if ahead is not None and self.prefetch == "on" else []
-        reads = self.reads.start([(layer, run[0].expert, [fill.slot for fill in run]) for run in runs] + [(ahead[0], run[0].expert, [fill.slot for fill in run]) for run in ahead_runs])
+        reads = self.reads.start(
+            [(layer, run[0].expert, [fill.slot for fill in run]) for run in runs]
+            + [(ahead[0], run[0].expert, [fill.slot for fill in run]) for run in ahead_runs]
+        )
         self._ahead += [(ahead[0], run, started_read) for run, started_read in zip(ahead_runs, reads[len(runs) :])]
         read, failure = 0, None
         for run, outcome in zip(runs, _wait_all(self.reads, reads[: len(runs)])):

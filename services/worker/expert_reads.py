@@ -77,9 +77,13 @@ class AioReads(StoreReads):
     def start(self, reads: list[tuple[int, int, list[int]]]) -> list[Any]:
         assert self.records is not None, "bank() before start()"
         store, record, base = self.store, self.store.record, self.records.data_ptr()
-        tickets = self._reads.submit(store.fd, [(store.offset(layer, first), [base + slot * record for slot in slots]) for layer, first, slots in reads], record)
+        tickets = self._reads.submit(
+            store.fd, [(store.offset(layer, first), [base + slot * record for slot in slots]) for layer, first, slots in reads], record
+        )
         return [
-            (ticket, layer, first, len(slots) * record) if ticket >= 0 else OSError(-ticket, f"queueing a read of the expert store {store.path}: {os.strerror(-ticket)}")
+            (ticket, layer, first, len(slots) * record)
+            if ticket >= 0
+            else OSError(-ticket, f"queueing a read of the expert store {store.path}: {os.strerror(-ticket)}")
             for ticket, (layer, first, slots) in zip(tickets, reads)
         ]
 
@@ -104,7 +108,9 @@ class ThreadReads(StoreReads):
     def start(self, reads: list[tuple[int, int, list[int]]]) -> list[Any]:
         assert self.records is not None, "bank() before start()"
         records = self.records
-        return [self._threads.submit(self.store.read_into, layer, first, [memoryview(records[slot].numpy()) for slot in slots]) for layer, first, slots in reads]
+        return [
+            self._threads.submit(self.store.read_into, layer, first, [memoryview(records[slot].numpy()) for slot in slots]) for layer, first, slots in reads
+        ]
 
     def wait(self, handle: Future[int]) -> tuple[int, bool]:
         waited = not handle.done()
