@@ -3,11 +3,10 @@ of adjacent records into their slots, and gives each one's handle (or the OSErro
 ``wait`` gives (bytes read, whether the caller had to wait for it) and raises OSError where the read failed. Every
 started read is waited for before its slots are reused.
 
-- ``AioReads``: Linux native AIO (``csrc/direct_reads.cpp``), where the store reads with O_DIRECT: a step's reads are
-  queued by one syscall (one notification of a virtual disk, where each costs the VM an exit) and their completion
-  wakes no thread. On a 2-core machine a reader thread that wakes takes a core from the
-  compute kernels, and each Python handoff costs tens of microseconds; random expert records read this way, four in
-  flight, come at about the storage's sequential rate.
+- ``AioReads``: Linux native AIO (``csrc/direct_reads.cpp``), where the store reads with O_DIRECT: a layer-step's reads
+  are queued by one syscall and their completion wakes no thread. On a 2-core machine a reader thread that wakes takes
+  a core from the compute kernels, and each Python handoff costs tens of microseconds; random expert records read this
+  way, four in flight, come at about the storage's sequential rate.
 - ``ThreadReads``: ``READERS`` threads calling the store's ``preadv`` (a store read through the page cache, where
   native AIO would block in its submit, or where the kernel refuses AIO contexts: a seccomp profile, aio-max-nr).
 """

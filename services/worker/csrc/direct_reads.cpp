@@ -1,6 +1,6 @@
 // Reads in flight without threads: Linux native AIO (io_setup / io_submit / io_getevents) over a file opened
-// with O_DIRECT, for the expert cache's store (services/worker/expert_reads.py). A read is queued with one
-// syscall and lands in its buffers while the caller computes; no helper thread wakes on its completion (on a
+// with O_DIRECT, for the expert cache's store (services/worker/expert_reads.py). Reads are queued with one
+// syscall and land in their buffers while the caller computes; no helper thread wakes on its completion (on a
 // 2-core machine a woken reader thread takes a core from the compute kernels, and Python's GIL handoffs cost
 // more than the read). Completions are reaped by wait(), in whatever order they come. One thread uses an
 // instance (the worker's step thread); its buffers must stay alive until their read is waited for.
