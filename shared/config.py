@@ -154,7 +154,9 @@ class WorkerConfig:
     expert_cache_fill: str = _opt(
         "auto", "how steps read experts: on-demand misses, whole layers streamed, or auto (by measured rates)", choices=EXPERT_CACHE_FILLS
     )
-    expert_cache_prefetch: str = _opt("on", "read the experts the next MoE layer is predicted to route to while this layer runs", choices=EXPERT_CACHE_PREFETCH)
+    expert_cache_prefetch: str = _opt(
+        "on", "one-token steps read the experts the next MoE layer is predicted to route to while this layer runs", choices=EXPERT_CACHE_PREFETCH
+    )
     expert_cache_cpu_experts: str = _opt(
         "auto", "GPU worker: run a missed expert few tokens use on the CPU, not copy it (auto: by measured rates)", choices=EXPERT_CACHE_CPU_EXPERTS
     )
