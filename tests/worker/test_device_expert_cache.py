@@ -167,7 +167,7 @@ def test_a_runner_serving_from_the_bank_decodes_the_resident_tokens(
     plan = StepPlan(0, [Slice("l", 0, len(prompt), prompt, list(range(60, 64)), sampling=GREEDY, slot=0 if family == "qwen3_next" else -1)])
 
     def serve(spec: str, cpu: CoExecution | None = None) -> tuple[dict[str, list[int]], torch.Tensor, ModelRunner]:
-        plan_on_device = lambda spec, directory, policy, device, sharded, fill: DeviceExpertSpill.plan(spec, policy, "off", device, sharded)  # noqa: E731
+        plan_on_device = lambda spec, directory, policy, device, sharded, fill, prefetch: DeviceExpertSpill.plan(spec, policy, "off", device, sharded)  # noqa: E731
         with mock.patch("services.worker.runner.ExpertSpill.plan", plan_on_device):  # the CPU as the cache's device
             runner = ModelRunner(RunnerConfig(path, num_blocks=64, block_size=4, weight_quant="none", expert_cache_bytes=spec))
         if cpu is not None:
