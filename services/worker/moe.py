@@ -229,7 +229,7 @@ class SharedExpert(NamedTuple):
     gate: torch.Tensor  # [1, H]
 
 
-READ_AHEAD_WIDTH = 1.25  # top-10 of a top-8 router: reads 85 % of the next layer's experts ahead where top-8 reads 77 %, for a faster c=1 and c=8 step
+READ_AHEAD_WIDTH = 1.25  # top-10 of a top-8 router: 85 % of the next layer's experts read ahead, not 77 % (one stream at 50 %: 19.6 ms a step, 21.0)
 
 
 class SparseMoE:
@@ -322,7 +322,7 @@ class SparseMoE:
     def stream_from(self, cache: ExpertCache, layer: int, predictor: torch.Tensor | None = None) -> None:
         """From now on the experts run from ``cache``'s bank as its MoE layer ``layer``; their panels (in the
         cache's store) are dropped from memory. ``predictor``: the next MoE layer's router over this layer's normed
-        input (``read_ahead_predictors``), whose top-k the cache reads ahead while this layer runs."""
+        input (``read_ahead_predictors``), whose top ``read_ahead_k`` the cache reads ahead while this layer runs."""
         self.panels = self.panels.placeholders()
         self.cache, self.cache_layer, self.predictor = cache, layer, predictor
         self._route = cpu_kernels()[0].route_experts
