@@ -152,10 +152,10 @@ def _reader(store: ExpertStore) -> tuple[int, bool]:
 
 
 def read_bandwidth(store: ExpertStore) -> tuple[float, float, float, str]:
-    """(sequential bytes/s in CHUNK reads: the better of one in flight, as ``dd``, and ``READERS`` in flight, as ``fio``
-    with that queue depth; bytes/s of one record a read in random order; bytes/s of random records read ``READERS``
-    side by side as the miss path reads a layer-step's misses; how the page cache was bypassed) over ``store``'s
-    file: the storage's read bandwidth, measured on the very file the cache reads."""
+    """(sequential bytes/s in CHUNK reads: the better of one in flight, as ``dd``, and ``READERS`` in flight the way the
+    cache reads, as ``fio`` at that queue depth; bytes/s of one record a read in random order; bytes/s of random
+    records read ``READERS`` side by side; how the page cache was bypassed) over ``store``'s file: the storage's read
+    bandwidth, measured on the very file the cache reads."""
     fd, direct = _reader(store)
     how = "O_DIRECT" if direct else "buffered reads after posix_fadvise(DONTNEED), each followed by DONTNEED"
 
@@ -165,16 +165,16 @@ def read_bandwidth(store: ExpertStore) -> tuple[float, float, float, str]:
             os.posix_fadvise(fd, index * size, size, os.POSIX_FADV_DONTNEED)
         return read_now
 
-    def sequential(in_flight: int) -> float:
+    def sequential() -> float:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        chunks, chunk_buffers = -(-store.nbytes // CHUNK), [mmap.mmap(-1, CHUNK) for _ in range(in_flight)]  # contents unused
-        with ThreadPoolExecutor(in_flight) as readers:
-            began = time.perf_counter()
-            total = sum(readers.map(lambda i: read(i, chunk_buffers[i % in_flight], CHUNK), range(chunks)))
-        return total / (time.perf_counter() - began)
+        buffer, offset = mmap.mmap(-1, CHUNK), 0
+        began = time.perf_counter()
+        while offset < store.nbytes and (read_now := read(offset // CHUNK, buffer, CHUNK)) > 0:
+            offset += read_now
+        return offset / (time.perf_counter() - began)
 
     try:
-        best_sequential = max(sequential(1), sequential(READERS), sequential_as_the_cache_reads(store))
+        best_sequential = max(sequential(), sequential_as_the_cache_reads(store))
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         records = list(range(store.num_layers * store.num_experts))
         random.Random(0).shuffle(records)
