@@ -5,7 +5,7 @@ On a CPU whose build has AVX-512 VNNI (``block_quant_gemm_isa() == "avx512-vnni"
 
 - ``avx2``: maddubs / madd pairs, 4-row tiles (``TOKENYARD_CPU_VNNI=0``; what an AVX2-only CPU runs);
 - ``vnni``: vpdpwssd / vpdpbusd on 256-bit vectors, 8-row tiles, one panel per tile;
-- ``vnni-pairs``: the default, calls of 16 rows or more take two panels per 512-bit tile.
+- ``vnni-pairs``: the default, calls of enough rows (the worker's ``pair_tiles`` setting) take two panels per 512-bit tile.
 
 Each round runs two processes, one per build setting (``TOKENYARD_CPU_VNNI`` is read once per process);
 the VNNI process alternates its two variants (A B B A, ``set_block_quant_pair_tiles``), each process
@@ -31,7 +31,7 @@ from services.worker.cpu_kernels import cpu_kernels
 from services.worker.runner import ModelRunner, RunnerConfig
 from shared.config import DEFAULT_MODEL_DIR, StackConfig
 
-VNNI_VARIANTS = {"vnni": False, "vnni-pairs": True}  # variant -> pair tiles
+VNNI_VARIANTS = ("vnni", "vnni-pairs")  # one panel per tile; two from the runner's pair_min_rows on
 
 
 def measure(args: argparse.Namespace) -> dict[str, dict[int, float]]:
@@ -40,14 +40,15 @@ def measure(args: argparse.Namespace) -> dict[str, dict[int, float]]:
     config = StackConfig(model=args.model)
     blocks = max(args.batches) * -(-(args.context + args.steps + 8) // config.block_size)
     runner = ModelRunner(RunnerConfig(args.model, num_blocks=blocks, block_size=config.block_size, weight_quant="int4", kv_cache_dtype=config.kv_cache_dtype))
-    variants = {"avx2": None} if kernels.block_quant_gemm_isa() == "avx2" else VNNI_VARIANTS
+    pairs_from = runner.kernel_settings.pair_min_rows
+    variants = {"avx2": None} if kernels.block_quant_gemm_isa() == "avx2" else {"vnni": 0, "vnni-pairs": pairs_from}  # variant -> pair tiles from
     seconds: dict[str, dict[int, list[float]]] = {name: {b: [] for b in args.batches} for name in variants}
     for batch in args.batches:
         for name in [*variants, *reversed(variants)]:  # A B B A: neither variant always goes first
             if variants[name] is not None:
-                kernels.set_block_quant_pair_tiles(variants[name])
+                kernels.set_block_quant_pair_min_rows(variants[name])
             seconds[name][batch].append(decode_step_s(runner, batch, args.context, args.steps))
-    kernels.set_block_quant_pair_tiles(True)
+    kernels.set_block_quant_pair_min_rows(pairs_from)
     return {name: {b: statistics.mean(ts) for b, ts in per.items()} for name, per in seconds.items()}
 
 

@@ -485,12 +485,14 @@ class ModelRunner:
             **({"cpu_kernels": cpu_kernels()[1] or "built"} if self.device.type == "cpu" else {}),
             # takeover_pool: few-row calls' pool (csrc/takeover_pool.h), items taken over from a helper that was not running;
             # block_quant_isa: the integer block products' instructions (csrc/block_quant_gemm.cpp), avx512-vnni, avx2 or portable;
-            # weight_prefetch: whether their prefetch keeps the weights in the caches, and why (cpu_cache.py)
+            # weight_prefetch: whether their prefetch keeps the weights in the caches, and why (cpu_cache.py);
+            # pair_tiles: from how many rows their tiles take two panels in 512-bit vectors, and why (kernel_settings.py)
             **(
                 {
                     "takeover_pool": kernels.takeover_pool_stats(),
                     "block_quant_isa": kernels.block_quant_gemm_isa(),
                     "weight_prefetch": self.kernel_settings.weight_prefetch if self.kernel_settings else None,
+                    "pair_tiles": self.kernel_settings.pair_tiles if self.kernel_settings else None,
                 }
                 if self.device.type == "cpu" and (kernels := cpu_kernels()[0]) is not None
                 else {}

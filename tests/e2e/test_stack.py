@@ -30,6 +30,7 @@ def test_three_processes_with_their_own_pids(stack: Stack) -> None:
     worker = stack.instrumentation("worker")
     assert worker["runner"]["dtype"] == "float32" and worker["kv_blocks_total"] == 8192 // worker["block_size"]
     assert worker["runner"]["weight_prefetch"].startswith(("keep: ", "stream: "))  # auto: decided by this CPU's L3
+    assert worker["runner"]["pair_tiles"].startswith(("from ", "never: "))  # decided by this core's measured 512-bit rate
     scheduler = stack.instrumentation("scheduler")
     assert scheduler["kv_blocks_total"] == worker["kv_blocks_total"] and scheduler["addresses"]["worker"] == worker["addresses"]["inbox"]
 

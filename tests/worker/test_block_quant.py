@@ -268,9 +268,9 @@ torch.save([kernel.block_quant_gemm(x, panels, n, None, None, bits) for x, panel
 @kernels
 @pytest.mark.skipif(cpu_kernels()[0] is None or cpu_kernels()[0].block_quant_gemm_isa() != "avx512-vnni", reason="AVX-512 VNNI not built in")
 def test_vnni_block_products_equal_the_avx2_ones_to_the_bit(tmp_path: Path) -> None:
-    """The VNNI block products (two panels per 512-bit tile, one where a panel is left alone) and the AVX2
-    ones are the same exact integer sums; TOKENYARD_CPU_VNNI=0 (read once per process) selects AVX2, so a
-    second process computes the same cases with it."""
+    """The VNNI block products (one panel per 256-bit tile, or two per 512-bit tile with one where a panel is
+    left alone, at every row count) and the AVX2 ones are the same exact integer sums; TOKENYARD_CPU_VNNI=0
+    (read once per process) selects AVX2, so a second process computes the same cases with it."""
     generator = torch.Generator().manual_seed(7)
     cases = []
     for fmt, bits in (("q4_0", 8), ("q4_0", 16), ("q4_1", 8), ("q4_1", 16), ("q8_0", 16)):
@@ -283,8 +283,14 @@ def test_vnni_block_products_equal_the_avx2_ones_to_the_bit(tmp_path: Path) -> N
     *avx2, isa = torch.load(tmp_path / "avx2.pt")
     assert isa == "avx2"
     kernel = cpu_kernels()[0]
-    for (x, panels, n, bits), theirs in zip(cases, avx2, strict=True):
-        assert torch.equal(kernel.block_quant_gemm(x, panels, n, None, None, bits), theirs), (x.shape, panels.shape, bits)
+    before = kernel.block_quant_pair_min_rows()
+    try:
+        for pairs_from in (0, 1):  # never, always
+            kernel.set_block_quant_pair_min_rows(pairs_from)
+            for (x, panels, n, bits), theirs in zip(cases, avx2, strict=True):
+                assert torch.equal(kernel.block_quant_gemm(x, panels, n, None, None, bits), theirs), (x.shape, panels.shape, bits, pairs_from)
+    finally:
+        kernel.set_block_quant_pair_min_rows(before)
 
 
 @kernels

@@ -1,6 +1,7 @@
 """Whether the CPU worker's weight prefetch keeps the weights in the caches: the L3's size as Linux
-reports it, the setting's choice, what the worker reports, and the same results either way; and, per CPU
-class (its /proc/cpuinfo flags and sysfs caches fed as fixtures), the kernels' instructions and prefetch."""
+reports it, the setting's choice, what the worker reports, and the same results either way; per CPU
+class (its /proc/cpuinfo flags and sysfs caches fed as fixtures), the kernels' instructions and prefetch;
+and from how many rows the products take two panels per 512-bit tile, by the core's measured rate."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from services.worker import block_quant
 from services.worker.cpu_cache import keep_weights_cached, l3_cache_bytes
 from services.worker.cpu_kernels import cpu_kernels, isa_flags
+from services.worker.kernel_settings import PAIR_MIN_ROWS, PAIR_MIN_ROWS_TWO_PORTS, pair_tiles_from
 
 kernels = pytest.mark.skipif(cpu_kernels()[0] is None, reason=f"CPU kernels unavailable: {cpu_kernels()[1]}")
 
@@ -84,3 +86,20 @@ def test_the_prefetch_hint_changes_no_bit_of_the_products(rows: int) -> None:
     finally:
         k.set_weight_prefetch_keep(before)
     assert torch.equal(*results)
+
+
+def test_pair_tiles_start_early_only_where_the_core_runs_two_512_bit_products_a_cycle() -> None:
+    assert pair_tiles_from(0.0) == (0, "never: no AVX-512 VNNI in this build")
+    assert pair_tiles_from(1.02) == (PAIR_MIN_ROWS, f"from {PAIR_MIN_ROWS} rows: 512-bit products 1.02x the 256-bit rate (one 512-bit port)")
+    assert pair_tiles_from(1.49)[0] == PAIR_MIN_ROWS  # a Zen 4 or one-port Xeon: 512-bit halves in turn
+    assert pair_tiles_from(1.5)[0] == pair_tiles_from(1.93)[0] == PAIR_MIN_ROWS_TWO_PORTS
+    assert PAIR_MIN_ROWS_TWO_PORTS < PAIR_MIN_ROWS
+
+
+@kernels
+def test_the_measured_512_bit_rate_is_a_rate_where_vnni_is_built_and_0_elsewhere() -> None:
+    rate = cpu_kernels()[0].block_quant_wide_product_rate()
+    if cpu_kernels()[0].block_quant_gemm_isa() == "avx512-vnni":
+        assert 0.5 < rate < 4  # the same products per cycle (one port) up to twice as many (two), with the machine's noise
+    else:
+        assert rate == 0

@@ -153,6 +153,22 @@ def test_grouped_results_do_not_depend_on_how_the_threads_share_the_items(tokens
     check_same_bits_at_every_thread_count(lambda: cpu_kernels()[0].grouped_moe(x, logits, TOP_K, False, panels.gate_up, panels.down))
 
 
+@pytest.mark.parametrize("tokens", [1, 3, 8, 37])
+def test_two_panels_per_tile_change_no_bit_of_the_experts_products(tokens: int, pool: bool) -> None:
+    kernel = cpu_kernels()[0]
+    gate_up, down = _experts("q4_0", "q4_1", seed=tokens)
+    panels, x, logits = ExpertPanels.of(gate_up, down), torch.randn(tokens, HIDDEN), _logits(tokens, tokens)
+    before = kernel.block_quant_pair_min_rows()
+    try:
+        results = []
+        for pairs_from in (0, 1):  # never, always (a build without VNNI takes one panel either way)
+            kernel.set_block_quant_pair_min_rows(pairs_from)
+            results.append(kernel.grouped_moe(x, logits, TOP_K, True, panels.gate_up, panels.down))
+    finally:
+        kernel.set_block_quant_pair_min_rows(before)
+    assert torch.equal(*results)
+
+
 def test_bad_shapes_are_refused_with_what_was_expected() -> None:
     gate_up, down = _experts("q4_0", "q4_0", seed=1)
     panels, x, kernel = ExpertPanels.of(gate_up, down), torch.randn(2, HIDDEN), cpu_kernels()[0].grouped_moe

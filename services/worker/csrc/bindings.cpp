@@ -25,8 +25,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_quant_gemm", &block_quant_gemm, "x @ dequantized(q4_0, q4_1 or q8_0 panels).T (+ bias) (+ residual), x rounded to int16 or int8 per block of 32 (CPU)", no_gil);
   m.def("block_quant_gemm_isa", &block_quant_gemm_isa,
         "the instructions of block_quant_gemm's integer block products: avx512-vnni, avx2 (also where TOKENYARD_CPU_VNNI=0) or portable");
-  m.def("set_block_quant_pair_tiles", &set_block_quant_pair_tiles,
-        "benchmarks: block_quant_gemm's many-row calls take two panels per 512-bit tile (on, the default, in VNNI builds) or one (off)");
+  m.def("set_block_quant_pair_min_rows", &set_block_quant_pair_min_rows,
+        "VNNI builds: block_quant_gemm's and grouped_moe's calls of at least this many rows take two panels per 512-bit tile (0: never)");
+  m.def("block_quant_pair_min_rows", &block_quant_pair_min_rows, "from how many rows a call takes two panels per 512-bit tile (0: never)");
+  m.def("block_quant_wide_product_rate", &block_quant_wide_product_rate,
+        "this core's 512-bit VNNI products per second over its 256-bit ones, measured (~2 ms; 0 where the build has no VNNI)");
   m.def("set_weight_prefetch_keep", &set_weight_prefetch_keep,
         "block_quant_gemm prefetches the weights into every cache level (true: where the last-level cache holds them) or non-temporally "
         "(false, the default: they stream from memory past the caches)");

@@ -18,8 +18,8 @@
 //   out[m, n] = sum_b d[n, b] * dx[m, b] * <q[n, b], qx[m, b]> (+ m[n, b] * sx[m, b])  (+ bias) (+ residual)
 // Each output lane is a channel, so no horizontal sums: a tile of rows keeps one accumulator per row.
 // The integer products use AVX2 (maddubs / madd), or AVX-512 VNNI where the build has it (cpu_kernels.py
-// adds its flags on a CPU that lists it): 1.3-1.5x the many-row speed, and calls of 16 rows or more take
-// two panels per 512-bit tile, another 1.15-1.2x; the same bits throughout.
+// adds its flags on a CPU that lists it): 1.3-1.5x the many-row speed, and calls of enough rows (pair_min_rows)
+// take two panels per 512-bit tile, another 1.1-1.2x; the same bits throughout.
 // Threads share the panels in groups (shared_items.h); each panel meets a chunk of rows while its
 // weights are in L1.
 #pragma once
@@ -56,7 +56,6 @@ constexpr int64_t PANEL = 8;                         // output channels per pane
 constexpr int64_t ROW_TILE = 4;                      // rows per register tile: 4 block sums + 4 accumulators + weights fit 16 registers
 constexpr int64_t VNNI_ROW_TILE = 8;                 // AVX-512's 32 registers: 8 block sums + 8 accumulators + weights
 constexpr int64_t MAX_ROW_TILE = VNNI_ROW_TILE;
-constexpr int64_t PAIR_MIN_ROWS = 16;                // calls of this many rows take two panels per tile (VNNI builds)
 constexpr int64_t ROW_CHUNK = 64;                    // rows a panel meets before the next panel (their activations stay in L2)
 constexpr int64_t MAX_PANELS_PER_RANGE = 32;          // panels a thread takes at a time: q8_0's stay well inside L2 (lm_head: 192 groups)
 // How far ahead of the record being multiplied the first row tile prefetches the weight stream (past
@@ -118,13 +117,16 @@ constexpr const char* RECORD_SIZES = "144 bytes (q4_0), 160 (q4_1) or 272 (q8_0)
   return on;
 }
 
-// Whether tiles take two panels at a time in 512-bit vectors (VNNI builds; on unless
-// set_block_quant_pair_tiles turns it off, for A/B measurements in one process).
-inline std::atomic<bool> pair_tiles_on{true};
-inline bool pair_tiles() {
+// From how many rows a call's tiles take two panels at a time in 512-bit vectors (VNNI builds;
+// set_block_quant_pair_min_rows, 0: never): kernel_settings.py chooses by the core's measured 512-bit
+// product rate. Fewer rows lean on the weight stream, which one panel at a time reads faster.
+inline std::atomic<int64_t> pair_min_rows{16};
+inline bool pair_tiles(int64_t rows) {
 #ifdef TOKENYARD_BLOCK_QUANT_GEMM_VNNI
-  return vnni_enabled() && pair_tiles_on.load(std::memory_order_relaxed);
+  const int64_t from = pair_min_rows.load(std::memory_order_relaxed);
+  return vnni_enabled() && from > 0 && rows >= from;
 #else
+  (void)rows;
   return false;
 #endif
 }
@@ -488,7 +490,7 @@ void panel_pair_tile(const uint8_t* panel, int64_t panel_bytes, const QuantizedR
 }
 #endif
 
-// rows <= row_tile() rows of `span` panels (1, or 2 where pair_tiles()) starting at `panel`, panel_bytes
+// rows <= row_tile() rows of `span` panels (1, or 2 where pair_tiles(rows)) starting at `panel`, panel_bytes
 // apart, into sums[q * MAX_ROW_TILE * PANEL + r * PANEL + c] (panel q of the span, row m0 + r, channel c).
 template <typename F, typename T>
 void run_tile(const uint8_t* panel, [[maybe_unused]] int64_t panel_bytes, [[maybe_unused]] int64_t span, const QuantizedRows<T>& a, int64_t m0,
@@ -527,9 +529,7 @@ void run_tile(const uint8_t* panel, [[maybe_unused]] int64_t panel_bytes, [[mayb
 #endif
 }
 
-// How many panels a tile takes from `p` on in a range ending at `end`: two where the pair tiles run and
-// the call has the rows to be bound by arithmetic. Fewer rows lean on the weight stream, which one panel
-// at a time reads faster (two side by side made a one-row step 1.4x slower, an 8-row one 0.96x).
-inline int64_t tile_span(int64_t p, int64_t end, int64_t rows) { return pair_tiles() && rows >= PAIR_MIN_ROWS && p + 1 < end ? 2 : 1; }
+// How many panels a tile takes from `p` on in a range ending at `end`, in a call of `rows` rows.
+inline int64_t tile_span(int64_t p, int64_t end, int64_t rows) { return pair_tiles(rows) && p + 1 < end ? 2 : 1; }
 
 }  // namespace block_panels

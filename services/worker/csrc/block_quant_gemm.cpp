@@ -9,6 +9,7 @@
 #include "block_panels.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <optional>
 #include <vector>
@@ -174,7 +175,44 @@ std::string block_quant_gemm_isa() {
 #endif
 }
 
-void set_block_quant_pair_tiles(bool on) { pair_tiles_on.store(on); }
+#ifdef TOKENYARD_BLOCK_QUANT_GEMM_VNNI
+namespace {
+// Seconds for `rounds` x 12 independent vpdpwssd on vectors of V (12 chains: more than the latency x the
+// ports, so the time is the throughput).
+template <typename V, typename Dot>
+double dot_seconds(V start, V x, int64_t rounds, Dot dot) {
+  V s[12];
+  for (auto& v : s) v = start;
+  const auto began = std::chrono::steady_clock::now();
+  for (int64_t n = 0; n < rounds; ++n) {
+    for (auto& v : s) v = dot(v, x);
+    __asm__("" : "+v"(x));  // each round's input unknown to the compiler: no folding
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+  for (auto& v : s) __asm__("" : : "v"(v));
+  return seconds;
+}
+}  // namespace
+#endif
+
+double block_quant_wide_product_rate() {
+#ifdef TOKENYARD_BLOCK_QUANT_GEMM_VNNI
+  if (!vnni_enabled()) return 0.0;
+  constexpr int64_t ROUNDS = 20000;  // ~0.1-0.3 ms a measurement
+  double narrow = 1e30, wide = 1e30;
+  for (int i = 0; i < 5; ++i) {  // the best of five: another thread's interruption only slows one
+    narrow = std::min(narrow, dot_seconds(_mm256_set1_epi16(1), _mm256_set1_epi16(3), ROUNDS, [](__m256i a, __m256i x) { return _mm256_dpwssd_epi32(a, x, x); }));
+    wide = std::min(wide, dot_seconds(_mm512_set1_epi16(1), _mm512_set1_epi16(3), ROUNDS, [](__m512i a, __m512i x) { return _mm512_dpwssd_epi32(a, x, x); }));
+  }
+  return 2.0 * narrow / wide;  // a 512-bit instruction does twice the products
+#else
+  return 0.0;
+#endif
+}
+
+void set_block_quant_pair_min_rows(int64_t rows) { pair_min_rows.store(std::max<int64_t>(rows, 0)); }
+
+int64_t block_quant_pair_min_rows() { return pair_min_rows.load(); }
 
 void set_weight_prefetch_keep(bool keep) { weight_prefetch_keep_on.store(keep); }
 

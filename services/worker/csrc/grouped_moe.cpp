@@ -25,8 +25,9 @@
 // next, as shares are walked in order) are asked into L2; while a down item computes an expert, the next
 // expert's panels of the item (an 8-row decode step of the MoE benchmark model 1.07x faster; 32 rows: no change).
 // Whether tiles take two panels at a time (block_panels.h ``tile_span``) follows the call's tokens, not an
-// expert's rows: from 16 tokens on, the ~4 rows an expert gets are bound by the 256-bit tiles' instruction
-// count more than by the weight stream (16- and 32-row steps of that model 1.10-1.14x faster). Which thread
+// expert's rows: from enough tokens on, the few rows an expert gets are bound by the 256-bit tiles'
+// instruction count more than by the weight stream (that model's 16- and 32-row steps 1.10-1.14x faster;
+// 8 rows 1.08x where a core has two 512-bit ports). Which thread
 // computes an item does not change its arithmetic: the same bits at every thread count.
 
 #include <ATen/Parallel.h>

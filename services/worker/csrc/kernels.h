@@ -33,7 +33,9 @@ torch::Tensor grouped_moe(const torch::Tensor& x, const torch::Tensor& router_lo
                           const std::optional<torch::Tensor>& topk_ids, const std::optional<torch::Tensor>& expert_slots);
 torch::Tensor router_logits(const torch::Tensor& x, const torch::Tensor& weight);
 std::tuple<torch::Tensor, torch::Tensor> route_experts(const torch::Tensor& router_logits, int64_t top_k, bool renormalize, int64_t num_experts);
-void set_block_quant_pair_tiles(bool on);
+void set_block_quant_pair_min_rows(int64_t rows);
+int64_t block_quant_pair_min_rows();
+double block_quant_wide_product_rate();
 void set_weight_prefetch_keep(bool keep);
 bool weight_prefetch_keep();
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x, const std::optional<torch::Tensor>& residual, const torch::Tensor& weight,
