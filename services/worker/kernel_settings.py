@@ -21,8 +21,8 @@ from services.worker.linear import held_bytes, linears_of
 
 # Two panels per 512-bit tile pay from this many rows where a core runs two 512-bit multiply-adds a cycle
 # (the default model's steps of 6 / 8 / 12 rows 1.12x / 1.19x / 1.17x faster, 5 rows 1.04x, 2-4 rows slower;
-# the MoE benchmark model's 8-token step 1.08x); elsewhere from PAIR_MIN_ROWS, where one port measured them
-# paying only in many-row steps.
+# the MoE benchmark model's 8-token step 1.08x). Where 512-bit products come no faster than 256-bit ones
+# (one 512-bit port, or Zen 4's halves in turn) they save only instructions: from PAIR_MIN_ROWS, as before.
 PAIR_MIN_ROWS_TWO_PORTS, PAIR_MIN_ROWS = 5, 16
 TWO_PORTS_RATE = 1.5  # 512-bit products at least this many times the 256-bit rate: two 512-bit ports
 
@@ -32,7 +32,7 @@ def pair_tiles_from(wide_rate: float) -> tuple[int, str]:
     512-bit VNNI products over 256-bit ones (0: a build without VNNI)."""
     if wide_rate <= 0:
         return 0, "never: no AVX-512 VNNI in this build"
-    ports = "two 512-bit ports" if wide_rate >= TWO_PORTS_RATE else "one 512-bit port"
+    ports = "two 512-bit ports" if wide_rate >= TWO_PORTS_RATE else "no faster than 256-bit ones"
     rows = PAIR_MIN_ROWS_TWO_PORTS if wide_rate >= TWO_PORTS_RATE else PAIR_MIN_ROWS
     return rows, f"from {rows} rows: 512-bit products {wide_rate:.2f}x the 256-bit rate ({ports})"
 

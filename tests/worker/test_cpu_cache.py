@@ -90,7 +90,7 @@ def test_the_prefetch_hint_changes_no_bit_of_the_products(rows: int) -> None:
 
 def test_pair_tiles_start_early_only_where_the_core_runs_two_512_bit_products_a_cycle() -> None:
     assert pair_tiles_from(0.0) == (0, "never: no AVX-512 VNNI in this build")
-    assert pair_tiles_from(1.02) == (PAIR_MIN_ROWS, f"from {PAIR_MIN_ROWS} rows: 512-bit products 1.02x the 256-bit rate (one 512-bit port)")
+    assert pair_tiles_from(1.02) == (PAIR_MIN_ROWS, f"from {PAIR_MIN_ROWS} rows: 512-bit products 1.02x the 256-bit rate (no faster than 256-bit ones)")
     assert pair_tiles_from(1.49)[0] == PAIR_MIN_ROWS  # a Zen 4 or one-port Xeon: 512-bit halves in turn
     assert pair_tiles_from(1.5)[0] == pair_tiles_from(1.93)[0] == PAIR_MIN_ROWS_TWO_PORTS
     assert PAIR_MIN_ROWS_TWO_PORTS < PAIR_MIN_ROWS
