@@ -122,36 +122,67 @@ inline void prefetch8(const Item<T>& it, int64_t start, int64_t offset) {
       _mm_prefetch(reinterpret_cast<const char*>(it.keys[start + i] + offset) + byte, hint);
 }
 
-// Pass 1, R = dim / 8 registers per vector. Keys go eight positions at a time; fp16 and int8 keys are
-// widened (int8 codes times their scales) once into `widened` [8, dim] and then meet every head's query
-// from there. stride is a multiple of 8 and keys[len .. stride) repeat a real key, so a block always has
-// eight readable positions; the scores past len are set to -inf, which pass 2 turns into probability 0.
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+// Sixteen elements [i, i + 16) of a stored head vector of dim elements, as floats (an int8 cache's codes scaled).
+template <typename T>
+inline __m512 load16_scaled(const T* vec, int64_t dim, int64_t i) {
+  if constexpr (std::is_same_v<T, int8_t>)
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vec + i)))),
+                         _mm512_set1_ps(kv_q8::scale(vec, dim, i / kv_q8::BLOCK)));
+  else
+    return load16(vec + i);
+}
+#endif
+
+// Keys and values are scattered over the cache (L3 or memory): the keys of the block after next and this
+// block's values (for pass 3, into L2) are fetched ahead.
+constexpr int64_t KEYS_AHEAD = 16;
+
+template <int R, typename T>
+inline void fetch_first_keys(const Item<T>& it) {
+  for (int64_t start = 0; start < std::min(KEYS_AHEAD, it.stride); start += 8) prefetch8<R, _MM_HINT_T0>(it, start, 0);
+}
+
+// Positions [start, start + 8)'s keys as floats, k[i] for position start + i: fp16 and int8 keys widened
+// (int8 codes times their scales) once into `widened` [8, dim], where every head's query meets them.
+template <int R, typename T>
+inline void block_keys(const Item<T>& it, int64_t start, float* widened, const float** k) {
+  if (start + KEYS_AHEAD < it.stride) prefetch8<R, _MM_HINT_T0>(it, start + KEYS_AHEAD, 0);
+  prefetch8<R, _MM_HINT_T1>(it, start, it.value_offset);
+  for (int i = 0; i < 8; ++i) {
+    if constexpr (std::is_same_v<T, float>) {
+      k[i] = it.keys[start + i];
+    } else {
+      float* w = widened + i * 8 * R;
+#ifdef __AVX512F__
+      for (int z = 0; z < R / 2; ++z) _mm512_storeu_ps(w + 16 * z, load16_scaled(it.keys[start + i], 8 * R, 16 * z));
+#else
+      if constexpr (std::is_same_v<T, int8_t>) {
+        for (int r0 = 0; r0 < R; r0 += 4) {  // a scale per four registers (32 elements)
+          const __m256 d = _mm256_set1_ps(kv_q8::scale(it.keys[start + i], 8 * R, r0 / 4));
+          for (int r = r0; r < r0 + 4; ++r) _mm256_storeu_ps(w + 8 * r, _mm256_mul_ps(load8(it.keys[start + i] + 8 * r), d));
+        }
+      } else {
+        for (int r = 0; r < R; ++r) _mm256_storeu_ps(w + 8 * r, load8(it.keys[start + i] + 8 * r));
+      }
+#endif
+      k[i] = w;
+    }
+  }
+}
+
+// Pass 1, R = dim / 8 registers per vector. Keys go eight positions at a time (block_keys). stride is a
+// multiple of 8 and keys[len .. stride) repeat a real key, so a block always has eight readable positions;
+// the scores past len are set to -inf, which pass 2 turns into probability 0.
 template <int R, typename T>
 void score(const Item<T>& it, float* widened) {
-  // Keys and values are scattered over the cache (L3 or memory): the keys of the block after next and
-  // this block's values (for pass 3, into L2) are fetched ahead.
-  constexpr int64_t ahead = 16;
-  for (int64_t start = 0; start < std::min(ahead, it.stride); start += 8) prefetch8<R, _MM_HINT_T0>(it, start, 0);
+  fetch_first_keys<R>(it);
   for (int64_t start = 0; start < it.stride; start += 8) {
-    if (start + ahead < it.stride) prefetch8<R, _MM_HINT_T0>(it, start + ahead, 0);
-    prefetch8<R, _MM_HINT_T1>(it, start, it.value_offset);
     const float* k[8];
-    for (int i = 0; i < 8; ++i) {
-      if constexpr (std::is_same_v<T, float>) {
-        k[i] = it.keys[start + i];
-      } else {
-        float* w = widened + i * 8 * R;
-        if constexpr (std::is_same_v<T, int8_t>) {
-          for (int r0 = 0; r0 < R; r0 += 4) {  // a scale per four registers (32 elements)
-            const __m256 d = _mm256_set1_ps(kv_q8::scale(it.keys[start + i], 8 * R, r0 / 4));
-            for (int r = r0; r < r0 + 4; ++r) _mm256_storeu_ps(w + 8 * r, _mm256_mul_ps(load8(it.keys[start + i] + 8 * r), d));
-          }
-        } else {
-          for (int r = 0; r < R; ++r) _mm256_storeu_ps(w + 8 * r, load8(it.keys[start + i] + 8 * r));
-        }
-        k[i] = w;
-      }
-    }
+    block_keys<R>(it, start, widened, k);
     for (int64_t g = 0; g < it.group; ++g) {
       // Every head reads the keys from memory (L1) as FMA operands: without this barrier the compiler
       // hoists the 8 * R key loads out of the head loop and spills them all to the stack.
@@ -242,40 +273,16 @@ void weigh_values(const Item<T>& it, int64_t g0, const float* sums) {
 
 #ifdef __AVX512F__
 // The same three passes in 512-bit vectors (builds for CPUs with AVX-512): half the instructions per
-// key and value. Every row of every step on such a build takes this path, so the bits of a row never
-// depend on the step it is in.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+// key and value (load16_scaled above). Every row of every step on such a build takes this path, so the
+// bits of a row never depend on the step it is in.
 
-// Sixteen elements [i, i + 16) of a stored head vector of dim elements, as floats (an int8 cache's codes scaled).
-template <typename T>
-inline __m512 load16_scaled(const T* vec, int64_t dim, int64_t i) {
-  if constexpr (std::is_same_v<T, int8_t>)
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vec + i)))),
-                         _mm512_set1_ps(kv_q8::scale(vec, dim, i / kv_q8::BLOCK)));
-  else
-    return load16(vec + i);
-}
-
-// Pass 1, Z = dim / 16 registers per vector: as score(), eight positions at a time, each key widened once.
+// Pass 1, Z = dim / 16 registers per vector: as score(), eight positions at a time.
 template <int Z, typename T>
 void score512(const Item<T>& it, float* widened) {
-  constexpr int R = 2 * Z;  // 256-bit registers per vector, for the prefetches
-  constexpr int64_t ahead = 16;
-  for (int64_t start = 0; start < std::min(ahead, it.stride); start += 8) prefetch8<R, _MM_HINT_T0>(it, start, 0);
+  fetch_first_keys<2 * Z>(it);
   for (int64_t start = 0; start < it.stride; start += 8) {
-    if (start + ahead < it.stride) prefetch8<R, _MM_HINT_T0>(it, start + ahead, 0);
-    prefetch8<R, _MM_HINT_T1>(it, start, it.value_offset);
     const float* k[8];
-    for (int i = 0; i < 8; ++i) {
-      if constexpr (std::is_same_v<T, float>) {
-        k[i] = it.keys[start + i];
-      } else {
-        float* w = widened + i * 16 * Z;
-        for (int z = 0; z < Z; ++z) _mm512_storeu_ps(w + 16 * z, load16_scaled(it.keys[start + i], it.dim, 16 * z));
-        k[i] = w;
-      }
-    }
+    block_keys<2 * Z>(it, start, widened, k);
     for (int64_t g = 0; g < it.group; ++g) {
       asm volatile("" : : : "memory");  // the keys stay FMA operands from L1 (see score())
       const float* query = it.queries + g * it.dim;
