@@ -274,7 +274,9 @@ def test_vnni_block_products_equal_the_avx2_ones_to_the_bit(tmp_path: Path) -> N
     generator = torch.Generator().manual_seed(7)
     cases = []
     for fmt, bits in (("q4_0", 8), ("q4_0", 16), ("q4_1", 8), ("q4_1", 16), ("q8_0", 16)):
-        for n in (30, 40):  # 4 panels, the last of 6 channels (two pairs); 5 (two pairs and one alone)
+        # 4 / 5 panels: one to a thread's range (no pairs); 37 / 38 panels (the last of 4 / 6 channels): ranges of
+        # two, so two panels per tile with pairs on, and one alone at the end of 37
+        for n in (30, 40, 292, 302):
             panels = block_quant.to_panels(block_quant.quantize(torch.randn(n, 288, generator=generator) * 3, fmt), fmt)
             cases += [(torch.randn(rows, 288, generator=generator) * 5, panels, n, bits) for rows in (1, 3, 4, 5, 8, 33)]
     torch.save(cases, tmp_path / "cases.pt")

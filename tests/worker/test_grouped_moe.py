@@ -156,8 +156,8 @@ def test_grouped_results_do_not_depend_on_how_the_threads_share_the_items(tokens
 @pytest.mark.parametrize("tokens", [1, 3, 8, 37])
 def test_two_panels_per_tile_change_no_bit_of_the_experts_products(tokens: int, pool: bool) -> None:
     kernel = cpu_kernels()[0]
-    gate_up, down = _experts("q4_0", "q4_1", seed=tokens)
-    panels, x, logits = ExpertPanels.of(gate_up, down), torch.randn(tokens, HIDDEN), _logits(tokens, tokens)
+    gate_up, down = _experts("q4_1", "q8_0", seed=tokens)  # an item's gate and up panels share a tile with pairs on
+    panels, x, logits = ExpertPanels.of(gate_up, down), torch.randn(tokens, HIDDEN) + 1, _logits(tokens, tokens)
     before = kernel.block_quant_pair_min_rows()
     try:
         results = []
