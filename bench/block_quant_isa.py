@@ -8,7 +8,7 @@ On a CPU whose build has AVX-512 VNNI (``block_quant_gemm_isa() == "avx512-vnni"
 - ``vnni-pairs``: the default, calls of enough rows (the worker's ``pair_tiles`` setting) take two panels per 512-bit tile.
 
 Each round runs two processes, one per build setting (``TOKENYARD_CPU_VNNI`` is read once per process);
-the VNNI process alternates its two variants (A B B A, ``set_block_quant_pair_tiles``), each process
+the VNNI process alternates its two variants (A B B A, ``set_block_quant_pair_min_rows``), each process
 measures its variants twice per batch and takes the mean. The runner has the stack's settings (int4
 weights, the KV cache dtype ``auto`` picks). The report gives each variant's median decode step time per
 batch and the ratios against ``avx2`` measured in the same run.
