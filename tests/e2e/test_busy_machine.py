@@ -1,4 +1,4 @@
-"""A busy machine is not a dead worker: with CPU hogs at normal priority beside the stack, a ~2,000-token
+"""A busy machine is not a dead worker: with CPU hogs at normal priority beside the stack, a ~1,000-token
 prompt's prefill runs beside four streams, every request completes, and the scheduler takes no slow step
 for a lost worker (its liveness hears the worker's heartbeats while a step computes, however long)."""
 
@@ -20,7 +20,7 @@ from tests.e2e.conftest import Stack, launched_stack, wait_healthy
 
 MODEL = "SmolLM2-135M-Instruct"
 HOG_LIMIT_S = 120  # each hog ends by itself after this, whatever the test does
-LONG_PROMPT = " ".join(f"item{i}" for i in range(520))  # ~2,000 tokens
+LONG_PROMPT = " ".join(f"item{i}" for i in range(270))  # ~1,000 tokens
 
 
 @contextmanager
@@ -96,5 +96,5 @@ def test_a_long_prefill_beside_streams_on_a_busy_machine_fails_nothing(tmp_path,
         log = stack.log()
     assert len(outcomes) == 5 and all(o.startswith("finished") for o in outcomes.values()), outcomes
     assert all(o == "finished: ['length']" for name, o in outcomes.items() if name.startswith("stream")), outcomes
-    assert int(outcomes["long prompt"].split()[1]) >= 1800, outcomes
+    assert int(outcomes["long prompt"].split()[1]) >= 900, outcomes
     assert '"peer_lost"' not in log, [line for line in log.splitlines() if "peer_lost" in line]
