@@ -47,6 +47,7 @@ SOURCES = [
         "decoder_fusions.cpp",
         "direct_reads.cpp",
         "decoder_layers.cpp",
+        "expert_bank.cpp",
         "sample_rows.cpp",
     )
 ]

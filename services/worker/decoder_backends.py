@@ -117,6 +117,7 @@ class OneCallCpp:
             predictors=[m.predictor if i in self._cached else None for i, m in enumerate(mlp)],
             predicted_maps=[m.cache.slot_of[m.cache_layer + 1] if i in self._cached and m.predictor is not None else None for i, m in enumerate(mlp)],
             predicted_k=moe[0].read_ahead_k if moe else 0,
+            cache_layers=[m.cache_layer if i in self._cached else -1 for i, m in enumerate(mlp)],
         )  # fmt: skip
 
     def __call__(
@@ -132,16 +133,13 @@ class OneCallCpp:
         bank = None if cache.streaming else (cache.gate_up, cache.down)  # a streamed step runs every cached layer in Python
 
         def cached_layer(layer: int, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-            self._replay_bank_hits(rows)  # the policy must hear of the layers before this one first
+            cache.replay(cache.expert_bank.take_log(), rows)  # the policy must hear of the layers before this one first
             return self._cached[layer].run_cached(x, logits)
 
         try:
-            return self._layers.forward(*args, bank=bank, cached_layer=cached_layer, read_ahead=cache.reads_ahead(rows))
+            return self._layers.forward(*args, bank=bank, cached_layer=cached_layer, read_ahead=cache.reads_ahead(rows), expert_bank=cache.expert_bank)
         finally:
-            self._replay_bank_hits(rows)
-
-    def _replay_bank_hits(self, rows: int) -> None:
-        self._cache.ran_from_bank([(self._cached[layer].cache_layer, experts, seconds) for layer, experts, seconds in self._layers.take_bank_hits()], rows)
+            cache.replay(cache.expert_bank.take_log(), rows)
 
 
 def _many_row_bits(layer: DecoderLayer) -> list[int]:

@@ -9,7 +9,9 @@ one read of its whole record straight into its slot, with O_DIRECT where the fil
 sees the bank's gate_up and down as views a slot's size apart. A layer-step learns its routed ids from the
 grouped kernel's own routing (``route_experts``), fills all of its misses from the store (its runs of adjacent
 records read side by side), then runs its grouped call over the bank (``csrc/grouped_moe.cpp`` with
-``expert_slots``): the same bits as with every expert resident. A step whose tokens route to more experts than
+``expert_slots``): the same bits as with every expert resident. Where the store reads by native AIO, the fills run
+in C++ (``csrc/expert_bank.cpp``: the one-call decoder's without a call into Python), choosing victims as the
+policy does, and the policy hears of every layer-step afterwards, in order. A step whose tokens route to more experts than
 the bank holds runs in groups of consecutive tokens that fit (a token's bits do not depend on the other tokens
 of its call), so any bank of at least one layer's top-k slots serves any step. A long step may instead stream
 every layer whole through two layers of lent slots (``LayerStream``, ``--expert-cache-fill``).
@@ -35,7 +37,8 @@ import numpy as np
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.worker.expert_reads import StoreReads
+from services.worker.cpu_kernels import cpu_kernels
+from services.worker.expert_reads import AioReads, StoreReads
 from services.worker.moe import BLOCKS_NEEDED, ExpertPanels, SharedExpertMoE, SparseMoE, routed_experts
 from shared.choices import EXPERT_CACHE_FILLS, EXPERT_CACHE_POLICIES, EXPERT_CACHE_PREFETCH, keyed_by
 from shared.metrics import PREFIX
@@ -236,6 +239,9 @@ class Fill(NamedTuple):
     evicted: tuple[int, int] | None  # the (layer, expert) the slot held
 
 
+Claim = tuple[int, int, int, int]  # an ExpertBank's fill: (expert, slot, evicted layer, evicted expert; -1, -1: a free slot)
+
+
 class SlotPolicy(ABC):
     """Which (layer, expert) each of ``slots`` slots holds (``held``; ``free``: the empty slots), and which to evict.
 
@@ -265,6 +271,23 @@ class SlotPolicy(ABC):
         """A layer-step of ``layer``'s ``experts`` (distinct, ascending), every one held: ``take`` without misses."""
         hits, fills = self.take(layer, experts)
         assert not fills, f"layer {layer}'s experts {experts} ran from the bank, but the policy does not hold them all"
+
+    def lead(self, bank: Any) -> None:
+        """An ``ExpertBank`` whose fills this step choose as this policy would, from its state as it stands (LRU's order)."""
+        bank.begin(self.free, [self.held[key] for key in self.ranked()])
+
+    @abstractmethod
+    def commit(self, layer: int, experts: list[int], fills: list[Claim], ahead_layer: int, reserved: list[Claim]) -> None:
+        """A layer-step that the ``ExpertBank`` filled: ``layer``'s ``experts`` (ascending) all held now, ``fills`` the slots
+        its misses took and ``reserved`` those ``ahead_layer``'s experts read ahead took, each (expert, slot, evicted
+        layer, evicted expert) with -1, -1 for a free slot; as ``take`` then ``reserve`` would have left the policy."""
+
+    def _claim(self, slot: int, evicted_layer: int, evicted_expert: int) -> None:
+        """``slot`` given to another expert: out of the free ones, or its expert evicted."""
+        if evicted_layer < 0:
+            self.free.remove(slot)
+        else:
+            del self.held[(evicted_layer, evicted_expert)]
 
     @abstractmethod
     def ranked(self) -> list[tuple[int, int]]:
@@ -349,6 +372,19 @@ class SlotLRU(SlotPolicy):
         for expert in experts:
             self.held.move_to_end((layer, expert))  # KeyError: not held
 
+    def commit(self, layer: int, experts: list[int], fills: list[Claim], ahead_layer: int, reserved: list[Claim]) -> None:
+        filled = {claim[0] for claim in fills}
+        for expert in experts:
+            if expert not in filled:
+                self.held.move_to_end((layer, expert))
+        for expert, slot, *evicted in fills:
+            self._claim(slot, *evicted)
+            self.held[(layer, expert)] = slot
+        for expert, slot, *evicted in reserved:
+            self._claim(slot, *evicted)
+            self.held[(ahead_layer, expert)] = slot
+            self.held.move_to_end((ahead_layer, expert), last=False)
+
     def ranked(self) -> list[tuple[int, int]]:
         return list(self.held)
 
@@ -421,6 +457,21 @@ class SlotLFU(SlotPolicy):
             self.held[(layer, expert)], self.key_of[slot] = slot, (layer, expert)
             fills.append(Fill(expert, slot, evicted))
         return fills
+
+    def commit(self, layer: int, experts: list[int], fills: list[Claim], ahead_layer: int, reserved: list[Claim]) -> None:
+        self._next_step(layer)
+        filled = {claim[0] for claim in fills}
+        read = [self.held[(layer, e)] for e in experts if e not in filled]
+        self.count[read] += 1
+        self.last[read] = self.step
+        for claims, claimed_layer, uses in ((fills, layer, 1), (reserved, ahead_layer, 0)):  # a read ahead: no use yet
+            for expert, slot, *evicted in claims:
+                self._claim(slot, *evicted)
+                self.held[(claimed_layer, expert)], self.key_of[slot] = slot, (claimed_layer, expert)
+                self.count[slot], self.last[slot] = uses, self.step
+
+    def lead(self, bank: Any) -> None:
+        bank.begin_lfu(self.free, torch.from_numpy(self.count), torch.from_numpy(self.last), self.step, self.layer, self.passes, self.AGING_PASSES)
 
     def drop(self, key: tuple[int, int]) -> None:
         self.key_of[self.held[key]] = None
@@ -528,6 +579,7 @@ class ExpertCache:
         self.slot_of = [torch.full((store.num_experts,), -1, dtype=torch.int32) for _ in range(store.num_layers)]
         self._slot_of = [t.numpy() for t in self.slot_of]  # the same maps, written through numpy: a torch item write costs ~10 us
         self.reads = StoreReads.of(store)  # a layer-step's runs of misses, in flight side by side
+        self._bank_led = False  # whether the ExpertBank has the policy's state as this step began
         self.hits = self.misses = self.evictions = self.bytes_read = 0
         self.fill_mode, self.last_fill = fill, ""  # last_fill: how the latest step read its experts
         self.prefetch = prefetch
@@ -552,6 +604,11 @@ class ExpertCache:
         self.reads.bank(self.records)
         for slot_of in self.slot_of:
             slot_of.fill_(-1)
+        # the layer-steps' fills where the reads are native AIO (else Python fills, and the bank logs the one-call decoder's hits)
+        self.expert_bank = cpu_kernels()[0].ExpertBank(
+            self.reads.direct if isinstance(self.reads, AioReads) else None, store.fd, store.record, self.records, self.slot_of
+        )
+        self._bank_led = False
         SLOTS_TOTAL.set(slots)
         SLOTS_USED.set(0)
 
@@ -612,8 +669,10 @@ class ExpertCache:
         self._end_stream()
         if not self._chooses_streaming(tokens):
             self.last_fill = "on-demand"
+            self._lead_bank()
             return
         slots, evicted = self.policy.lend(2 * self.store.num_experts)
+        self._bank_led = False
         for layer, expert in evicted:
             self._slot_of[layer][expert] = -1
         self.evictions += len(evicted)
@@ -661,6 +720,13 @@ class ExpertCache:
             self._stream.drain()
             self.policy.give_back(self._stream.slots)
             self._stream = None
+            self._bank_led = False
+
+    def _lead_bank(self) -> None:
+        """The ExpertBank's fills of this step take victims in the policy's order as it stands now."""
+        if self.expert_bank.fills:
+            self.policy.lead(self.expert_bank)
+            self._bank_led = True
 
     @property
     def experts(self) -> int:
@@ -719,9 +785,19 @@ class ExpertCache:
         """Makes ``layer``'s ``experts`` (ascending) resident: hits stay (those read ahead once their read lands),
         misses are read from the store, a run of consecutive experts in one read; and behind them, in the same
         submission, starts reading ``ahead`` (a later layer, the experts its router is predicted to pick), where the
-        cache reads ahead."""
-        started = time.perf_counter()
+        cache reads ahead. Where the reads are native AIO the ExpertBank fills (as the one-call decoder's fills do,
+        under the policy's state as the step began) and the policy hears of it after (``replay``)."""
         self._end_stream()  # a failed streamed step's slots: back in the policy's hands before it takes any
+        if self.expert_bank.fills:
+            if not self._bank_led:
+                self._lead_bank()
+            ahead_layer, ahead_experts = ahead if ahead is not None and self.prefetch == "on" else (-1, [])
+            try:
+                self.expert_bank.fill(layer, experts, ahead_layer, ahead_experts)
+            finally:
+                self.replay(self.expert_bank.take_log())
+            return
+        started = time.perf_counter()
         read_ahead = self._land(layer, experts)
         hits, fills = self.policy.take(layer, experts)
         self._forget(fill.evicted for fill in fills)
@@ -764,7 +840,10 @@ class ExpertCache:
 
     def _land(self, layer: int = -1, routed: Collection[int] = ()) -> int:
         """Waits for every read ahead and maps the experts it read (a failed one's slot is free again); returns how
-        many of ``layer``'s ``routed`` experts were among them."""
+        many of ``layer``'s ``routed`` experts were among them (Python's fills: the ExpertBank's land in its own)."""
+        if self.expert_bank.fills:
+            self.expert_bank.land_all()
+            self.replay(self.expert_bank.take_log())
         if not self._ahead:
             return 0
         used = landed = 0
@@ -792,21 +871,46 @@ class ExpertCache:
             if key is not None:
                 self._slot_of[key[0]][key[1]] = -1
 
-    def ran_from_bank(self, layer_steps: list[tuple[int, list[int], float]], tokens: int) -> None:
-        """Layer-steps of ``tokens`` tokens that found every routed expert (ascending) held and ran over the bank without
-        a fill, each (layer, experts, seconds of its call) (the one-call decoder's, in C++): the policy hears of them in
-        order and they are counted as ``fill`` and ``layer_ran`` would have (no fill time is observed: none ran)."""
-        hits = 0
-        for layer, experts, seconds in layer_steps:
-            self.policy.touch(layer, experts)
-            hits += len(experts)
-            self.layer_ran(layer, tokens, seconds)
-        if layer_steps:  # every lookup a hit: each step moves the recent hit rate RATE_WEIGHT of the way to 1
-            self.hit_rate_recent = 1 - (1 - self.hit_rate_recent) * (1 - RATE_WEIGHT) ** len(layer_steps)
-            self.hits += hits
-            self.layer_steps["on-demand"] += len(layer_steps)
-            HITS.inc(hits)
-            LAYER_STEPS_BY_FILL["on-demand"].inc(len(layer_steps))
+    def replay(self, steps: list[Any], tokens: int | None = None) -> None:
+        """The ExpertBank's layer-steps (``take_log``), in order: the policy hears of each (a fill's claims, a hit's use, a
+        failed read's slot freed) and each is counted as ``fill`` counts its own; ``tokens``: those of the one-call
+        decoder's step that ran them, whose calls measure the experts' compute (``layer_ran``)."""
+        record, policy = self.store.record, self.policy
+        hits = misses = evictions = read = used = landed = layer_steps = 0
+        for step in steps:
+            if step.layer >= 0:
+                experts, fills, reserved = step.experts, step.fills, step.reserved
+                if fills or reserved:
+                    policy.commit(step.layer, experts, fills, step.ahead_layer, reserved)
+                else:
+                    policy.touch(step.layer, experts)
+                layer_steps += 1
+                hits += len(experts) - len(fills) - step.used
+                misses += len(fills)
+                evictions += sum(claim[2] >= 0 for claim in fills) + sum(claim[2] >= 0 for claim in reserved)
+                self.hit_rate_recent += RATE_WEIGHT * ((len(experts) - len(fills)) / len(experts) - self.hit_rate_recent)
+                if step.filled:
+                    FILL_TIME.observe(step.fill_seconds)
+                    if step.bytes:  # the whole fill's time, its bookkeeping too: what a step waits for a byte of its misses
+                        self.fill_rate += RATE_WEIGHT * (step.bytes / max(step.fill_seconds, 1e-9) - self.fill_rate)
+                if tokens is not None:
+                    self.layer_ran(step.layer, tokens, step.seconds)
+            for key in step.dropped:
+                policy.drop(tuple(key))
+            read += step.bytes + step.landed * record
+            used, landed = used + step.used, landed + step.landed
+        self.hits, self.misses, self.evictions, self.bytes_read = self.hits + hits, self.misses + misses, self.evictions + evictions, self.bytes_read + read
+        self.prefetched["used"] += used
+        self.prefetched["unused"] += landed - used
+        self.layer_steps["on-demand"] += layer_steps
+        HITS.inc(hits)
+        MISSES.inc(misses)
+        EVICTIONS.inc(evictions)
+        BYTES_READ.inc(read)
+        PREFETCHES_BY_OUTCOME["used"].inc(used)
+        PREFETCHES_BY_OUTCOME["unused"].inc(landed - used)
+        LAYER_STEPS_BY_FILL["on-demand"].inc(layer_steps)
+        SLOTS_USED.set(len(policy.held))
 
     def _count(self, lookups: int, hits: int, fills: list[Fill], read: int, seconds: float, read_ahead: int = 0) -> None:
         """One on-demand layer-step's counters: ``lookups`` routed experts, ``hits`` of them held before it (and
@@ -852,6 +956,7 @@ class ExpertCache:
             "store_bytes": self.store.nbytes,
             "store_reads": self.store.read_mode,
             "reads_in_flight": self.reads.how,
+            "fills": "in C++ (the one-call decoder's without Python)" if self.expert_bank.fills else "in Python",
             "fill_policy": self.fill_mode,
             "streamed_prefill": "on" if self.streams else f"off ({self._why_not_streamed()})",
             "last_step_fill": self.last_fill,

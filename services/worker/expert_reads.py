@@ -69,9 +69,9 @@ class AioReads(StoreReads):
     how = "native AIO"
 
     def __init__(self, store: ExpertStore, reads: Any) -> None:
-        """``reads``: a ``DirectReads`` of the C++ kernels."""
+        """``reads``: a ``DirectReads`` of the C++ kernels (``direct``: the expert bank's fills read through it too)."""
         super().__init__(store)
-        self._reads = reads
+        self._reads = self.direct = reads
 
     def start(self, reads: list[tuple[int, int, list[int]]]) -> list[Any]:
         assert self.records is not None, "bank() before start()"

@@ -9,6 +9,7 @@ read; and what the cache cannot serve is refused at start, naming why."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import ctypes.util
@@ -194,15 +195,35 @@ def test_a_layers_predictor_routes_its_normed_input_as_the_next_layers_router_ro
     assert torch.all(predictors[1][:, 3] == 0) and torch.all(predictors[1][:, :3] != 0)  # what the second's norm zeroes tells nothing
 
 
-def failing_reads(reads: StoreReads, fails: Callable[[int, int], bool]) -> Any:
-    """Patches ``reads`` so that the reads of (layer, first expert) that ``fails`` picks fail with EIO."""
-    start = reads.start
+@contextlib.contextmanager
+def failing_reads(cache: ExpertCache, fails: Callable[[int, int], bool]) -> Iterator[None]:
+    """The cache's reads of (layer, first expert) that ``fails`` picks fail with EIO: its ExpertBank's, or where Python
+    fills, its ``reads``'."""
+    bank, store = cache.expert_bank, cache.store
+    if not bank.fills:
+        start = cache.reads.start
 
-    def failing(requests: list[tuple[int, int, list[int]]]) -> list[Any]:
-        started = start([r for r in requests if not fails(*r[:2])])
-        return [OSError(errno.EIO, "Input/output error") if fails(*r[:2]) else started.pop(0) for r in requests]
+        def failing(requests: list[tuple[int, int, list[int]]]) -> list[Any]:
+            started = start([r for r in requests if not fails(*r[:2])])
+            return [OSError(errno.EIO, "Input/output error") if fails(*r[:2]) else started.pop(0) for r in requests]
 
-    return mock.patch.object(reads, "start", side_effect=failing)
+        with mock.patch.object(cache.reads, "start", side_effect=failing):
+            yield
+        return
+    bank.fail_reads_of([(layer, first) for layer in range(store.num_layers) for first in range(store.num_experts) if fails(layer, first)])
+    try:
+        yield
+    finally:
+        bank.fail_reads_of([])
+
+
+def reads_queued(cache: ExpertCache) -> Callable[[], int]:
+    """How many reads the cache has queued from now on (each a run of adjacent records)."""
+    if cache.expert_bank.fills:
+        before = cache.expert_bank.runs_read
+        return lambda: cache.expert_bank.runs_read - before
+    start = mock.patch.object(cache.reads, "start", wraps=cache.reads.start).start()
+    return lambda: start.call_count
 
 
 def _cyclic_scan_hit_rate(policy: str, slots: int, layers: int, routed: int, passes: int) -> float:
@@ -325,10 +346,10 @@ def test_misses_are_read_once_and_hits_are_not_read(store_dir: StoreDir) -> None
     assert cache.store.read_mode == store_dir.mode
     slot_bytes = padded(layers[0].gate_up[0].nbytes + layers[0].down[0].nbytes)
     ids = torch.tensor([[0, 1], [1, 2]], dtype=torch.int32)
-    with mock.patch.object(cache.reads, "start", wraps=cache.reads.start) as start:
-        assert [r for r, _ in cache.passes(0, ids)] == [slice(0, 2)]
+    queued = reads_queued(cache)
+    assert [r for r, _ in cache.passes(0, ids)] == [slice(0, 2)]
     assert (cache.hits, cache.misses, cache.bytes_read) == (0, 3, 3 * slot_bytes)
-    assert start.call_count == 1  # three adjacent records: one read
+    assert queued() == 1  # three adjacent records: one read
     list(cache.passes(0, ids))
     assert (cache.hits, cache.misses, cache.bytes_read) == (3, 3, 3 * slot_bytes)
     list(cache.passes(1, torch.tensor([[4, 5]], dtype=torch.int32)))  # evicts layer 0's two least recently used
@@ -453,18 +474,24 @@ def test_the_one_call_decoder_runs_held_experts_in_cpp_and_leaves_the_cache_as_t
     spec: str, policy: str, prefetch: str, tiny_qwen3_moes: dict[str, Checkpoint], store_dir: StoreDir
 ) -> None:
     path = tiny_qwen3_moes["renorm-dense-middle"].path
-    replayed, replay = [], ExpertCache.ran_from_bank
+    replayed, replay, in_python, run_cached = [], ExpertCache.replay, [], SparseMoE.run_cached
 
-    def counted(cache: ExpertCache, layer_steps: list[tuple[int, list[int], float]], tokens: int) -> None:
-        replayed.append(len(layer_steps))
-        replay(cache, layer_steps, tokens)
+    def counted(cache: ExpertCache, steps: list[Any], tokens: int | None = None) -> None:
+        replayed.extend(step.filled for step in steps if tokens is not None and step.layer >= 0)
+        replay(cache, steps, tokens)
 
-    with mock.patch.object(ExpertCache, "ran_from_bank", counted):
+    def python_layer(moe: SparseMoE, *args: Any) -> torch.Tensor:
+        in_python.append(moe.cache_layer)
+        return run_cached(moe, *args)
+
+    with mock.patch.object(ExpertCache, "replay", counted), mock.patch.object(SparseMoE, "run_cached", python_layer):
         one_call = _greedy_and_logits(path, spec, store_dir.path, policy, prefetch=prefetch)
     per_layer = _greedy_and_logits(path, spec, store_dir.path, policy, decoder="fused", prefetch=prefetch)
     assert (one_call[2].decoder.name, per_layer[2].decoder.name) == ("one-call-cpp", "fused")
-    # layer-steps that found their experts held ran in C++ (reading ahead, those whose next layer's predicted experts were held too)
-    assert sum(replayed) > 0 or (prefetch == "on" and spec != "100%")
+    if store_dir.mode == "O_DIRECT":  # the bank fills in C++: every layer-step ran there, those with misses too where there were any
+        assert not in_python and replayed and (any(replayed) or spec == "100%")
+    else:  # layer-steps that found their experts held ran in C++ (reading ahead, those whose next layer's predicted experts were held too)
+        assert not any(replayed) and (replayed or (prefetch == "on" and spec != "100%"))
     assert one_call[0] == per_layer[0] and torch.equal(one_call[1], per_layer[1])
     caches = [runner.expert_cache for _, _, runner in (one_call, per_layer)]
     facts = [{k: v for k, v in cache.describe().items() if k not in ("store", "fill_rule")} for cache in caches]
@@ -712,7 +739,7 @@ def test_without_a_cache_int4_experts_still_load_a_layer_at_a_time(wide_moe_chec
 def test_a_failed_read_frees_its_slots_and_the_runs_read_beside_it_are_held(store_dir: StoreDir) -> None:
     layers = [_random_panels(EXPERTS, (8, 2, 20), (8, 1, 20), seed=layer) for layer in range(1)]
     cache = ExpertCache(ExpertStore(store_dir.path, layers), 6, 2, 0)
-    with failing_reads(cache.reads, lambda layer, first: first == 3), pytest.raises(OSError, match="Input/output"):
+    with failing_reads(cache, lambda layer, first: first == 3), pytest.raises(OSError, match="Input/output"):
         cache.fill(0, [0, 3, 5])  # three runs, read side by side: the second fails
     assert sorted(cache.policy.held) == [(0, 0), (0, 5)] and cache.slot_of[0].tolist()[3] == -1
     for expert in (0, 5):
@@ -726,7 +753,7 @@ def test_experts_read_ahead_land_as_the_next_layers_hits_and_a_failed_one_is_rea
     layers = [_random_panels(EXPERTS, (8, 2, 20), (8, 1, 20), seed=layer) for layer in range(2)]
     cache = ExpertCache(ExpertStore(store_dir.path, layers), 8, 2, 0, "lfu", "on-demand")
     slot_bytes = cache.slot_bytes
-    with failing_reads(cache.reads, lambda layer, first: (layer, first) == (1, 4)):
+    with failing_reads(cache, lambda layer, first: (layer, first) == (1, 4)):
         cache.fill(0, [0, 1], ahead=(1, [2, 4]))  # layer 1's 2 and 4 read ahead while layer 0 runs; 4's read fails
         assert cache.slot_of[1].tolist()[2] == -1  # not mapped until it has landed
         cache.fill(1, [2, 3, 4])
@@ -756,7 +783,7 @@ def test_a_read_that_fails_inside_the_one_call_decoder_reaches_the_caller_and_th
     resident = ModelRunner(RunnerConfig(path, num_blocks=16, block_size=4, weight_quant="int4")).logits(plan("r"))["r"]
     runner = ModelRunner(RunnerConfig(path, num_blocks=16, block_size=4, weight_quant="int4", expert_cache_bytes="50%", expert_cache_dir=store_dir.path))
     assert runner.decoder.name == "one-call-cpp"
-    with failing_reads(runner.expert_cache.reads, lambda layer, first: True):
+    with failing_reads(runner.expert_cache, lambda layer, first: True):
         with pytest.raises(OSError, match="Input/output"):  # raised in a fill the C++ decoder called back for
             runner.logits(plan("failed"))
     runner.release(["failed"])

@@ -52,22 +52,59 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<std::optional<torch::Tensor>>, std::vector<std::optional<torch::Tensor>>,
                     std::vector<torch::Tensor>, std::vector<std::optional<torch::Tensor>>, std::vector<std::optional<torch::Tensor>>, std::vector<torch::Tensor>,
                     std::vector<torch::Tensor>, std::vector<std::optional<torch::Tensor>>, std::vector<std::vector<int64_t>>, int64_t, int64_t, bool,
-                    int64_t, int64_t, int64_t, double, std::vector<std::optional<torch::Tensor>>, std::vector<std::optional<torch::Tensor>>, int64_t>(),
+                    int64_t, int64_t, int64_t, double, std::vector<std::optional<torch::Tensor>>, std::vector<std::optional<torch::Tensor>>, int64_t,
+                    std::vector<int64_t>>(),
            py::arg("norms"), py::arg("qkv"), py::arg("qkv_bias"), py::arg("head_norms"), py::arg("o_proj"), py::arg("o_bias"), py::arg("routers"),
            py::arg("gate_up"), py::arg("down"), py::arg("slot_maps"), py::arg("many_row_bits"), py::arg("few_rows"), py::arg("top_k"), py::arg("renormalize"),
            py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("predictors") = std::vector<std::optional<torch::Tensor>>{},
-           py::arg("predicted_maps") = std::vector<std::optional<torch::Tensor>>{}, py::arg("predicted_k") = 0)
+           py::arg("predicted_maps") = std::vector<std::optional<torch::Tensor>>{}, py::arg("predicted_k") = 0,
+           py::arg("cache_layers") = std::vector<int64_t>{})
       .def("forward", &DecoderLayers::forward, "final-normed hidden states [rows, hidden] of a step's embedded rows, every layer in one call",
            py::arg("embedded"), py::arg("caches"), py::arg("cos"), py::arg("sin"), py::arg("write_slots"), py::arg("block_tables"), py::arg("context_lens"),
-           py::arg("block_size"), py::arg("bank") = py::none(), py::arg("cached_layer") = py::none(), py::arg("read_ahead") = true, no_gil)
-      .def("take_bank_hits", &DecoderLayers::take_bank_hits,
-           "the (layer, experts, seconds) of the layer-steps that ran from the expert cache's bank since the last call, in order");
+           py::arg("block_size"), py::arg("bank") = py::none(), py::arg("cached_layer") = py::none(), py::arg("read_ahead") = true,
+           py::arg("expert_bank") = nullptr, no_gil);
   py::class_<DirectReads>(m, "DirectReads", "reads of an O_DIRECT file in flight while the caller computes (Linux native AIO, no threads)")
       .def(py::init<int64_t>(), py::arg("depth"))
       .def("submit", &DirectReads::submit, "queue reads (offset, buffer addresses) of nbytes a buffer in one call; each one's ticket, or -errno",
            py::arg("fd"), py::arg("reads"), py::arg("nbytes"))
       .def("wait", &DirectReads::wait, "(bytes read or -errno, whether it had to be waited for) of a ticket's read", py::arg("ticket"), no_gil)
       .def_property_readonly("in_flight", &DirectReads::in_flight);
+  py::register_exception_translator([](std::exception_ptr raised) {
+    try {
+      if (raised) std::rethrow_exception(raised);
+    } catch (const StoreReadError& e) {
+      PyErr_SetObject(PyExc_OSError, py::make_tuple(e.code().value(), e.what()).ptr());
+    }
+  });
+  py::class_<ExpertBank::LayerStep>(m, "LayerStep", "one MoE layer-step over the expert cache's bank, as its policy hears of it")
+      .def_readonly("layer", &ExpertBank::LayerStep::layer, "its MoE layer (-1: reads ahead that landed between layer-steps)")
+      .def_readonly("experts", &ExpertBank::LayerStep::experts, "the experts it routed to, ascending")
+      .def_readonly("filled", &ExpertBank::LayerStep::filled, "whether it went through fill (else every expert was held)")
+      .def_readonly("fills", &ExpertBank::LayerStep::fills, "(expert, slot, evicted layer, evicted expert; -1, -1: a free slot) of its misses")
+      .def_readonly("ahead_layer", &ExpertBank::LayerStep::ahead_layer, "the layer of its reads ahead (-1: none)")
+      .def_readonly("reserved", &ExpertBank::LayerStep::reserved, "(expert, slot, evicted layer, evicted expert) read ahead for ahead_layer")
+      .def_readonly("dropped", &ExpertBank::LayerStep::dropped, "(layer, expert) whose read failed: its slot is free again")
+      .def_readonly("bytes", &ExpertBank::LayerStep::bytes, "bytes read for its misses")
+      .def_readonly("landed", &ExpertBank::LayerStep::landed, "experts read ahead that landed as it began")
+      .def_readonly("used", &ExpertBank::LayerStep::used, "of those, the ones it routed to")
+      .def_readonly("fill_seconds", &ExpertBank::LayerStep::fill_seconds, "its fill's time")
+      .def_readonly("seconds", &ExpertBank::LayerStep::seconds, "its layer's call, where the one-call decoder ran it (else 0)");
+  py::class_<ExpertBank>(m, "ExpertBank", "the expert cache's slot maps, its layer-steps' fills from the store and their log (CPU)")
+      .def(py::init<DirectReads*, int64_t, int64_t, const torch::Tensor&, std::vector<torch::Tensor>>(), py::arg("reads"), py::arg("fd"),
+           py::arg("record"), py::arg("records"), py::arg("slot_maps"), py::keep_alive<1, 2>())
+      .def("begin", &ExpertBank::begin, "a step begins under LRU: the free slots (taken from the back) and the held ones, least recently used first",
+           py::arg("free"), py::arg("ranked"))
+      .def("begin_lfu", &ExpertBank::begin_lfu, "a step begins under LFU: the free slots (taken from the back), each slot's uses and last use, and the "
+           "policy's step, layer and passes", py::arg("free"), py::arg("count"), py::arg("last"), py::arg("step"), py::arg("layer"), py::arg("passes"),
+           py::arg("aging_passes"))
+      .def("fill", &ExpertBank::fill, "makes a layer's experts (ascending) resident and starts reading ahead_layer's experts ahead behind them; logged",
+           py::arg("layer"), py::arg("experts"), py::arg("ahead_layer") = -1, py::arg("ahead") = std::vector<int64_t>{}, py::return_value_policy::copy, no_gil)
+      .def("land_all", &ExpertBank::land_all, "waits for the reads ahead in flight and maps what they read (logged)", no_gil)
+      .def("take_log", &ExpertBank::take_log, "every layer-step since the last call, in order")
+      .def("fail_reads_of", &ExpertBank::fail_reads_of, "tests: the reads of these (layer, first expert) runs fail with EIO", py::arg("runs"))
+      .def_property_readonly("fills", &ExpertBank::fills, "whether it reads (else Python fills the bank)")
+      .def_property_readonly("slots", &ExpertBank::slots)
+      .def_property_readonly("runs_read", &ExpertBank::runs_read, "reads queued so far, each a run of adjacent records");
   m.def(
       "takeover_pool_stats",
       [] {
