@@ -449,7 +449,7 @@ class SlotLFU(SlotPolicy):
             score = self.count * (self.step + 1) - self.last  # the fewest uses, then the most recent
             score[keep] = self.NEVER
             score[slots] = self.NEVER
-            slots += np.argpartition(score, victims - 1)[:victims].tolist()
+            slots += np.argsort(score, kind="stable")[:victims].tolist()  # ties to the lowest slot, as the ExpertBank's choice
         fills = []
         for expert, slot in zip(experts, slots):
             if (evicted := self.key_of[slot]) is not None:
@@ -825,12 +825,13 @@ class ExpertCache:
         self._count(len(experts), len(hits) - read_ahead, fills, read, time.perf_counter() - started, read_ahead)
 
     def _reserve_ahead(self, layer: int, experts: list[int], keep: list[int]) -> list[list[Fill]]:
-        """Slots the policy reserves for ``layer``'s ``experts`` that are not held (never one in ``keep`` or of a read
-        in flight), as runs to read; the slot map shows them once they land (``_land``)."""
-        wanted = [e for e in experts if (layer, e) not in self.policy.held]
+        """Slots the policy reserves for ``layer``'s ``experts`` that are not held (never one in ``keep``, of a read in
+        flight or of the predicted experts held), as runs to read; the slot map shows them once they land (``_land``)."""
+        held = self.policy.held
+        wanted, predicted_held = [e for e in experts if (layer, e) not in held], [held[(layer, e)] for e in experts if (layer, e) in held]
         if not wanted:
             return []
-        fills = self.policy.reserve(layer, wanted, [*keep, *(fill.slot for _, run, _ in self._ahead for fill in run)])
+        fills = self.policy.reserve(layer, wanted, [*keep, *predicted_held, *(fill.slot for _, run, _ in self._ahead for fill in run)])
         self._forget(fill.evicted for fill in fills)
         evictions = sum(fill.evicted is not None for fill in fills)
         self.evictions += evictions

@@ -174,6 +174,46 @@ def test_experts_read_ahead_take_no_slot_the_step_reads_and_are_the_first_to_go_
             assert victim.evicted in {(following, f.expert) for f in reserved}
 
 
+_STORES: dict[str, tuple[ExpertStore, list[ExpertPanels]]] = {}  # a test's store, read by each of its examples
+
+
+@needs_kernels
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    slots=st.integers(EXPERTS, LAYERS * EXPERTS),
+    steps=steps,
+    predicted=st.lists(st.lists(st.integers(0, EXPERTS - 1), max_size=EXPERTS), min_size=40, max_size=40),
+    begins=st.lists(st.booleans(), min_size=40, max_size=40),
+)
+def test_the_expert_banks_fills_choose_read_and_count_as_the_policy_does_in_python(
+    policy: str, slots: int, steps: list[tuple[int, list[int]]], predicted: list[list[int]], begins: list[bool], disk_dir: str
+) -> None:
+    if disk_dir not in _STORES:
+        layers = [_random_panels(EXPERTS, (8, 2, 20), (8, 1, 20), seed=40 + layer) for layer in range(LAYERS)]
+        _STORES[disk_dir] = ExpertStore(disk_dir, layers), layers
+    store, layers = _STORES[disk_dir]
+    gc.collect()  # the earlier examples' caches, and their AIO contexts (aio-max-nr bounds them)
+    in_cpp, in_python = (ExpertCache(store, slots, 1, 0, policy, "on-demand") for _ in range(2))
+    in_python.expert_bank = cpu_kernels()[0].ExpertBank(None, store.fd, store.record, in_python.records, in_python.slot_of)  # Python fills
+    assert in_cpp.expert_bank.fills and not in_python.expert_bank.fills
+    for (layer, experts), ahead, begin in zip(steps, predicted, begins):
+        for cache in (in_cpp, in_python):
+            if begin:
+                cache.begin_step(1)
+            cache.fill(layer, sorted(set(experts))[:slots], ahead=(layer + 1, sorted(set(ahead))) if layer + 1 < LAYERS else None)
+        assert in_cpp.policy.held == in_python.policy.held and list(in_cpp.policy.held) == list(in_python.policy.held)  # LRU: in the same order
+        assert in_cpp.policy.free == in_python.policy.free and in_cpp.policy.ranked() == in_python.policy.ranked()
+        assert all(torch.equal(a, b) for a, b in zip(in_cpp.slot_of, in_python.slot_of))
+        counted = [(c.hits, c.misses, c.evictions, c.bytes_read, c.prefetched, c.layer_steps) for c in (in_cpp, in_python)]
+        assert counted[0] == counted[1]
+    in_cpp.begin_step(1)  # reads ahead land
+    for layer, slot_of in enumerate(in_cpp.slot_of):
+        for expert, slot in enumerate(slot_of.tolist()):
+            if slot >= 0:
+                assert torch.equal(in_cpp.gate_up[slot], layers[layer].gate_up[expert]) and torch.equal(in_cpp.down[slot], layers[layer].down[expert])
+
+
 def test_a_layers_predictor_routes_its_normed_input_as_the_next_layers_router_routes_the_same_residual() -> None:
     generator = torch.Generator().manual_seed(0)
     hidden, experts, top_k = 32, 16, 4

@@ -135,8 +135,15 @@ ExpertBank::LayerStep& ExpertBank::fill(int64_t layer, const std::vector<int64_t
     filled(slot, 1);
   }
   if (ahead_layer >= 0) {
+    std::vector<int64_t> wanted;  // a predicted expert that is held stays, as this layer-step's own do
     for (int64_t e : ahead) {
-      if (maps_[ahead_layer][e] >= 0) continue;
+      if (const int32_t slot = maps_[ahead_layer][e]; slot >= 0) {
+        mark_[slot] = epoch_;
+      } else {
+        wanted.push_back(e);
+      }
+    }
+    for (int64_t e : wanted) {
       const int64_t slot = victim();
       if (slot < 0) break;  // every slot is this layer-step's
       step.reserved.push_back(claim(slot, ahead_layer, e));
