@@ -9,7 +9,8 @@ settings taking turns round by round.
 
 Per setting and concurrency it prints output tokens/s and its ratio to all-resident, and over the decode steps the
 cache's hit rate, bytes read and fill time per output token (the cache's own counters), the decode step time against
-the bound ``all-resident step + missed bytes / storage read bandwidth``, the miss path's own read rate, and whether
+the bound ``all-resident step + missed bytes / storage read bandwidth`` (over the rounds' medians, and round by round
+against that round's bandwidth: the storage's rate drifts), the miss path's own read rate, and whether
 the tokens are those of the all-resident run. The storage's read bandwidth is measured each round by reading the
 expert store file sequentially in 4 MiB reads with the page cache bypassed (O_DIRECT, else buffered reads after and
 behind ``posix_fadvise(DONTNEED)``; the report says which; the better of one and four reads in flight), and at the miss path's size: one expert's record at a
@@ -71,6 +72,7 @@ class Totals:
 
     seconds: list[float] = field(default_factory=list)  # prefill + decode, a run each
     step_seconds: list[float] = field(default_factory=list)  # decode time / decode steps, a run each
+    missed_per_step: list[float] = field(default_factory=list)  # routed experts not held before their layer-step, a run each
     decode_steps: int = 0
     decode_tokens: int = 0
     hits: int = 0
@@ -131,6 +133,7 @@ def decode_batch(runner: ModelRunner, tag: str, prompts: list[list[int]], max_to
     totals.misses += misses
     totals.read_ahead_used += used
     totals.read_ahead_unused += unused
+    totals.missed_per_step.append((misses + used) / steps)
     totals.bytes_read += read
     totals.fill_seconds += fill
     totals.outputs.append({rid.rsplit("-", 1)[1]: tokens for rid, tokens in outputs.items()})
@@ -280,7 +283,7 @@ def bench_model(model: str, args: argparse.Namespace, label: str) -> dict[str, A
     )
     header = (
         f"{'c':>2} {'cache':>6} {'policy':>6} {'fill':>9} {'ahead':>5} {'tok/s':>8} {'vs 0':>5} {'hit rate':>8} {'ahead used':>10} {'KB read/tok':>11} {'fill ms/tok':>11} "
-        f"{'step ms':>8} {'bound ms':>8} {'step/bound':>10} {'miss GB/s':>9} {'of bw':>6} {'of 4x':>6} {'same tokens':>11}"
+        f"{'step ms':>8} {'bound ms':>8} {'step/bound':>10} {'by round':>11} {'miss GB/s':>9} {'of bw':>6} {'of 4x':>6} {'same tokens':>11}"
     )
     print(header)
     rows = []
@@ -295,6 +298,11 @@ def bench_model(model: str, args: argparse.Namespace, label: str) -> dict[str, A
             lookups = t.hits + t.misses + t.read_ahead_used
             missed_bytes = (t.misses + t.read_ahead_used) * cache.slot_bytes  # routed experts not held before their step predicted them
             bound = base_step + missed_bytes / max(t.decode_steps, 1) / sequential
+            # each round against its own bandwidth and resident step: the storage's rate drifts between rounds
+            per_round = [
+                step_r / (base_r + missed * cache.slot_bytes / rate[0])
+                for step_r, base_r, missed, rate in zip(t.step_seconds, base.step_seconds, t.missed_per_step, bandwidths)
+            ]
             ahead = t.read_ahead_used + t.read_ahead_unused
             miss_rate = t.bytes_read / t.fill_seconds if t.bytes_read and t.fill_seconds else None
             row = {
@@ -316,6 +324,7 @@ def bench_model(model: str, args: argparse.Namespace, label: str) -> dict[str, A
                 "step_ms": step * 1e3,
                 "bound_ms": bound * 1e3,
                 "step_over_bound": step / bound,
+                "step_over_bound_by_round": per_round,
                 "miss_path_bytes_per_s": miss_rate,
                 "miss_path_share_of_bandwidth": miss_rate / sequential if miss_rate else None,
                 "miss_path_share_of_side_by_side": miss_rate / side_by_side if miss_rate else None,
@@ -331,7 +340,7 @@ def bench_model(model: str, args: argparse.Namespace, label: str) -> dict[str, A
                 f"{concurrency:>2} {f'{setting.percent:g}%' if setting.percent else '0':>6} {setting.policy or '-':>6} {setting.fill or '-':>9} "
                 f"{setting.prefetch or '-':>5} {rate:>8.1f} {rate / base_rate:>5.2f} {hit:>8} {used:>10} "
                 f"{row['bytes_read_per_token'] / 1e3:>11.1f} {row['fill_ms_per_token']:>11.3f} {step * 1e3:>8.2f} {bound * 1e3:>8.2f} "
-                f"{step / bound:>10.2f} {miss} {str(row['same_tokens_as_resident']):>11}",
+                f"{step / bound:>10.2f} {'/'.join(f'{r:.2f}' for r in per_round):>11} {miss} {str(row['same_tokens_as_resident']):>11}",
                 flush=True,
             )
     return {

@@ -25,3 +25,5 @@ def test_the_bench_reports_each_cache_size_and_policy_against_all_resident(tmp_p
         assert rows[(1, 12.5, policy)]["bytes_read_per_token"] > rows[(1, 100, policy)]["bytes_read_per_token"]
     assert summary["bandwidth"]["sequential_bytes_per_s"] > 0
     assert all(row["bound_ms"] >= rows[(row["concurrency"], 0, "")]["step_ms"] for row in rows.values())
+    assert all(len(row["step_over_bound_by_round"]) == 1 and row["step_over_bound_by_round"][0] > 0 for row in rows.values())  # one per round
+    assert rows[(1, 0, "")]["step_over_bound_by_round"] == [1.0]  # all resident: its own bound
