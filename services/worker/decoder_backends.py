@@ -9,9 +9,9 @@ first of ``DECODER_BACKENDS`` that runs its model:
   runs the shared decoder's attention layers (q/k norms or none, rotary over whole heads) with SwiGLU or
   sparse MoE MLPs (experts in blocks, resident or in an expert cache, no shared expert: Llama, Qwen3, Qwen3-MoE) on
   the CPU kernels with weights in blocks (int4, or a GGUF's), not sharded, at every row count. A cached MoE layer
-  runs in the call when the bank holds every expert it routes to, and calls back into the cache (``run_cached``)
-  to fill its misses or stream (or, where the cache reads ahead, to read the next layer's predicted experts it does
-  not hold); the layer-steps that ran in C++ are replayed into the cache's policy after the call. It rounds each projection's
+  runs in the call when the bank holds every expert it routes to or its ``ExpertBank`` reads its misses (a store
+  read by native AIO), and calls back into the cache (``run_cached``) to stream, to run more experts than the bank
+  holds, or where Python fills; the layer-steps that ran in C++ are replayed into the cache's policy after the call. It rounds each projection's
   activations as the per-layer path does: to int16 in steps of up to ``BLOCK_QUANT_MAX_ROWS`` rows, beyond
   them to int8 where int4-a8 says so.
 - ``fused``: layer by layer, each residual add folded into the RMSNorm after it, where the fusion kernels are on.

@@ -56,8 +56,8 @@ DecoderLayers::DecoderLayers(std::vector<torch::Tensor> norms, std::vector<torch
     : norms_(std::move(norms)), qkv_(std::move(qkv)), qkv_bias_(std::move(qkv_bias)), head_norms_(std::move(head_norms)), o_proj_(std::move(o_proj)),
       o_bias_(std::move(o_bias)), routers_(std::move(routers)), gate_up_(std::move(gate_up)), down_(std::move(down)),
       slot_maps_(std::move(slot_maps)), predictors_(std::move(predictors)), predicted_maps_(std::move(predicted_maps)),
-      predicted_k_(predicted_k > 0 ? predicted_k : top_k), cache_layers_(std::move(cache_layers)), many_row_bits_(std::move(many_row_bits)), few_rows_(few_rows), top_k_(top_k),
-      renormalize_(renormalize), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps) {
+      predicted_k_(predicted_k > 0 ? predicted_k : top_k), cache_layers_(std::move(cache_layers)), many_row_bits_(std::move(many_row_bits)),
+      few_rows_(few_rows), top_k_(top_k), renormalize_(renormalize), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps) {
   const size_t layers = qkv_.size();
   TORCH_CHECK(norms_.size() == 2 * layers + 1, "norms: input and post-attention norm of every layer, then the final norm");
   TORCH_CHECK(qkv_bias_.size() == layers && head_norms_.size() == layers && o_proj_.size() == layers && o_bias_.size() == layers &&
