@@ -876,6 +876,8 @@ class ExpertCache:
         """The ExpertBank's layer-steps (``take_log``), in order: the policy hears of each (a fill's claims, a hit's use, a
         failed read's slot freed) and each is counted as ``fill`` counts its own; ``tokens``: those of the one-call
         decoder's step that ran them, whose calls measure the experts' compute (``layer_ran``)."""
+        if not steps:
+            return
         record, policy = self.store.record, self.policy
         hits = misses = evictions = read = used = landed = layer_steps = 0
         for step in steps:
