@@ -557,6 +557,19 @@ class LayerStream:
         self.reads.clear()
 
 
+class _NoBank:
+    """Where the C++ kernels are not built: Python fills, and no layer-step runs in C++ to be logged."""
+
+    fills = False
+
+    @staticmethod
+    def take_log() -> list[Any]:
+        return []
+
+
+NO_BANK = _NoBank()
+
+
 class ExpertCache:
     """A bank of ``slots`` experts' panels over ``store``: ``records`` [S, record], one page-aligned slot per
     expert laid out as its store record, seen by the kernel as ``gate_up`` [S, ...] and ``down`` [S, ...] (views
@@ -605,8 +618,11 @@ class ExpertCache:
         for slot_of in self.slot_of:
             slot_of.fill_(-1)
         # the layer-steps' fills where the reads are native AIO (else Python fills, and the bank logs the one-call decoder's hits)
-        self.expert_bank = cpu_kernels()[0].ExpertBank(
-            self.reads.direct if isinstance(self.reads, AioReads) else None, store.fd, store.record, self.records, self.slot_of
+        kernels = cpu_kernels()[0]
+        self.expert_bank = (
+            kernels.ExpertBank(self.reads.direct if isinstance(self.reads, AioReads) else None, store.fd, store.record, self.records, self.slot_of)
+            if kernels is not None
+            else NO_BANK
         )
         self._bank_led = False
         SLOTS_TOTAL.set(slots)
