@@ -58,6 +58,7 @@ def test_concurrent_greedy_requests_from_two_expert_slots_are_transformers_token
     assert cache["streamed_prefill"].startswith("off (the bank's 2 slots") and cache["layer_steps"]["streamed"] == 0
     assert cache["misses"] > 16 and cache["evictions"] > 0 and 0 <= cache["hit_rate"] < 1
     assert cache["store_reads"] == "O_DIRECT" or cache["store_reads"].startswith("buffered + DONTNEED (")
+    assert cache["fills"] == ("in C++ (the one-call decoder's without Python)" if cache["reads_in_flight"] == "native AIO" else "in Python")
     assert "expert_cache" in stack.log() and cache["store_reads"] in stack.log()  # the worker says at start how it reads its store
     metrics = stack.metrics("worker")
     assert metric_value(metrics, "tokenyard:expert_cache_misses_total") == cache["misses"]
