@@ -9,9 +9,9 @@
 // step the bank chooses as that policy would: a free slot, else under LRU the least recently used, under LFU
 // the fewest uses (ties to the most recent), an expert read ahead counted as the least worth keeping. No victim
 // is a slot of the same layer-step, so no slot a layer-step reads is refilled before it runs. Every layer-step
-// is logged (take_log) and replayed into the policy in order afterwards (its commit), which so comes to the
-// same state. Without reads (a store read through the page cache), the bank logs
-// the layer-steps that found every expert held, and Python fills the others.
+// is logged (take_log) and replayed into the policy in order afterwards (its commit), which brings the policy to
+// the state its own choices would have. Without reads (a store read through the page cache), the bank logs the
+// layer-steps that found every expert held, and Python fills the others.
 
 #include "kernels.h"
 
@@ -214,7 +214,10 @@ std::vector<ExpertBank::LayerStep> ExpertBank::take_log() {
   return taken;
 }
 
-void ExpertBank::to_back(int64_t slot) { queue_.emplace_back(slot, ++stamp_[slot]); }
+void ExpertBank::to_back(int64_t slot) {
+  queue_.emplace_back(slot, ++stamp_[slot]);
+  if (queue_.size() > static_cast<size_t>(4 * slots())) compact();  // stale entries stay bounded, steps without a fill included
+}
 
 void ExpertBank::next_step(int64_t layer) {
   if (!lfu_) return;
@@ -279,7 +282,6 @@ int64_t ExpertBank::least_recent() {
     break;
   }
   for (auto it = kept.rbegin(); it != kept.rend(); ++it) queue_.push_front(*it);
-  if (queue_.size() > static_cast<size_t>(4 * slots())) compact();
   return found;
 }
 
