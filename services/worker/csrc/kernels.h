@@ -75,10 +75,10 @@ struct StoreReadError : std::system_error {
 
 // The expert cache's bank as its layer-steps see it (expert_bank.cpp): the slot maps of every MoE layer
 // (int32 [experts], -1 where not held, shared with Python), the bank's records [slots, record], and the store's
-// reads (none: Python fills, the bank only logs). begin gives the step's victims in the policy's order; fill
-// makes a layer-step's experts (ascending) resident and starts reading ahead's experts of ahead_layer (-1: none)
-// behind them; ran logs a layer-step that found every expert held; take_log gives every layer-step since the
-// last call, in order, for the policy to hear of.
+// reads (none: Python fills, the bank only logs). begin (LRU) or begin_lfu hands it the policy's state as a step
+// begins; fill makes a layer-step's experts (ascending) resident and starts reading the experts ahead of
+// ahead_layer (-1: none) behind them; ran logs a layer-step that found every expert held; take_log gives every
+// layer-step since the last call, in order, for the policy to hear of.
 class ExpertBank {
  public:
   using Claim = std::array<int64_t, 4>;  // (expert, slot, evicted layer, evicted expert; -1, -1: a free slot)
