@@ -257,13 +257,15 @@ def failing_reads(cache: ExpertCache, fails: Callable[[int, int], bool]) -> Iter
         bank.fail_reads_of([])
 
 
-def reads_queued(cache: ExpertCache) -> Callable[[], int]:
-    """How many reads the cache has queued from now on (each a run of adjacent records)."""
+@contextlib.contextmanager
+def reads_queued(cache: ExpertCache) -> Iterator[Callable[[], int]]:
+    """How many reads the cache queues from here on (each a run of adjacent records)."""
     if cache.expert_bank.fills:
         before = cache.expert_bank.runs_read
-        return lambda: cache.expert_bank.runs_read - before
-    start = mock.patch.object(cache.reads, "start", wraps=cache.reads.start).start()
-    return lambda: start.call_count
+        yield lambda: cache.expert_bank.runs_read - before
+        return
+    with mock.patch.object(cache.reads, "start", wraps=cache.reads.start) as start:
+        yield lambda: start.call_count
 
 
 def _cyclic_scan_hit_rate(policy: str, slots: int, layers: int, routed: int, passes: int) -> float:
@@ -386,10 +388,10 @@ def test_misses_are_read_once_and_hits_are_not_read(store_dir: StoreDir) -> None
     assert cache.store.read_mode == store_dir.mode
     slot_bytes = padded(layers[0].gate_up[0].nbytes + layers[0].down[0].nbytes)
     ids = torch.tensor([[0, 1], [1, 2]], dtype=torch.int32)
-    queued = reads_queued(cache)
-    assert [r for r, _ in cache.passes(0, ids)] == [slice(0, 2)]
+    with reads_queued(cache) as queued:
+        assert [r for r, _ in cache.passes(0, ids)] == [slice(0, 2)]
+        assert queued() == 1  # three adjacent records: one read
     assert (cache.hits, cache.misses, cache.bytes_read) == (0, 3, 3 * slot_bytes)
-    assert queued() == 1  # three adjacent records: one read
     list(cache.passes(0, ids))
     assert (cache.hits, cache.misses, cache.bytes_read) == (3, 3, 3 * slot_bytes)
     list(cache.passes(1, torch.tensor([[4, 5]], dtype=torch.int32)))  # evicts layer 0's two least recently used
