@@ -272,15 +272,22 @@ class SlotPolicy(ABC):
         hits, fills = self.take(layer, experts)
         assert not fills, f"layer {layer}'s experts {experts} ran from the bank, but the policy does not hold them all"
 
+    USES_FROM_BANK: ClassVar[bool] = False  # whether a led ExpertBank keeps the uses (``uses_from``): then only its claims are replayed
+
     def lead(self, bank: Any) -> None:
         """An ``ExpertBank`` whose fills this step choose as this policy would, from its state as it stands (LRU's order)."""
         bank.begin(self.free, [self.held[key] for key in self.ranked()])
 
+    def uses_from(self, bank: Any) -> None:
+        """Takes the uses a led ``bank`` kept (where ``USES_FROM_BANK``)."""
+        raise NotImplementedError(f"the {self.name} policy hears of every use in its replay")
+
     @abstractmethod
-    def commit(self, layer: int, experts: list[int], fills: list[Claim], ahead_layer: int, reserved: list[Claim]) -> None:
+    def commit(self, layer: int, experts: list[int], fills: list[Claim], ahead_layer: int, reserved: list[Claim], uses: bool = True) -> None:
         """A layer-step that the ``ExpertBank`` filled: ``layer``'s ``experts`` (ascending) all held now, ``fills`` the slots
         its misses took and ``reserved`` those ``ahead_layer``'s experts read ahead took, each (expert, slot, evicted
-        layer, evicted expert) with -1, -1 for a free slot; as ``take`` then ``reserve`` would have left the policy."""
+        layer, evicted expert) with -1, -1 for a free slot; as ``take`` then ``reserve`` would have left the policy
+        (``uses`` False: but for the uses, which the bank kept: ``uses_from``)."""
 
     def _claim(self, slot: int, evicted_layer: int, evicted_expert: int) -> None:
         """``slot`` given to another expert: out of the free ones, or its expert evicted."""
@@ -372,8 +379,8 @@ class SlotLRU(SlotPolicy):
         for expert in experts:
             self.held.move_to_end((layer, expert))  # KeyError: not held
 
-    def commit(self, layer: int, experts: list[int], fills: list[Claim], ahead_layer: int, reserved: list[Claim]) -> None:
-        filled = {claim[0] for claim in fills}
+    def commit(self, layer: int, experts: list[int], fills: list[Claim], ahead_layer: int, reserved: list[Claim], uses: bool = True) -> None:
+        filled = {claim[0] for claim in fills}  # LRU's uses are its order: always replayed
         for expert in experts:
             if expert not in filled:
                 self.held.move_to_end((layer, expert))
@@ -458,20 +465,28 @@ class SlotLFU(SlotPolicy):
             fills.append(Fill(expert, slot, evicted))
         return fills
 
-    def commit(self, layer: int, experts: list[int], fills: list[Claim], ahead_layer: int, reserved: list[Claim]) -> None:
-        self._next_step(layer)
-        filled = {claim[0] for claim in fills}
-        read = [self.held[(layer, e)] for e in experts if e not in filled]
-        self.count[read] += 1
-        self.last[read] = self.step
-        for claims, claimed_layer, uses in ((fills, layer, 1), (reserved, ahead_layer, 0)):  # a read ahead: no use yet
+    def commit(self, layer: int, experts: list[int], fills: list[Claim], ahead_layer: int, reserved: list[Claim], uses: bool = True) -> None:
+        if uses:
+            self._next_step(layer)
+            filled = {claim[0] for claim in fills}
+            read = [self.held[(layer, e)] for e in experts if e not in filled]
+            self.count[read] += 1
+            self.last[read] = self.step
+        for claims, claimed_layer, count in ((fills, layer, 1), (reserved, ahead_layer, 0)):  # a read ahead: no use yet
             for expert, slot, *evicted in claims:
                 self._claim(slot, *evicted)
                 self.held[(claimed_layer, expert)], self.key_of[slot] = slot, (claimed_layer, expert)
-                self.count[slot], self.last[slot] = uses, self.step
+                if uses:
+                    self.count[slot], self.last[slot] = count, self.step
+
+    USES_FROM_BANK = True  # the bank counts uses and ages them as _next_step does
 
     def lead(self, bank: Any) -> None:
         bank.begin_lfu(self.free, torch.from_numpy(self.count), torch.from_numpy(self.last), self.step, self.layer, self.passes, self.AGING_PASSES)
+
+    def uses_from(self, bank: Any) -> None:
+        count, last, self.step, self.layer, self.passes = bank.lfu_state()
+        self.count[:], self.last[:] = count.numpy(), last.numpy()
 
     def drop(self, key: tuple[int, int]) -> None:
         self.key_of[self.held[key]] = None
@@ -895,13 +910,14 @@ class ExpertCache:
         if not steps:
             return
         record, policy = self.store.record, self.policy
+        uses_from_bank = self._bank_led and policy.USES_FROM_BANK  # then an all-hit layer-step changes nothing else
         hits = misses = evictions = read = used = landed = layer_steps = 0
         for step in steps:
             if step.layer >= 0:
                 experts, fills, reserved = step.experts, step.fills, step.reserved
                 if fills or reserved:
-                    policy.commit(step.layer, experts, fills, step.ahead_layer, reserved)
-                else:
+                    policy.commit(step.layer, experts, fills, step.ahead_layer, reserved, uses=not uses_from_bank)
+                elif not uses_from_bank:
                     policy.touch(step.layer, experts)
                 layer_steps += 1
                 hits += len(experts) - len(fills) - step.used
@@ -918,6 +934,8 @@ class ExpertCache:
                 policy.drop(tuple(key))
             read += step.bytes + step.landed * record
             used, landed = used + step.used, landed + step.landed
+        if uses_from_bank:
+            policy.uses_from(self.expert_bank)
         self.hits, self.misses, self.evictions, self.bytes_read = self.hits + hits, self.misses + misses, self.evictions + evictions, self.bytes_read + read
         self.prefetched["used"] += used
         self.prefetched["unused"] += landed - used

@@ -104,7 +104,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("fail_reads_of", &ExpertBank::fail_reads_of, "tests: the reads of these (layer, first expert) runs fail with EIO", py::arg("runs"))
       .def_property_readonly("fills", &ExpertBank::fills, "whether it reads (else Python fills the bank)")
       .def_property_readonly("slots", &ExpertBank::slots)
-      .def_property_readonly("runs_read", &ExpertBank::runs_read, "reads queued so far, each a run of adjacent records");
+      .def_property_readonly("runs_read", &ExpertBank::runs_read, "reads queued so far, each a run of adjacent records")
+      .def("lfu_state", &ExpertBank::lfu_state, "(count, last, step, layer, passes): the LFU state it has kept since begin_lfu");
   m.def(
       "takeover_pool_stats",
       [] {

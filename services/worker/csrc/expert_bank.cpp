@@ -80,6 +80,14 @@ void ExpertBank::begin_lfu(const std::vector<int64_t>& free, const torch::Tensor
   aging_passes_ = aging_passes;
 }
 
+std::tuple<torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t> ExpertBank::lfu_state() const {
+  TORCH_CHECK(lfu_, "lfu_state: the bank was not begun under LFU");
+  const auto as_tensor = [](const std::vector<int64_t>& values) {
+    return torch::from_blob(const_cast<int64_t*>(values.data()), {static_cast<int64_t>(values.size())}, torch::kInt64).clone();
+  };
+  return {as_tensor(count_), as_tensor(last_), step_, layer_, passes_};
+}
+
 void ExpertBank::start(const std::vector<int64_t>& free) {
   TORCH_CHECK(ahead_.empty(), "begin: reads ahead are still in flight (land them first)");
   for (int64_t slot : free) TORCH_CHECK(slot >= 0 && slot < slots(), "begin: slot ", slot, " is not one of the bank's ", slots());

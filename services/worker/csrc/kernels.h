@@ -108,6 +108,7 @@ class ExpertBank {
   bool fills() const { return reads_ != nullptr; }
   int64_t slots() const { return static_cast<int64_t>(key_of_.size()); }
   int64_t runs_read() const { return runs_read_; }  // reads queued so far, each a run of adjacent records
+  std::tuple<torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t> lfu_state() const;  // after begin_lfu: count, last, step, layer, passes
   void fail_reads_of(std::vector<std::array<int64_t, 2>> runs) { failing_ = std::move(runs); }  // tests
 
  private:
