@@ -607,7 +607,6 @@ class ExpertCache:
         self.slot_of = [torch.full((store.num_experts,), -1, dtype=torch.int32) for _ in range(store.num_layers)]
         self._slot_of = [t.numpy() for t in self.slot_of]  # the same maps, written through numpy: a torch item write costs ~10 us
         self.reads = StoreReads.of(store)  # a layer-step's runs of misses, in flight side by side
-        self._bank_led = False  # whether the ExpertBank has the policy's state as this step began
         self.hits = self.misses = self.evictions = self.bytes_read = 0
         self.fill_mode, self.last_fill = fill, ""  # last_fill: how the latest step read its experts
         self.prefetch = prefetch
@@ -634,12 +633,12 @@ class ExpertCache:
             slot_of.fill_(-1)
         # the layer-steps' fills where the reads are native AIO (else Python fills, and the bank logs the one-call decoder's hits)
         kernels = cpu_kernels()[0]
+        self._bank_led = False  # whether the ExpertBank has the policy's state as this step began
         self.expert_bank = (
             kernels.ExpertBank(self.reads.direct if isinstance(self.reads, AioReads) else None, store.fd, store.record, self.records, self.slot_of)
             if kernels is not None
             else NO_BANK
         )
-        self._bank_led = False
         SLOTS_TOTAL.set(slots)
         SLOTS_USED.set(0)
 

@@ -18,7 +18,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <cstring>
 
 namespace {
 
@@ -166,7 +165,7 @@ ExpertBank::LayerStep& ExpertBank::fill(int64_t layer, const std::vector<int64_t
   const auto tickets = submit(all);
   int64_t failure = 0;
   for (size_t i = 0; i < own.size(); ++i) {
-    const auto [result, waited] = tickets[i] >= 0 ? reads_->wait(tickets[i]) : std::tuple<int64_t, bool>{tickets[i], false};
+    const int64_t result = tickets[i] >= 0 ? std::get<0>(reads_->wait(tickets[i])) : tickets[i];
     const int64_t size = static_cast<int64_t>(own[i].slots.size()) * record_;
     if (result != size) {  // its slots hold nothing: free again
       failure = failure ? failure : (result < 0 ? -result : EIO);
@@ -200,7 +199,7 @@ void ExpertBank::land_all() {
 ExpertBank::LayerStep ExpertBank::land(int64_t layer, const std::vector<int64_t>& routed) {
   LayerStep step;
   for (const auto& read : ahead_) {
-    const auto [result, waited] = reads_->wait(read.ticket);
+    const int64_t result = std::get<0>(reads_->wait(read.ticket));
     if (result != static_cast<int64_t>(read.run.slots.size()) * record_) {  // a layer-step that routes to them reads them again
       drop(read.run, step);
       continue;
