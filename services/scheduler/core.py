@@ -176,8 +176,10 @@ class Scheduler:
             budget -= scheduled
         # The step's tokens, one per decode; a run's time is several steps', not a sample of a step's.
         self.step_cost.planned(step, decodes + prefill_budget - budget if decode_steps == 1 else 0)
-        if decodes and decodes == len(slices) and not drafts:
-            self.decode_runs.planned(step, decode_steps, decodes)
+        if decodes and decodes == len(slices):
+            self.speculation.position_cost.planned(step, decode_steps, decodes)
+            if not drafts:
+                self.decode_runs.planned(step, decode_steps, decodes)
         return StepPlan(step=step, slices=slices, decode_steps=decode_steps)
 
     def _decode_steps(self) -> int:
@@ -379,6 +381,7 @@ class Scheduler:
         outcome = Outcome()
         self.step_cost.observed(result.step, result.forward_s)
         self.decode_runs.observed(result.step, result.forward_s, len(result.sampled))
+        self.speculation.position_cost.observed(result.step, result.forward_s, len(result.sampled), sum(result.proposed.values()))
         verified: dict[str, list[Sampled]] = {}
         no_guess = set(result.no_guess)
         for sampled in result.sampled:
@@ -391,6 +394,7 @@ class Scheduler:
                 continue
             request.pending_samples -= 1
             request.output_ids.append(sampled.token_id)
+            self.speculation.decoded(request)
             reason = request.end_rule.ends_at(sampled.token_id, len(request.output_ids))
             logprobs = [sampled.logprobs] if sampled.logprobs is not None else []
             outcome.deltas.append(TokenDelta(rid=request.rid, token_ids=[sampled.token_id], finish=reason, logprobs=logprobs))

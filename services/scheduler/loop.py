@@ -16,8 +16,8 @@ import zmq
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.scheduler.core import AdmissionError, Outcome, Scheduler
-from services.scheduler.kv_blocks import BlockPool
 from services.scheduler.draft_blocks import DraftBlocks
+from services.scheduler.kv_blocks import BlockPool
 from services.scheduler.speculation import Speculation
 from services.scheduler.state_slots import CheckpointPool, SlotPool
 from services.scheduler.traces import RequestTraces
@@ -534,6 +534,7 @@ class SchedulerLoop:
                 "method": self.config.speculative_method,
                 "num_speculative_tokens": core.speculation.num_tokens,
                 "max_batch": core.speculation.max_batch,
+                **core.speculation.describe(),
                 **(core.draft_blocks.describe() if core.draft_blocks is not None else {}),
             }
             if core.speculation.enabled

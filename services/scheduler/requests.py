@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from services.scheduler.speculation import Acceptance
 from services.scheduler.state_slots import Checkpoint
 from shared.frames import Submit
 from shared.stream_contract import EndRule, stop_token_ids
@@ -33,8 +34,7 @@ class Request:
     stream_opened: bool = False  # a slice carried its StreamOpen (once, at the first admission)
     slot: int = -1  # GDN state slot while running (hybrid models), else -1
     verifying: int = 0  # proposed tokens of the speculative step in flight (speculation.py), 0: none
-    speculation_backoff: int = 0  # plain decode tokens after the last verify that accepted nothing
-    resume_speculation_at: int = 0  # outputs before the request speculates again
+    acceptance: Acceptance = field(default_factory=Acceptance)  # how often its proposals held (speculation.py)
     has_guess: bool = True  # its proposer had a guess after its last token that came back (StepResult.no_guess)
     restore: Checkpoint | None = None  # the GDN checkpoint the next slice restores (hybrid models, after a prefix hit)
     anchor_positions: list[int] = field(default_factory=list)  # where its prefill saves GDN checkpoints besides the interval's

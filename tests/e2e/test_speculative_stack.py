@@ -43,7 +43,9 @@ def ask(oai: openai.OpenAI, min_tokens: int = 0, **kwargs):
 
 
 def test_greedy_replies_are_the_same_with_and_without_verified_proposals(speculative_stack: Stack, oai: openai.OpenAI) -> None:
-    assert speculative_stack.instrumentation("scheduler")["speculative"] == {"method": "ngram", "num_speculative_tokens": K, "max_batch": 4}
+    facts = speculative_stack.instrumentation("scheduler")["speculative"]
+    assert {key: facts[key] for key in ("method", "num_speculative_tokens", "max_batch")} == {"method": "ngram", "num_speculative_tokens": K, "max_batch": 4}
+    assert {"plain_step_ms", "position_ms", "position_cost"} <= facts.keys()
     assert speculative_stack.instrumentation("worker")["runner"]["speculative"]["method"] == "ngram"
     before = metric_value(speculative_stack.metrics("worker"), "tokenyard:spec_decode_num_accepted_tokens_total", 0.0)
     speculated = ask(oai)

@@ -23,11 +23,11 @@ def run_with_aborts(
     while scheduler.requests or in_flight:
         plan = scheduler.plan(step)
         step += 1
-        if step == abort_at:
-            for rid in aborted:
-                runner.release(scheduler.finish(rid, FinishReason.ABORT).released)
         if plan.slices:
             in_flight.append(run_engine.plan_runs.run(plan, lambda *_: None))
+        if step == abort_at:  # after the plan went out, as the worker gets a Release after the plans before it
+            for rid in aborted:
+                runner.release(scheduler.finish(rid, FinishReason.ABORT).released)
         if in_flight and (len(in_flight) >= 2 or not plan.slices):
             outcome = scheduler.on_result(in_flight.popleft())
             for delta in outcome.deltas:

@@ -1,5 +1,5 @@
 """The scheduler's side of speculative decoding: which requests speculate (the batch-size rule, their end rules,
-structured outputs, backing off after rejections), the positions a verify plans, and the blocks of its rejected
+structured outputs, the proposal length that pays), the positions a verify plans, and the blocks of its rejected
 positions given back when its result comes."""
 
 from __future__ import annotations
@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import structlog
 
 from services.scheduler.core import Scheduler
 from services.scheduler.kv_blocks import BlockPool
 from services.scheduler.loop import SchedulerLoop
-from services.scheduler.speculation import MAX_BACKOFF_TOKENS, Speculation
+from services.scheduler.speculation import Speculation, best_draft
 from shared.config import StackConfig
 from shared.frames import FinishReason, Grammar, GrammarKind, Sampled, SamplingParams, StepPlan, StepResult, Submit
 
@@ -104,39 +105,84 @@ def test_a_structured_output_decodes_plainly() -> None:
     assert s.plan(1).slices[0].num_tokens == 1
 
 
-def test_verifies_that_accept_nothing_back_off_for_doubling_runs_of_plain_decodes() -> None:
-    s = make(k=2, num_blocks=128)
+def test_the_proposal_length_is_the_one_with_the_most_tokens_per_unit_of_step_time() -> None:
+    assert best_draft(0.05, 0.0, 7) == 7  # verified positions cost nothing (a GPU's small batch): propose all k
+    assert best_draft(0.15, 0.2, 7) == 0  # a position holds less often than it costs: a plain decode
+    assert best_draft(0.5, 0.3, 7) == 1  # 1.5 tokens in 1.3 steps; 1.75 in 1.6 is worse
+    assert best_draft(0.9, 0.15, 7) == 7  # a copy: 5.7 tokens in 2.05 steps, more per step than any shorter one
+    lengths = [[best_draft(rate / 20, cost / 20, 8) for cost in range(21)] for rate in range(21)]
+    assert all(row == sorted(row, reverse=True) for row in lengths)  # never longer where a position costs more
+    assert all(list(column) == sorted(column) for column in zip(*lengths))  # never shorter where positions hold more often
+
+
+def timed(s: Scheduler, plan: StepPlan, seconds: float, tokens: dict[str, list[int]] | None = None, proposed: dict[str, int] | None = None):
+    tokens = tokens or {x.rid: [7] * plan.decode_steps for x in plan.slices}
+    sampled = [Sampled(rid, t) for rid, run in tokens.items() for t in run]
+    return s.on_result(StepResult(step=plan.step, sampled=sampled, forward_s=seconds, proposed=proposed or {}))
+
+
+def test_a_verified_positions_cost_is_measured_against_a_plain_decode_step() -> None:
+    s = make(k=3)
+    decoding(s, "a", min_tokens=2)
+    assert s.speculation.position_cost.share == 0.0  # nothing timed: every proposal as long as k
+    plan = s.plan(1)
+    assert plan.slices[0].num_tokens == 1  # before min_tokens: a plain decode, 5 ms
+    timed(s, plan, 0.005)
+    plan = s.plan(2)
+    assert plan.slices[0].num_tokens == 4
+    timed(s, plan, 0.008, {"a": [3, 4, 5]}, {"a": 3})  # 3 ms more for 3 proposed positions
+    assert s.speculation.position_cost.share == pytest.approx(0.2)
+    assert s.speculation.describe() == {"plain_step_ms": 5.0, "position_ms": 1.0, "position_cost": 0.2}
+    plan = s.plan(3)
+    timed(s, plan, 0.008, {"a": [3, 9]}, {"a": 1})  # a proposer that had only one guess: 3 ms for 1 position
+    assert s.speculation.position_cost.position_s == pytest.approx(0.001 + 0.25 * 0.002)
+
+
+def test_a_request_whose_proposals_stop_holding_decodes_plainly_and_tries_again_later() -> None:
+    s = make(k=3, num_blocks=128)
     decoding(s, "a", max_tokens=500)
-    step, plain_runs, plain = 1, [], 0
-    while len(plain_runs) < 8:
+    s.speculation.position_cost.plain_s, s.speculation.position_cost.position_s = 0.005, 0.001  # a position: 0.2 of a step
+    step, proposals = 1, []
+    while len(proposals) < 40:
         plan = s.plan(step)
         step += 1
-        if plan.slices[0].num_tokens == 1:
-            plain += 1
+        proposed = plan.slices[0].num_tokens - 1
+        proposals.append(proposed)
+        answer(s, plan, {"a": [9] * max(plan.decode_steps, 1)})  # a verify's proposals all rejected
+    first_plain = proposals.index(0)
+    assert proposals[0] == 2 and 0 < first_plain < 10  # two in three hold at first: 2 of k = 3; then fewer, then none
+    assert 1 in proposals[first_plain:]  # as the evidence fades it tries again, with one token
+    assert proposals[first_plain:].count(0) > 3 * proposals[first_plain:].count(1)  # mostly plain while nothing holds
+    for _ in range(4):  # then its proposals hold
+        while (plan := s.plan(step)).slices[0].num_tokens == 1:
+            step += 1
             answer(s, plan)
-            continue
-        assert plan.slices[0].num_tokens == 3
-        plain_runs.append(plain)
-        plain = 0
-        answer(s, plan, {"a": [9]})  # nothing accepted
-    assert plain_runs == [0, 1, 2, 4, 8, 16, 32, 64] and MAX_BACKOFF_TOKENS == 64
-    while (plan := s.plan(step)).slices[0].num_tokens == 1:
         step += 1
-        answer(s, plan)
-    answer(s, plan, {"a": [3, 9]})  # one accepted: it speculates again at once
-    assert s.plan(step + 1).slices[0].num_tokens == 3
+        draft = plan.slices[0].num_tokens - 1
+        answer(s, plan, {"a": [3] * (draft + 1)})
+    assert draft == 3  # back to k
 
 
-def test_a_verify_whose_proposer_had_no_guess_is_no_rejection() -> None:
+def test_a_seeded_requests_proposal_length_does_not_follow_measured_times() -> None:
+    s = make(k=3)
+    decoding(s, "plain", sampling=SamplingParams(temperature=1.0))
+    decoding(s, "seeded", sampling=SamplingParams(temperature=1.0, seed=7))
+    s.speculation.position_cost.plain_s, s.speculation.position_cost.position_s = 0.005, 0.005  # a position as dear as a step
+    assert s.speculation.drafts(s.running) == {"seeded": 2}  # its draws repeat only if its lengths depend on its tokens alone
+
+
+def test_a_verify_whose_proposer_had_no_guess_says_nothing_of_acceptance() -> None:
     s = make(k=2, num_blocks=128)
     decoding(s, "a", max_tokens=500)
-    for step in range(1, 6):  # the worker proposed nothing: one token each time, and no backing off
+    rate = s.requests["a"].acceptance.rate
+    for step in range(1, 6):  # the worker proposed nothing: one token each time
         plan = s.plan(step)
         assert plan.slices[0].num_tokens == 3
         s.on_result(StepResult(step=plan.step, sampled=[Sampled("a", 9)], proposed={"a": 0}))
+    assert s.requests["a"].acceptance.rate == rate
     plan = s.plan(6)
     s.on_result(StepResult(step=plan.step, sampled=[Sampled("a", 9)], proposed={"a": 2}))  # a guess, rejected
-    assert s.plan(7).slices[0].num_tokens == 1
+    assert s.requests["a"].acceptance.rate < rate
 
 
 def test_a_request_whose_proposer_has_no_guess_decodes_plainly_until_it_has_one() -> None:
@@ -175,7 +221,8 @@ def loop_for(tmp_path: Path, model_type: str, extra: dict | None = None, **flags
 
 def test_the_scheduler_process_reports_the_method_and_k(tmp_path: Path) -> None:
     loop = loop_for(tmp_path, "qwen3", speculative_method="ngram", num_speculative_tokens=5, speculative_max_batch=2)
-    assert loop.instrumentation()["speculative"] == {"method": "ngram", "num_speculative_tokens": 5, "max_batch": 2}
+    facts = loop.instrumentation()["speculative"]
+    assert facts == {"method": "ngram", "num_speculative_tokens": 5, "max_batch": 2, "plain_step_ms": None, "position_ms": None, "position_cost": 0.0}
     assert (loop.core.speculation.num_tokens, loop.core.speculation.max_batch) == (5, 2)
 
 

@@ -109,7 +109,7 @@ class Speculator:
 
     @staticmethod
     def proposed(slices: list[Slice], verifies: list[Verify]) -> dict[str, int]:
-        """Each speculative slice's proposed tokens, 0 where it got none (the scheduler backs off only after a rejected proposal)."""
+        """Each speculative slice's proposed tokens, 0 where it got none (only a proposal that was verified tells the scheduler how often proposals hold)."""
         proposed = {s.rid: 0 for s in slices if _speculative(s)}
         proposed.update((v.slice.rid, len(v.proposal)) for v in verifies)
         return proposed
