@@ -23,8 +23,8 @@ The rule, per request and step: it speculates when
   earlier one's weight and each plain token 0.95, so a request whose guesses stopped holding decodes plainly
   and, as that evidence fades back towards the prior (two in three), tries again. And the cost of
   a verified position (``PositionCost``): what a verifying step takes beyond a plain decode step, per proposed
-  position, as a share of the plain step, from the worker's forward times (on two CPU cores ~0.15-0.2, the
-  step being bound by its products; on a GPU nearly 0). Until both kinds of step have been timed the cost is
+  position, as a share of the plain step, from the worker's forward times (on two CPU cores ~0.12-0.2, the
+  step being bound by its products; a small batch on a GPU should make it nearly 0). Until both kinds of step have been timed the cost is
   taken as 0, and every proposal as long as k. A seeded request's choice takes a fixed cost instead
   (``SEEDED_POSITION_COST``): its rejection sampler's draws depend on its proposal lengths, which must then
   depend on its tokens alone for its output to repeat.
