@@ -63,8 +63,9 @@ constexpr int64_t MAX_PANELS_PER_RANGE = 32;          // panels a thread takes a
 // ~100 MB per step, and the hardware prefetcher alone leaves it waiting on memory: a prefetch makes it
 // 1.15x faster (5.2 -> 4.5 ms on the default model; no change at 32 rows). A step of 5-16 rows multiplies
 // a record for about as long as memory takes to bring it, so the stream must be asked for further
-// ahead: 4096 bytes rather than 2048 make the default model's 8-row step 1.12-1.16x faster (one row and
-// 32 rows within the rounds' spread; the MoE benchmark model's steps too).
+// ahead: 4096 bytes rather than 2048 make the default model's 8-row step 1.12-1.16x faster, and nothing
+// slower (one row and 32 rows, the MoE benchmark model's steps, the AVX2 tiles, the weights streamed
+// non-temporally as on a small L3: within the rounds' spread or faster).
 constexpr int64_t WEIGHT_PREFETCH_BYTES = 4096;
 
 // The prefetch's hint (set_weight_prefetch_keep). Where the last-level cache is smaller than the weights
