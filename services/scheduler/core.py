@@ -184,10 +184,10 @@ class Scheduler:
 
     def _decode_steps(self) -> int:
         """How many decode steps the next plan runs (decode_runs.py): several only while nothing waits or
-        prefills (a run would hold them back), each running request's end rule allows it (``EndRule.run_limit``),
-        and the free blocks cover the run."""
+        prefills (a run would hold them back), no request may speculate (``Speculation.drafts_possible``), each
+        running request's end rule allows it (``EndRule.run_limit``), and the free blocks cover the run."""
         steps = self.decode_runs.steps()
-        if steps == 1 or self.waiting:
+        if steps == 1 or self.waiting or self.speculation.drafts_possible(self.running):
             return 1
         needed_blocks = 0
         for request in self.running:

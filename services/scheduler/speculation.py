@@ -15,8 +15,9 @@ The rule, per request and step: it speculates when
   before its ``min_tokens`` are out, so a stop token inside an accepted run always ends it there;
 - it has no structured output (its grammar's mask would have to follow every proposed token);
 - its proposer has a guess: a result says which of its requests' proposers had none after their last token
-  (``StepResult.no_guess``: prompt lookup found no n-gram), and such a request decodes plainly, pipelined and in
-  runs, until one has;
+  (``StepResult.no_guess``: prompt lookup found no n-gram), and such a request decodes plainly, pipelined, until
+  one has (while requests may speculate, a plain decode is a plan of one step, ``drafts_possible``: a guess is
+  taken up at the next plan rather than after a run of several steps);
 - a proposal pays (``best_draft``): of the proposal lengths up to k it takes the one with the most tokens per
   unit of the worker's time, zero being a plain decode, from two measured quantities. The request's acceptance
   (``Acceptance``): the share of its verified positions that held, where each later verify keeps 0.8 of an
@@ -145,6 +146,11 @@ class Speculation:
             return {}
         drafts = {r.rid: self.draft_len(r, len(running)) for r in running if not r.prefilling}
         return {rid: draft for rid, draft in drafts.items() if draft}
+
+    def drafts_possible(self, running: list[Request]) -> bool:
+        """Whether a request decoding plainly may speculate at its next step: then its plans run one step each, so
+        that a guess its proposer finds (or evidence that fades) is taken up at once, not after a run."""
+        return self.enabled and len(running) <= self.max_batch
 
     def draft_len(self, request: Request, running: int) -> int:
         """How many proposed tokens the request's next decode verifies (0: a plain decode), with ``running`` requests."""

@@ -185,19 +185,24 @@ def test_a_verify_whose_proposer_had_no_guess_says_nothing_of_acceptance() -> No
     assert s.requests["a"].acceptance.rate < rate
 
 
-def test_a_request_whose_proposer_has_no_guess_decodes_plainly_until_it_has_one() -> None:
+def test_a_request_whose_proposer_has_no_guess_decodes_plainly_a_step_a_plan_until_it_has_one() -> None:
     s = make(k=3)
     s.decode_runs.steps = lambda: 4  # runs of 4 decode steps wherever a plan of decodes alone may run them
     submit(s, "a")
     plan = s.plan(0)
     s.on_result(StepResult(step=0, sampled=[Sampled("a", 7)], no_guess=["a"]))  # prompt lookup found no n-gram after it
     plan = s.plan(1)
-    assert plan.slices[0].num_tokens == 1 and plan.decode_steps == 4  # plain decodes, in a run
-    pipelined = s.plan(2)  # planned while the run is in flight: the request's next run
+    assert plan.slices[0].num_tokens == 1 and plan.decode_steps == 1  # a plain decode, alone: a guess must not wait for a run
+    pipelined = s.plan(2)  # planned while it is in flight
     assert pipelined.slices and pipelined.slices[0].num_tokens == 1
-    s.on_result(StepResult(step=1, sampled=[Sampled("a", 7)] * plan.decode_steps))  # a guess after the run's last token
-    s.on_result(StepResult(step=2, sampled=[Sampled("a", 7)] * pipelined.decode_steps))
-    assert s.plan(3).slices[0].num_tokens == 4
+    s.on_result(StepResult(step=1, sampled=[Sampled("a", 7)]))  # a guess after its token
+    assert s.plan(3).slices == []  # the verify waits for the token in flight
+    s.on_result(StepResult(step=2, sampled=[Sampled("a", 7)]))
+    assert s.plan(4).slices[0].num_tokens == 4
+    s = make(k=3, max_batch=1)
+    s.decode_runs.steps = lambda: 4
+    decoding(s, "a", "b")  # more requests than may speculate: plain decodes in runs, as without speculation
+    assert s.plan(1).decode_steps == 4
 
 
 def test_a_verify_of_a_request_preempted_meanwhile_keeps_no_blocks() -> None:
