@@ -24,11 +24,11 @@ The rule, per request and step: it speculates when
   earlier one's weight and each plain token 0.95, so a request whose guesses stopped holding decodes plainly
   and, as that evidence fades back towards the prior (two in three), tries again. And the cost of
   a verified position (``PositionCost``): what a verifying step takes beyond a plain decode step, per proposed
-  position, as a share of the plain step, from the worker's forward times (on two CPU cores ~0.12-0.2, the
-  step being bound by its products; a small batch on a GPU should make it nearly 0). Until both kinds of step have been timed the cost is
-  taken as 0, and every proposal as long as k. A seeded request's choice takes a fixed cost instead
-  (``SEEDED_POSITION_COST``): its rejection sampler's draws depend on its proposal lengths, which must then
-  depend on its tokens alone for its output to repeat.
+  position, as a share of the plain step, from the worker's forward times (on two CPU cores ~0.1-0.2, the step
+  being bound by its products; a small batch on a GPU should make it nearly 0). Until both kinds of step have
+  been timed the cost is taken as 0, and every proposal as long as k. A seeded request's choice takes a fixed
+  cost instead (``SEEDED_POSITION_COST``): its rejection sampler's draws depend on its proposal lengths, which
+  must then depend on its tokens alone for its output to repeat.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ PRIOR_ACCEPTED, PRIOR_VERIFIED = 0.5, 0.75  # the evidence a request starts from
 VERIFY_WEIGHT = 0.8  # the weight an earlier verify's evidence keeps at each later verify
 DECODE_WEIGHT = 0.95  # ... and at each plain token decoded after it
 COST_SMOOTHING = 0.25  # weight of the newest step in the measured step times
+MAX_PENDING_PLANS = 64  # plans remembered awaiting their result (results of lost steps never come)
 # A seeded request's draws must repeat from run to run, so its proposal lengths may not follow measured times:
 # its choice assumes a CPU's cost of a verified position instead.
 SEEDED_POSITION_COST = 0.2
@@ -104,7 +105,7 @@ class PositionCost:
 
     def planned(self, step: int, decode_steps: int, decodes: int) -> None:
         """A plan of ``decodes`` decodes alone (some may verify), running ``decode_steps`` steps."""
-        if len(self._pending) >= 64:  # results of lost steps never come
+        if len(self._pending) >= MAX_PENDING_PLANS:
             self._pending.pop(next(iter(self._pending)))
         self._pending[step] = (decode_steps, decodes)
 
@@ -150,7 +151,7 @@ class Speculation:
     def drafts_possible(self, running: list[Request]) -> bool:
         """Whether a request decoding plainly may speculate at its next step: then its plans run one step each, so
         that a guess its proposer finds (or evidence that fades) is taken up at once, not after a run."""
-        return self.enabled and len(running) <= self.max_batch
+        return self.enabled and len(running) <= self.max_batch and any(r.submit.sampling.grammar is None for r in running)
 
     def draft_len(self, request: Request, running: int) -> int:
         """How many proposed tokens the request's next decode verifies (0: a plain decode), with ``running`` requests."""

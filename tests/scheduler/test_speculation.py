@@ -203,6 +203,10 @@ def test_a_request_whose_proposer_has_no_guess_decodes_plainly_a_step_a_plan_unt
     s.decode_runs.steps = lambda: 4
     decoding(s, "a", "b")  # more requests than may speculate: plain decodes in runs, as without speculation
     assert s.plan(1).decode_steps == 4
+    s = make(k=3)
+    s.decode_runs.steps = lambda: 4
+    decoding(s, "json", sampling=SamplingParams(grammar=Grammar(GrammarKind.REGEX, "[a-z]+")))  # never speculates
+    assert s.plan(1).decode_steps == 4
 
 
 def test_a_verify_of_a_request_preempted_meanwhile_keeps_no_blocks() -> None:
