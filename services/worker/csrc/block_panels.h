@@ -74,9 +74,17 @@ constexpr int64_t WEIGHT_PREFETCH_BYTES = 4096;
 // (a 300 MB L3), T0 keeps them there from step to step: a one-row step 2.7 instead of 5.7 ms.
 inline std::atomic<bool> weight_prefetch_keep_on{false};
 
+// Whether a tile asks for the weight stream ahead, and how: not at all (a later tile of rows over a panel finds
+// it in L1), with the hint above (a dense product's weights), or into L2 whatever the hint (a MoE layer's
+// experts, each read once a step by a few rows: grouped_moe.cpp; the non-temporal hint there made
+// bench.moe_cpu's layers read from memory 1.1-1.2x slower).
+enum class Prefetch { NONE, WEIGHTS, TO_L2 };
+
 #ifdef TOKENYARD_BLOCK_QUANT_GEMM_AVX2
-inline void prefetch_weights(const uint8_t* at, bool keep) {
-  if (keep)
+inline void prefetch_weights(const uint8_t* at, Prefetch how, bool keep) {
+  if (how == Prefetch::TO_L2)
+    _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T1);
+  else if (keep)
     _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T0);
   else
     _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_NTA);
@@ -320,9 +328,9 @@ inline void q8_0_block_dots_vnni(const uint8_t* rec, const int16_t* const* x, __
 #endif
 
 // R rows x one panel into sums[r * PANEL + c] (row m0 + r, channel c); VNNI: the block products by
-// AVX-512 VNNI instructions.
+// AVX-512 VNNI instructions; `prefetch`: whether and how it asks for the weight stream ahead.
 template <int R, typename F, typename T, bool VNNI>
-void panel_tile(const uint8_t* panel, const QuantizedRows<T>& a, int64_t m0, float* sums) {
+void panel_tile(const uint8_t* panel, const QuantizedRows<T>& a, int64_t m0, Prefetch prefetch, float* sums) {
   const bool keep = weight_prefetch_keep_on.load(std::memory_order_relaxed);
   const T* xq[R];
   const float *dx[R], *sx[R];
@@ -335,8 +343,8 @@ void panel_tile(const uint8_t* panel, const QuantizedRows<T>& a, int64_t m0, flo
   }
   for (int64_t b = 0; b < a.blocks; ++b) {
     const uint8_t* rec = panel + b * F::RECORD;
-    if (m0 == 0)  // later tiles of rows find the panel in L1
-      for (int64_t byte = 0; byte < F::RECORD; byte += 64) prefetch_weights(rec + WEIGHT_PREFETCH_BYTES + byte, keep);
+    if (prefetch != Prefetch::NONE)
+      for (int64_t byte = 0; byte < F::RECORD; byte += 64) prefetch_weights(rec + WEIGHT_PREFETCH_BYTES + byte, prefetch, keep);
     const T* x[R];
     for (int r = 0; r < R; ++r) x[r] = xq[r] + b * BLOCK;
     __m256i dot[R];
@@ -455,7 +463,7 @@ inline void q8_0_pair_dots(const uint8_t* rec0, const uint8_t* rec1, const int16
 // R rows x panels p and p + 1 (panel_bytes apart) into sums[q * MAX_ROW_TILE * PANEL + r * PANEL + c]
 // (panel p + q, row m0 + r, channel c).
 template <int R, typename F, typename T>
-void panel_pair_tile(const uint8_t* panel, int64_t panel_bytes, const QuantizedRows<T>& a, int64_t m0, float* sums) {
+void panel_pair_tile(const uint8_t* panel, int64_t panel_bytes, const QuantizedRows<T>& a, int64_t m0, Prefetch prefetch, float* sums) {
   const bool keep = weight_prefetch_keep_on.load(std::memory_order_relaxed);
   const T* xq[R];
   const float *dx[R], *sx[R];
@@ -468,10 +476,10 @@ void panel_pair_tile(const uint8_t* panel, int64_t panel_bytes, const QuantizedR
   }
   for (int64_t b = 0; b < a.blocks; ++b) {
     const uint8_t *rec0 = panel + b * F::RECORD, *rec1 = rec0 + panel_bytes;
-    if (m0 == 0)
+    if (prefetch != Prefetch::NONE)
       for (int64_t byte = 0; byte < F::RECORD; byte += 64) {
-        prefetch_weights(rec0 + WEIGHT_PREFETCH_BYTES + byte, keep);
-        prefetch_weights(rec1 + WEIGHT_PREFETCH_BYTES + byte, keep);
+        prefetch_weights(rec0 + WEIGHT_PREFETCH_BYTES + byte, prefetch, keep);
+        prefetch_weights(rec1 + WEIGHT_PREFETCH_BYTES + byte, prefetch, keep);
       }
     const T* x[R];
     for (int r = 0; r < R; ++r) x[r] = xq[r] + b * BLOCK;
@@ -495,38 +503,39 @@ void panel_pair_tile(const uint8_t* panel, int64_t panel_bytes, const QuantizedR
 #endif
 
 // rows <= row_tile() rows of `span` panels (1, or 2 where pair_tiles(rows)) starting at `panel`, panel_bytes
-// apart, into sums[q * MAX_ROW_TILE * PANEL + r * PANEL + c] (panel q of the span, row m0 + r, channel c).
+// apart, into sums[q * MAX_ROW_TILE * PANEL + r * PANEL + c] (panel q of the span, row m0 + r, channel c);
+// `prefetch` as panel_tile's.
 template <typename F, typename T>
 void run_tile(const uint8_t* panel, [[maybe_unused]] int64_t panel_bytes, [[maybe_unused]] int64_t span, const QuantizedRows<T>& a, int64_t m0,
-              int64_t rows, float* sums) {
+              int64_t rows, [[maybe_unused]] Prefetch prefetch, float* sums) {
 #ifdef TOKENYARD_BLOCK_QUANT_GEMM_AVX2
 #ifdef TOKENYARD_BLOCK_QUANT_GEMM_VNNI
   if (span == 2) switch (rows) {
-      case 1: return panel_pair_tile<1, F, T>(panel, panel_bytes, a, m0, sums);
-      case 2: return panel_pair_tile<2, F, T>(panel, panel_bytes, a, m0, sums);
-      case 3: return panel_pair_tile<3, F, T>(panel, panel_bytes, a, m0, sums);
-      case 4: return panel_pair_tile<4, F, T>(panel, panel_bytes, a, m0, sums);
-      case 5: return panel_pair_tile<5, F, T>(panel, panel_bytes, a, m0, sums);
-      case 6: return panel_pair_tile<6, F, T>(panel, panel_bytes, a, m0, sums);
-      case 7: return panel_pair_tile<7, F, T>(panel, panel_bytes, a, m0, sums);
-      default: return panel_pair_tile<8, F, T>(panel, panel_bytes, a, m0, sums);
+      case 1: return panel_pair_tile<1, F, T>(panel, panel_bytes, a, m0, prefetch, sums);
+      case 2: return panel_pair_tile<2, F, T>(panel, panel_bytes, a, m0, prefetch, sums);
+      case 3: return panel_pair_tile<3, F, T>(panel, panel_bytes, a, m0, prefetch, sums);
+      case 4: return panel_pair_tile<4, F, T>(panel, panel_bytes, a, m0, prefetch, sums);
+      case 5: return panel_pair_tile<5, F, T>(panel, panel_bytes, a, m0, prefetch, sums);
+      case 6: return panel_pair_tile<6, F, T>(panel, panel_bytes, a, m0, prefetch, sums);
+      case 7: return panel_pair_tile<7, F, T>(panel, panel_bytes, a, m0, prefetch, sums);
+      default: return panel_pair_tile<8, F, T>(panel, panel_bytes, a, m0, prefetch, sums);
     }
   if (vnni_enabled()) switch (rows) {
-      case 1: return panel_tile<1, F, T, true>(panel, a, m0, sums);
-      case 2: return panel_tile<2, F, T, true>(panel, a, m0, sums);
-      case 3: return panel_tile<3, F, T, true>(panel, a, m0, sums);
-      case 4: return panel_tile<4, F, T, true>(panel, a, m0, sums);
-      case 5: return panel_tile<5, F, T, true>(panel, a, m0, sums);
-      case 6: return panel_tile<6, F, T, true>(panel, a, m0, sums);
-      case 7: return panel_tile<7, F, T, true>(panel, a, m0, sums);
-      default: return panel_tile<8, F, T, true>(panel, a, m0, sums);
+      case 1: return panel_tile<1, F, T, true>(panel, a, m0, prefetch, sums);
+      case 2: return panel_tile<2, F, T, true>(panel, a, m0, prefetch, sums);
+      case 3: return panel_tile<3, F, T, true>(panel, a, m0, prefetch, sums);
+      case 4: return panel_tile<4, F, T, true>(panel, a, m0, prefetch, sums);
+      case 5: return panel_tile<5, F, T, true>(panel, a, m0, prefetch, sums);
+      case 6: return panel_tile<6, F, T, true>(panel, a, m0, prefetch, sums);
+      case 7: return panel_tile<7, F, T, true>(panel, a, m0, prefetch, sums);
+      default: return panel_tile<8, F, T, true>(panel, a, m0, prefetch, sums);
     }
 #endif
   switch (rows) {
-    case 1: return panel_tile<1, F, T, false>(panel, a, m0, sums);
-    case 2: return panel_tile<2, F, T, false>(panel, a, m0, sums);
-    case 3: return panel_tile<3, F, T, false>(panel, a, m0, sums);
-    default: return panel_tile<4, F, T, false>(panel, a, m0, sums);
+    case 1: return panel_tile<1, F, T, false>(panel, a, m0, prefetch, sums);
+    case 2: return panel_tile<2, F, T, false>(panel, a, m0, prefetch, sums);
+    case 3: return panel_tile<3, F, T, false>(panel, a, m0, prefetch, sums);
+    default: return panel_tile<4, F, T, false>(panel, a, m0, prefetch, sums);
   }
 #else
   panel_rows_generic<F>(panel, a, m0, rows, sums);

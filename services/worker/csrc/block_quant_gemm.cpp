@@ -40,7 +40,7 @@ struct FewRowsJob : takeover_pool::Job {
       span = tile_span(p, end, rows);
       for (int64_t m0 = 0; m0 < rows; m0 += row_tile()) {
         const int64_t tile_rows = std::min(row_tile(), rows - m0);
-        run_tile<F>(w + p * blocks * F::RECORD, blocks * F::RECORD, span, a, m0, tile_rows, sums);
+        run_tile<F>(w + p * blocks * F::RECORD, blocks * F::RECORD, span, a, m0, tile_rows, m0 == 0 ? Prefetch::WEIGHTS : Prefetch::NONE, sums);
         for (int64_t q = 0; q < span; ++q) {
           const int64_t n0 = (p + q) * PANEL, cols = std::min(PANEL, out_features - n0);
           float* to = scratch + (p + q - begin) * rows * PANEL;
@@ -95,7 +95,7 @@ void run(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out_
         span = tile_span(p, end, rows);
         for (int64_t m0 = chunk; m0 < std::min(rows, chunk + ROW_CHUNK); m0 += row_tile()) {
           const int64_t tile_rows = std::min(row_tile(), rows - m0);
-          run_tile<F>(w + p * blocks * F::RECORD, blocks * F::RECORD, span, a, m0, tile_rows, sums);
+          run_tile<F>(w + p * blocks * F::RECORD, blocks * F::RECORD, span, a, m0, tile_rows, m0 == 0 ? Prefetch::WEIGHTS : Prefetch::NONE, sums);
           for (int64_t q = 0; q < span; ++q) {
             const int64_t n0 = (p + q) * PANEL, cols = std::min(PANEL, out_features - n0);
             const float* tile = sums + q * MAX_ROW_TILE * PANEL;

@@ -21,9 +21,12 @@
 // Items run on the takeover pool for decode steps of up to its MAX_ROWS tokens (few rows: no per-expert
 // dispatch at all), else on OpenMP's threads, sharing items as shared_items.h does. A step's experts come
 // from memory (a model's are larger than a last-level cache), and with a few rows per expert the reads
-// would add to the arithmetic: while a gate/up item computes, the weights of the item after it (a thread's
-// next, as shares are walked in order) are asked into L2; while a down item computes an expert, the next
-// expert's panels of the item (an 8-row decode step of the MoE benchmark model 1.07x faster; 32 rows: no change).
+// would add to the arithmetic: each expert's first tile of rows asks for its weight stream ahead into L2
+// (block_panels.h Prefetch::TO_L2; gate/up items walk an expert's panels, and a thread's next item, front
+// to back), and while a down item computes an expert, the next expert's panels of the item are asked into
+// L2 too. (Asking for a thread's whole next gate/up item at once instead, with no prefetch in the tiles
+// past the call's first expert, was measured 1.11-1.27x slower at 8 and 32 tokens in bench.moe_cpu's layers
+// read from memory, and within the spread in the MoE benchmark model's own layers and steps.)
 // Whether tiles take two panels at a time (block_panels.h ``tile_span``) follows the call's tokens, not an
 // expert's rows: from enough tokens on, the few rows an expert gets are bound by the 256-bit tiles'
 // instruction count more than by the weight stream (that model's 16- and 32-row steps 1.10-1.14x faster;
@@ -108,17 +111,17 @@ inline void add_weighted8(float* acc, float w, const float* v) {
 
 // `rows` rows (from m0) of `a` times `span` panels from `panel`, by the record format's tiles.
 template <typename T>
-void tile_of(int64_t record, const uint8_t* panel, int64_t panel_bytes, int64_t span, const QuantizedRows<T>& a, int64_t m0, int64_t rows, float* sums) {
-  if (record == Q4_0Panels::RECORD) return run_tile<Q4_0Panels, T>(panel, panel_bytes, span, a, m0, rows, sums);
-  if (record == Q4_1Panels::RECORD) return run_tile<Q4_1Panels, T>(panel, panel_bytes, span, a, m0, rows, sums);
-  if constexpr (std::is_same_v<T, int16_t>) run_tile<Q8_0Panels, T>(panel, panel_bytes, span, a, m0, rows, sums);
+void tile_of(int64_t record, const uint8_t* panel, int64_t panel_bytes, int64_t span, const QuantizedRows<T>& a, int64_t m0, int64_t rows,
+             Prefetch prefetch, float* sums) {
+  if (record == Q4_0Panels::RECORD) return run_tile<Q4_0Panels, T>(panel, panel_bytes, span, a, m0, rows, prefetch, sums);
+  if (record == Q4_1Panels::RECORD) return run_tile<Q4_1Panels, T>(panel, panel_bytes, span, a, m0, rows, prefetch, sums);
+  if constexpr (std::is_same_v<T, int16_t>) run_tile<Q8_0Panels, T>(panel, panel_bytes, span, a, m0, rows, prefetch, sums);
 }
 
-// Asks for part `part` of `parts` of `bytes` from `from` into L2: the weights a thread's next work is likely to
-// read, asked for a part at a time over its current work, so that memory streams them while it computes.
-inline void prefetch_part(const uint8_t* from, int64_t bytes, int64_t part, int64_t parts) {
-  const int64_t lines = (bytes + 63) / 64, first = lines * part / parts, last = lines * (part + 1) / parts;
-  for (int64_t line = first; line < last; ++line) __builtin_prefetch(from + 64 * line, 0, 2);  // prefetcht1 on x86
+// Asks for `bytes` from `from` into L2: the weights a thread's next work reads, so that memory streams them
+// while it computes.
+inline void prefetch_to_l2(const uint8_t* from, int64_t bytes) {
+  for (int64_t line = 0; line < (bytes + 63) / 64; ++line) __builtin_prefetch(from + 64 * line, 0, 2);  // prefetcht1 on x86
 }
 
 // Items that run as takeover_pool jobs or on OpenMP's threads: compute into scratch, commit into the output.
@@ -144,28 +147,18 @@ struct GateUp : Phase<T1, T2> {
     const QuantizedRows<T1>& a = c.x_rows[e.set];
     const int64_t panel_bytes = a.blocks * e.gate_up_record;
     float sums[2 * MAX_ROW_TILE * PANEL];
-    // The next item's panels (a thread walks its share in order), asked for a part per channel group.
-    const uint8_t* next_panels = nullptr;
-    int64_t next_bytes = 0;
-    if (i + 1 < static_cast<int64_t>(items.size())) {
-      const Item& n = items[i + 1];
-      const Expert& ne = c.experts[n.expert];
-      const int64_t bytes = c.x_rows[ne.set].blocks * ne.gate_up_record;  // a panel's
-      next_panels = ne.gate_up + 2 * n.first * bytes;
-      next_bytes = 2 * (n.last - n.first) * bytes;
-    }
     for (int64_t chunk = 0; chunk < e.count; chunk += ROW_CHUNK)
       for (int64_t q = item.first; q < item.last; ++q) {
-        if (next_panels && chunk == 0) prefetch_part(next_panels, next_bytes, q - item.first, item.last - item.first);
         const uint8_t* gate = e.gate_up + 2 * q * panel_bytes;
         const bool pair = tile_span(2 * q, 2 * q + 2, c.tokens) == 2;
         for (int64_t m0 = chunk; m0 < std::min(e.count, chunk + ROW_CHUNK); m0 += row_tile()) {
           const int64_t rows = std::min(row_tile(), e.count - m0);
+          const Prefetch prefetch = m0 == 0 ? Prefetch::TO_L2 : Prefetch::NONE;  // an expert's first tile of rows
           if (pair) {
-            tile_of<T1>(e.gate_up_record, gate, panel_bytes, 2, a, e.first + m0, rows, sums);
+            tile_of<T1>(e.gate_up_record, gate, panel_bytes, 2, a, e.first + m0, rows, prefetch, sums);
           } else {
-            tile_of<T1>(e.gate_up_record, gate, panel_bytes, 1, a, e.first + m0, rows, sums);
-            tile_of<T1>(e.gate_up_record, gate + panel_bytes, panel_bytes, 1, a, e.first + m0, rows, sums + MAX_ROW_TILE * PANEL);
+            tile_of<T1>(e.gate_up_record, gate, panel_bytes, 1, a, e.first + m0, rows, prefetch, sums);
+            tile_of<T1>(e.gate_up_record, gate + panel_bytes, panel_bytes, 1, a, e.first + m0, rows, prefetch, sums + MAX_ROW_TILE * PANEL);
           }
           for (int64_t r = 0; r < rows; ++r)
             silu_mul8(sums + r * PANEL, sums + MAX_ROW_TILE * PANEL + r * PANEL, scratch + ((q - item.first) * e.count + m0 + r) * PANEL);
@@ -200,14 +193,14 @@ struct Down : Phase<T1, T2> {
       if (x + 1 < c.experts.size()) {  // the next expert's panels of this item arrive while this one computes
         const Expert& n = c.experts[x + 1];
         const int64_t bytes = c.act_rows[n.set].blocks * n.down_record;
-        prefetch_part(n.down + begin * bytes, (end - begin) * bytes, 0, 1);
+        prefetch_to_l2(n.down + begin * bytes, (end - begin) * bytes);
       }
       for (int64_t chunk = 0; chunk < e.count; chunk += ROW_CHUNK)
         for (int64_t p = begin, span; p < end; p += span) {
           span = tile_span(p, end, c.tokens);
           for (int64_t m0 = chunk; m0 < std::min(e.count, chunk + ROW_CHUNK); m0 += row_tile()) {
             const int64_t rows = std::min(row_tile(), e.count - m0);
-            tile_of<T2>(e.down_record, e.down + p * panel_bytes, panel_bytes, span, a, e.first + m0, rows, sums);
+            tile_of<T2>(e.down_record, e.down + p * panel_bytes, panel_bytes, span, a, e.first + m0, rows, m0 == 0 ? Prefetch::TO_L2 : Prefetch::NONE, sums);
             for (int64_t q = 0; q < span; ++q)
               for (int64_t r = 0; r < rows; ++r)
                 add_weighted8(scratch + ((p + q - begin) * c.tokens + c.token_of(e, m0 + r)) * PANEL, c.weight_of(e, m0 + r),
