@@ -10,6 +10,7 @@ One layer called again and again finds its experts in the caches (a layer's q4_0
 model step does not: ``--cold-layers N`` adds, per block format, N distinct layers called in turn (a model's
 worth at 30: 360 MB of q4_0 experts, more than a last-level cache holds), timed per layer (``q4_0 x30``), with
 the expert bytes its routed experts read per second, so the table shows what reading them from memory adds.
+Tiles take two panels at a time from the rows a worker on this CPU would (``kernel_settings.pair_tiles_from``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 
 from services.worker.block_quant import BLOCK_BYTES, BlockQuantized
 from services.worker.cpu_kernels import cpu_kernels
+from services.worker.kernel_settings import pair_tiles_from
 from services.worker.moe import SparseMoE, experts_torch, route
 
 
@@ -57,6 +59,8 @@ def main() -> None:
     if kernels is None:
         raise SystemExit(f"the CPU kernels are unavailable: {cpu_kernels()[1]}")
     kernels.set_takeover_pool(args.takeover_pool)
+    pair_rows, pairs = pair_tiles_from(kernels.block_quant_wide_product_rate())  # the tiles a worker on this CPU takes
+    kernels.set_block_quant_pair_min_rows(pair_rows)
     torch.manual_seed(0)
     h, i, e, k = args.hidden, args.inter, args.experts, args.top_k
     w_gate_up, w_down = torch.randn(e, 2 * i, h) / h**0.5, torch.randn(e, h, i) / i**0.5
@@ -73,6 +77,7 @@ def main() -> None:
         return experts_torch(x, w_gate_up, w_down, weights, ids)
 
     print(f"moe_cpu: hidden {h}, {e} experts of {i}, top-{k}, {args.threads} threads, block ISA {kernels.block_quant_gemm_isa()}, {args.rounds} rounds")
+    print(f"pair tiles {pairs}")
     print(f"{'tokens':>6} {'variant':>9} {'median ms':>10} {'min..max ms':>15} {'vs fp32 torch':>14} {'rel. error':>11}")
     with torch.inference_mode():
         for tokens in map(int, args.tokens.split(",")):
