@@ -25,8 +25,9 @@
 // (block_panels.h Prefetch::TO_L2; gate/up items walk an expert's panels, and a thread's next item, front
 // to back), and while a down item computes an expert, the next expert's panels of the item are asked into
 // L2 too. (Asking for a thread's whole next gate/up item at once instead, with no prefetch in the tiles
-// past the call's first expert, was measured 1.11-1.27x slower at 8 and 32 tokens in bench.moe_cpu's layers
-// read from memory, and within the spread in the MoE benchmark model's own layers and steps.)
+// past the call's first expert, was 1.10-1.25x slower at 8 and 32 tokens in bench.moe_cpu's layers read
+// from memory; in the MoE benchmark model's own layers, 1.2x slower at 8 tokens under the non-temporal
+// weight hint and within the spread under T0.)
 // Whether tiles take two panels at a time (block_panels.h ``tile_span``) follows the call's tokens, not an
 // expert's rows: from enough tokens on, the few rows an expert gets are bound by the 256-bit tiles'
 // instruction count more than by the weight stream (that model's 16- and 32-row steps 1.10-1.14x faster;
