@@ -235,19 +235,30 @@ void run_items(const std::shared_ptr<takeover_pool::Job>& job, int64_t items, bo
   });
 }
 
-// Rows rounded per block of 32 (gathered: row i is source row `from[i]`); on the caller's thread in a
-// step whose calls run on the pool.
+// Rows rounded per block of 32; on the caller's thread in a step whose calls run on the pool.
 template <typename T>
-QuantizedRows<T> round_rows(const float* x, int64_t rows, int64_t k, bool on_caller, const int64_t* from = nullptr) {
+QuantizedRows<T> round_rows(const float* x, int64_t rows, int64_t k, bool on_caller) {
   const int64_t blocks = k / BLOCK;
   QuantizedRows<T> a{std::vector<T>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks), k, blocks};
   at::parallel_for(0, rows, on_caller ? std::max<int64_t>(rows, 1) : 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = x + (from ? from[r] : r) * k;
+    for (int64_t r = begin; r < end; ++r)
       for (int64_t b = 0; b < blocks; ++b)
-        activation_quant::quantize_block<T>(row + b * BLOCK, a.q.data() + r * k + b * BLOCK, a.d.data() + r * blocks + b, a.s.data() + r * blocks + b);
-    }
+        activation_quant::quantize_block<T>(x + r * k + b * BLOCK, a.q.data() + r * k + b * BLOCK, a.d.data() + r * blocks + b, a.s.data() + r * blocks + b);
   });
+  return a;
+}
+
+// Row i of `rows` is row from[i] of `source`: a token's rounded row copied to each of its top-k experts' rows
+// (copying it is a fraction of rounding it top_k times).
+template <typename T>
+QuantizedRows<T> gathered_rows(const QuantizedRows<T>& source, const int64_t* from, int64_t rows) {
+  const int64_t k = source.k, blocks = source.blocks;
+  QuantizedRows<T> a{std::vector<T>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks), k, blocks};
+  for (int64_t r = 0; r < rows; ++r) {
+    std::copy_n(source.q.data() + from[r] * k, k, a.q.data() + r * k);
+    std::copy_n(source.d.data() + from[r] * blocks, blocks, a.d.data() + r * blocks);
+    std::copy_n(source.s.data() + from[r] * blocks, blocks, a.s.data() + r * blocks);
+  }
   return a;
 }
 
@@ -372,13 +383,14 @@ void run_layer(const float* x, const float* logits, int64_t tokens, int64_t hidd
       call->experts.push_back({routed.gate_up + row * routed.gate_up_stride, routed.down + row * routed.down_stride, routed.gate_up_record, routed.down_record,
                                routed.inter, 0, counts[e], n});
     }
-  call->x_rows[0] = round_rows<T1>(x, pairs, hidden, on_caller, call->pair_token.data());
+  QuantizedRows<T1> token_rows = round_rows<T1>(x, tokens, hidden, on_caller);
+  call->x_rows[0] = gathered_rows(token_rows, call->pair_token.data(), pairs);
   call->act[0].resize(pairs * routed.inter);
   if (shared) {
     call->shared_weight.resize(tokens);
     for (int64_t t = 0; t < tokens; ++t) call->shared_weight[t] = 1.f / (1.f + std::exp(-logits[t * stride + experts]));
     call->experts.push_back({shared->gate_up, shared->down, shared->gate_up_record, shared->down_record, shared->inter, 1, 0, tokens});
-    call->x_rows[1] = round_rows<T1>(x, tokens, hidden, on_caller);
+    call->x_rows[1] = std::move(token_rows);  // the shared expert takes every token's row once
     call->act[1].resize(tokens * shared->inter);
   }
 
