@@ -169,6 +169,19 @@ def test_two_panels_per_tile_change_no_bit_of_the_experts_products(tokens: int, 
     assert torch.equal(*results)
 
 
+@pytest.mark.parametrize("hidden, experts", [(96, 12), (576, 64), (100, 7), (17, 1)])
+def test_router_logits_are_the_float64_products_with_the_same_bits_at_every_row_count(hidden: int, experts: int) -> None:
+    """Rows and experts in the kernel's tiles of 4 and their remainders, a hidden size off its 16-float steps:
+    each logit close to the float64 product and, whatever rows share its call, bit for bit the same."""
+    generator = torch.Generator().manual_seed(hidden + experts)
+    x, weight = torch.randn(37, hidden, generator=generator), torch.randn(experts, hidden, generator=generator)
+    logits = cpu_kernels()[0].router_logits(x, weight)
+    torch.testing.assert_close(logits.double(), x.double() @ weight.double().T, rtol=1e-5, atol=1e-4)
+    for rows in (1, 2, 3, 4, 5, 9, 32):
+        assert torch.equal(cpu_kernels()[0].router_logits(x[:rows], weight), logits[:rows])
+        assert torch.equal(cpu_kernels()[0].router_logits(x[rows : rows + 1], weight), logits[rows : rows + 1])
+
+
 def test_bad_shapes_are_refused_with_what_was_expected() -> None:
     gate_up, down = _experts("q4_0", "q4_0", seed=1)
     panels, x, kernel = ExpertPanels.of(gate_up, down), torch.randn(2, HIDDEN), cpu_kernels()[0].grouped_moe

@@ -10,6 +10,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
+#include <new>
+#include <utility>
 #include <vector>
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -19,14 +22,40 @@ namespace activation_quant {
 
 constexpr int64_t BLOCK = 32;  // features per scale
 
+// An allocator whose vectors leave new elements uninitialized (a vector whose every element is written before
+// it is read: a value-initialized one would zero it first, a memset as long as the writes themselves).
+template <typename T>
+struct Uninitialized : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = Uninitialized<U>;
+  };
+  Uninitialized() = default;
+  template <typename U>
+  Uninitialized(const Uninitialized<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+template <typename T>
+using Scratch = std::vector<T, Uninitialized<T>>;
+
 // A product's activations: x ~= q * d per (row, block), q in -MAX..MAX of T; s = the block's sum of x itself.
 template <typename T>
 struct QuantizedRows {
   static constexpr float MAX_CODE = sizeof(T) == 1 ? 127.f : 32767.f;
-  std::vector<T> q;      // [rows, k]
-  std::vector<float> d;  // [rows, blocks]
-  std::vector<float> s;  // [rows, blocks]
+  Scratch<T> q;      // [rows, k]
+  Scratch<float> d;  // [rows, blocks]
+  Scratch<float> s;  // [rows, blocks]
   int64_t k, blocks;
+
+  QuantizedRows() = default;
+  QuantizedRows(int64_t rows, int64_t k_) : q(rows * k_), d(rows * (k_ / BLOCK)), s(rows * (k_ / BLOCK)), k(k_), blocks(k_ / BLOCK) {}
 };
 
 template <typename T>
@@ -73,7 +102,7 @@ void quantize_block(const float* x, T* q, float* d, float* s) {
 template <typename T>
 QuantizedRows<T> quantize_rows(const float* x, int64_t rows, int64_t k) {
   const int64_t blocks = k / BLOCK;
-  QuantizedRows<T> a{std::vector<T>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks), k, blocks};
+  QuantizedRows<T> a(rows, k);
   // One thread in a step whose big calls run on the takeover pool: splitting would wake OpenMP's threads.
   at::parallel_for(0, rows * blocks, takeover_pool::keeps_to_caller(rows) ? std::max<int64_t>(rows * blocks, 1) : 512, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) quantize_block<T>(x + b * BLOCK, a.q.data() + b * BLOCK, a.d.data() + b, a.s.data() + b);

@@ -76,7 +76,7 @@ struct Call {
   std::vector<float> pair_weight;     // routed row -> its routing weight
   std::vector<float> shared_weight;   // token -> sigmoid(shared gate logit)
   QuantizedRows<T1> x_rows[2];        // x rounded: [0] in routed row order, [1] per token
-  std::vector<float> act[2];          // silu(gate) * up: [routed rows, I], [tokens, shared I]
+  activation_quant::Scratch<float> act[2];  // silu(gate) * up: [routed rows, I], [tokens, shared I]; every element committed
   QuantizedRows<T2> act_rows[2];      // act rounded
   float* out;                         // [T, hidden]
 
@@ -239,7 +239,7 @@ void run_items(const std::shared_ptr<takeover_pool::Job>& job, int64_t items, bo
 template <typename T>
 QuantizedRows<T> round_rows(const float* x, int64_t rows, int64_t k, bool on_caller) {
   const int64_t blocks = k / BLOCK;
-  QuantizedRows<T> a{std::vector<T>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks), k, blocks};
+  QuantizedRows<T> a(rows, k);
   at::parallel_for(0, rows, on_caller ? std::max<int64_t>(rows, 1) : 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t b = 0; b < blocks; ++b)
@@ -253,7 +253,7 @@ QuantizedRows<T> round_rows(const float* x, int64_t rows, int64_t k, bool on_cal
 template <typename T>
 QuantizedRows<T> gathered_rows(const QuantizedRows<T>& source, const int64_t* from, int64_t rows) {
   const int64_t k = source.k, blocks = source.blocks;
-  QuantizedRows<T> a{std::vector<T>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks), k, blocks};
+  QuantizedRows<T> a(rows, k);
   for (int64_t r = 0; r < rows; ++r) {
     std::copy_n(source.q.data() + from[r] * k, k, a.q.data() + r * k);
     std::copy_n(source.d.data() + from[r] * blocks, blocks, a.d.data() + r * blocks);
@@ -263,7 +263,7 @@ QuantizedRows<T> gathered_rows(const QuantizedRows<T>& source, const int64_t* fr
 }
 
 // a . b over n floats, in one fixed order (the same bits on every thread and at every row count).
-float dot(const float* a, const float* b, int64_t n) {
+[[maybe_unused]] float dot(const float* a, const float* b, int64_t n) {
   int64_t i = 0;
   float sum = 0.f;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -277,6 +277,42 @@ float dot(const float* a, const float* b, int64_t n) {
   for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
 }
+
+#ifdef __AVX512F__
+// dot() of TB rows of x with EB rows of w at a time, each product in dot()'s order: one 16-lane sum whose
+// halves are dot()'s two 8-lane sums, added as it adds them (the same bits). The rows' loads are shared,
+// so a decode step's router runs on its FMAs rather than on its loads.
+template <int TB, int EB>
+void dot_tile(const float* x, const float* w, int64_t n, float* out, int64_t out_stride) {
+  __m512 acc[TB][EB];
+  for (int t = 0; t < TB; ++t)
+    for (int e = 0; e < EB; ++e) acc[t][e] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 xv[TB];
+    for (int t = 0; t < TB; ++t) xv[t] = _mm512_loadu_ps(x + t * n + i);
+    for (int e = 0; e < EB; ++e) {
+      const __m512 wv = _mm512_loadu_ps(w + e * n + i);
+      for (int t = 0; t < TB; ++t) acc[t][e] = _mm512_fmadd_ps(xv[t], wv, acc[t][e]);
+    }
+  }
+  for (int t = 0; t < TB; ++t)
+    for (int e = 0; e < EB; ++e) {
+      const __m512 v = acc[t][e];
+      float sum = hsum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+      for (int64_t j = i; j < n; ++j) sum += x[t * n + j] * w[e * n + j];
+      out[t * out_stride + e] = sum;
+    }
+}
+
+// Rows [0, TB) of x against every row of w: four of w's rows at a time, then one.
+template <int TB>
+void dot_rows(const float* x, const float* w, int64_t n, int64_t experts, float* out) {
+  int64_t e = 0;
+  for (; e + 4 <= experts; e += 4) dot_tile<TB, 4>(x, w + e * n, n, out + e, experts);
+  for (; e < experts; ++e) dot_tile<TB, 1>(x, w + e * n, n, out + e, experts);
+}
+#endif
 
 // Each token's top-k experts and weights from its router logits: softmax in fp32, the k largest (ties:
 // the lower expert first), optionally renormalised to sum to 1.
@@ -442,8 +478,21 @@ torch::Tensor router_logits(const torch::Tensor& x_in, const torch::Tensor& weig
   // A decode step's few rows stay on the calling thread: a step on the takeover pool wakes no OpenMP region.
   const int64_t grain = takeover_pool::keeps_to_caller(tokens) ? std::max<int64_t>(tokens, 1) : 8;
   at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
+#ifdef __AVX512F__
+    for (int64_t t = begin; t < end; t += 4) {
+      const float* xt = x_ptr + t * hidden;
+      float* ot = o_ptr + t * experts;
+      switch (std::min<int64_t>(4, end - t)) {
+        case 1: dot_rows<1>(xt, w_ptr, hidden, experts, ot); break;
+        case 2: dot_rows<2>(xt, w_ptr, hidden, experts, ot); break;
+        case 3: dot_rows<3>(xt, w_ptr, hidden, experts, ot); break;
+        default: dot_rows<4>(xt, w_ptr, hidden, experts, ot);
+      }
+    }
+#else
     for (int64_t t = begin; t < end; ++t)
       for (int64_t e = 0; e < experts; ++e) o_ptr[t * experts + e] = dot(x_ptr + t * hidden, w_ptr + e * hidden, hidden);
+#endif
   });
   return out;
 }

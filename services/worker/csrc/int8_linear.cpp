@@ -107,8 +107,8 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& weight, c
     bc = bias->contiguous();
   }
   const auto a = activation_quant::quantize_rows<int8_t>(xc.data_ptr<float>(), rows, k);
-  const std::vector<int8_t>& xq = a.q;
-  const std::vector<float>& xscale = a.d;
+  const auto& xq = a.q;
+  const auto& xscale = a.d;
   auto out = torch::empty({rows, out_features}, x.options());
   const int8_t* w_ptr = weight.data_ptr<int8_t>();
   const float* s_ptr = sc.data_ptr<float>();
