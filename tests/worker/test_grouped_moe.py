@@ -170,9 +170,10 @@ def test_two_panels_per_tile_change_no_bit_of_the_experts_products(tokens: int, 
 
 
 @pytest.mark.parametrize("hidden, experts", [(96, 12), (576, 64), (100, 7), (17, 1)])
-def test_router_logits_are_the_float64_products_with_the_same_bits_at_every_row_count(hidden: int, experts: int) -> None:
-    """Rows and experts in the kernel's tiles of 4 and their remainders, a hidden size off its 16-float steps:
-    each logit close to the float64 product and, whatever rows share its call, bit for bit the same."""
+def test_router_logits_are_the_float64_products_with_the_same_bits_at_every_row_count(hidden: int, experts: int, pool: bool) -> None:
+    """Rows and experts in the kernel's tiles of 4 and their remainders, a hidden size off its 16-float steps, on
+    the takeover pool (experts shared out in groups of 8) or not: each logit close to the float64 product and,
+    whatever rows share its call, bit for bit the same."""
     generator = torch.Generator().manual_seed(hidden + experts)
     x, weight = torch.randn(37, hidden, generator=generator), torch.randn(experts, hidden, generator=generator)
     logits = cpu_kernels()[0].router_logits(x, weight)

@@ -281,14 +281,17 @@ QuantizedRows<T> gathered_rows(const QuantizedRows<T>& source, const int64_t* fr
 #ifdef __AVX512F__
 // dot() of TB rows of x with EB rows of w at a time, each product in dot()'s order: one 16-lane sum whose
 // halves are dot()'s two 8-lane sums, added as it adds them (the same bits). The rows' loads are shared,
-// so a decode step's router runs on its FMAs rather than on its loads.
+// so a decode step's router runs on its FMAs rather than on its loads. `next`: rows the following tile
+// reads, asked for a line each as this tile reads one (nullptr: none).
 template <int TB, int EB>
-void dot_tile(const float* x, const float* w, int64_t n, float* out, int64_t out_stride) {
+void dot_tile(const float* x, const float* w, int64_t n, float* out, int64_t out_stride, const float* next) {
   __m512 acc[TB][EB];
   for (int t = 0; t < TB; ++t)
     for (int e = 0; e < EB; ++e) acc[t][e] = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
+    if (next != nullptr)
+      for (int e = 0; e < EB; ++e) _mm_prefetch(reinterpret_cast<const char*>(next + e * n + i), _MM_HINT_T0);
     __m512 xv[TB];
     for (int t = 0; t < TB; ++t) xv[t] = _mm512_loadu_ps(x + t * n + i);
     for (int e = 0; e < EB; ++e) {
@@ -305,14 +308,53 @@ void dot_tile(const float* x, const float* w, int64_t n, float* out, int64_t out
     }
 }
 
-// Rows [0, TB) of x against every row of w: four of w's rows at a time, then one.
+// Rows [0, TB) of x against rows [0, experts) of w: four of w's rows at a time, then one; the first rows of
+// x (`ahead`) ask for each next four rows of w while they read these.
 template <int TB>
-void dot_rows(const float* x, const float* w, int64_t n, int64_t experts, float* out) {
+void dot_rows(const float* x, const float* w, int64_t n, int64_t experts, float* out, int64_t out_stride, bool ahead) {
   int64_t e = 0;
-  for (; e + 4 <= experts; e += 4) dot_tile<TB, 4>(x, w + e * n, n, out + e, experts);
-  for (; e < experts; ++e) dot_tile<TB, 1>(x, w + e * n, n, out + e, experts);
+  for (; e + 4 <= experts; e += 4) dot_tile<TB, 4>(x, w + e * n, n, out + e, out_stride, ahead && e + 8 <= experts ? w + (e + 4) * n : nullptr);
+  for (; e < experts; ++e) dot_tile<TB, 1>(x, w + e * n, n, out + e, out_stride, nullptr);
 }
 #endif
+
+// x [T, H] . w [E, H] into out [T, E]: TB rows of x at a time over rows [e0, e0 + count) of w, into out_stride-wide rows.
+void router_rows(const float* x, const float* w, int64_t tokens, int64_t hidden, int64_t e0, int64_t count, float* out, int64_t out_stride) {
+#ifdef __AVX512F__
+  for (int64_t t = 0; t < tokens; t += 4) {
+    const float *xt = x + t * hidden, *we = w + e0 * hidden;
+    float* ot = out + t * out_stride;
+    switch (std::min<int64_t>(4, tokens - t)) {
+      case 1: dot_rows<1>(xt, we, hidden, count, ot, out_stride, t == 0); break;
+      case 2: dot_rows<2>(xt, we, hidden, count, ot, out_stride, t == 0); break;
+      case 3: dot_rows<3>(xt, we, hidden, count, ot, out_stride, t == 0); break;
+      default: dot_rows<4>(xt, we, hidden, count, ot, out_stride, t == 0);
+    }
+  }
+#else
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t e = 0; e < count; ++e) out[t * out_stride + e] = dot(x + t * hidden, w + (e0 + e) * hidden, hidden);
+#endif
+}
+
+// A decode step's router on the takeover pool: item i is experts [i * EXPERTS_PER_ITEM, ...) for every token, so
+// that both cores read the router's weights (a layer's 147 KB on the MoE benchmark model, from memory: the
+// step's experts have passed through the caches since).
+struct RouterJob : takeover_pool::Job {
+  static constexpr int64_t EXPERTS_PER_ITEM = 8;
+  torch::Tensor x, w, out;  // owned: a helper may still read after the call returns
+  int64_t tokens = 0, hidden = 0, experts = 0;
+
+  int64_t scratch_floats() const override { return tokens * EXPERTS_PER_ITEM; }
+  int64_t count(int64_t item) const { return std::min(EXPERTS_PER_ITEM, experts - item * EXPERTS_PER_ITEM); }
+  void compute(int64_t item, float* scratch) const override {
+    router_rows(x.data_ptr<float>(), w.data_ptr<float>(), tokens, hidden, item * EXPERTS_PER_ITEM, count(item), scratch, EXPERTS_PER_ITEM);
+  }
+  void commit(int64_t item, const float* scratch) const override {
+    float* o = out.data_ptr<float>() + item * EXPERTS_PER_ITEM;
+    for (int64_t t = 0; t < tokens; ++t) std::memcpy(o + t * experts, scratch + t * EXPERTS_PER_ITEM, count(item) * sizeof(float));
+  }
+};
 
 // Each token's top-k experts and weights from its router logits: softmax in fp32, the k largest (ties:
 // the lower expert first), optionally renormalised to sum to 1.
@@ -475,24 +517,16 @@ torch::Tensor router_logits(const torch::Tensor& x_in, const torch::Tensor& weig
   auto out = torch::empty({tokens, experts}, x.options());
   const float *x_ptr = x.data_ptr<float>(), *w_ptr = weight.data_ptr<float>();
   float* o_ptr = out.data_ptr<float>();
-  // A decode step's few rows stay on the calling thread: a step on the takeover pool wakes no OpenMP region.
+  if (takeover_pool::runs_on_pool(tokens) && experts > RouterJob::EXPERTS_PER_ITEM) {
+    auto job = std::make_shared<RouterJob>();
+    job->x = x, job->w = weight, job->out = out, job->tokens = tokens, job->hidden = hidden, job->experts = experts;
+    takeover_pool::run(job, (experts + RouterJob::EXPERTS_PER_ITEM - 1) / RouterJob::EXPERTS_PER_ITEM);
+    return out;
+  }
+  // A step's few rows off the pool stay on the calling thread: a step on the takeover pool wakes no OpenMP region.
   const int64_t grain = takeover_pool::keeps_to_caller(tokens) ? std::max<int64_t>(tokens, 1) : 8;
   at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
-#ifdef __AVX512F__
-    for (int64_t t = begin; t < end; t += 4) {
-      const float* xt = x_ptr + t * hidden;
-      float* ot = o_ptr + t * experts;
-      switch (std::min<int64_t>(4, end - t)) {
-        case 1: dot_rows<1>(xt, w_ptr, hidden, experts, ot); break;
-        case 2: dot_rows<2>(xt, w_ptr, hidden, experts, ot); break;
-        case 3: dot_rows<3>(xt, w_ptr, hidden, experts, ot); break;
-        default: dot_rows<4>(xt, w_ptr, hidden, experts, ot);
-      }
-    }
-#else
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t e = 0; e < experts; ++e) o_ptr[t * experts + e] = dot(x_ptr + t * hidden, w_ptr + e * hidden, hidden);
-#endif
+    router_rows(x_ptr + begin * hidden, w_ptr, end - begin, hidden, 0, experts, o_ptr + begin * experts, experts);
   });
   return out;
 }
