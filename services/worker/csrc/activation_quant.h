@@ -43,15 +43,15 @@ struct Uninitialized : std::allocator<T> {
   }
 };
 template <typename T>
-using Scratch = std::vector<T, Uninitialized<T>>;
+using Unzeroed = std::vector<T, Uninitialized<T>>;
 
 // A product's activations: x ~= q * d per (row, block), q in -MAX..MAX of T; s = the block's sum of x itself.
 template <typename T>
 struct QuantizedRows {
   static constexpr float MAX_CODE = sizeof(T) == 1 ? 127.f : 32767.f;
-  Scratch<T> q;      // [rows, k]
-  Scratch<float> d;  // [rows, blocks]
-  Scratch<float> s;  // [rows, blocks]
+  Unzeroed<T> q;      // [rows, k]
+  Unzeroed<float> d;  // [rows, blocks]
+  Unzeroed<float> s;  // [rows, blocks]
   int64_t k, blocks;
 
   QuantizedRows() = default;

@@ -76,7 +76,7 @@ struct Call {
   std::vector<float> pair_weight;     // routed row -> its routing weight
   std::vector<float> shared_weight;   // token -> sigmoid(shared gate logit)
   QuantizedRows<T1> x_rows[2];        // x rounded: [0] in routed row order, [1] per token
-  activation_quant::Scratch<float> act[2];  // silu(gate) * up: [routed rows, I], [tokens, shared I]; every element committed
+  activation_quant::Unzeroed<float> act[2];  // silu(gate) * up: [routed rows, I], [tokens, shared I]; every element committed
   QuantizedRows<T2> act_rows[2];      // act rounded
   float* out;                         // [T, hidden]
 
@@ -318,7 +318,7 @@ void dot_rows(const float* x, const float* w, int64_t n, int64_t experts, float*
 }
 #endif
 
-// x [T, H] . w [E, H] into out [T, E]: TB rows of x at a time over rows [e0, e0 + count) of w, into out_stride-wide rows.
+// x [T, H] . rows [e0, e0 + count) of w [E, H] into out (out_stride floats a row of x): four rows of x at a time.
 void router_rows(const float* x, const float* w, int64_t tokens, int64_t hidden, int64_t e0, int64_t count, float* out, int64_t out_stride) {
 #ifdef __AVX512F__
   for (int64_t t = 0; t < tokens; t += 4) {
