@@ -26,16 +26,16 @@ Weight storage formats (``--weight-quant``), chosen per deployment:
   bytes, so no fp16 packs are kept. A checkpoint converted from a q4_1 GGUF (the default model)
   round-trips exactly, so for it ``int4`` costs nothing and ``auto`` picks it; elsewhere it costs 4-bit
   weights.
-- ``int4-a8`` (opt-in): ``int4``, but the projections' steps of more than ``BLOCK_QUANT_MAX_ROWS`` rows round activations to int8 instead (maddubs:
-  llama.cpp's q4_1 x q8 arithmetic, 1.7-1.9x fbgemm's fp16 GEMM on an AVX2 CPU). Costs what int8
-  activations cost: logit error 6.8e-2, 94 % top-1 agreement with fp32 on the default model in many-row
-  steps (``bench/quantization.py``).
+- ``int4-a8`` (opt-in): ``int4``, but steps of more than ``BLOCK_QUANT_MAX_ROWS`` rows round activations to int8
+  instead, lm_head's too (llama.cpp's q4_1 / q8_0 x q8 arithmetic; the 4-bit products 1.7-1.9x fbgemm's fp16 GEMM
+  on an AVX2 CPU, q8_0's faster only where VNNI multiplies bytes). Costs what int8 activations cost: logit error
+  6.8e-2, 94 % top-1 agreement with fp32 on the default model in many-row steps (``bench/quantization.py``).
 - ``none``: the checkpoint's dtype as loaded.
 
 A GGUF's Q4_0 / Q4_1 / Q8_0 weights arrive in their blocks (``block_quant.BlockQuantized``) and are
 multiplied in them whatever the format chosen here, which applies to the float weights beside them;
-under ``int4-a8`` the GGUF's 4-bit blocks (q4_0 / q4_1: llama.cpp's own q4 x q8 arithmetic) also take int8
-activations beyond ``BLOCK_QUANT_MAX_ROWS`` rows.
+under ``int4-a8`` the GGUF's blocks (llama.cpp's own q4 / q8_0 x q8 arithmetic) also take int8 activations
+beyond ``BLOCK_QUANT_MAX_ROWS`` rows.
 """
 
 from __future__ import annotations
@@ -84,7 +84,6 @@ def fp16_packing_available() -> bool:
 
 
 BLOCK_QUANTS = ("int4", "int4-a8")  # the formats that keep q4_1 / q8_0 blocks
-FOUR_BIT_FORMATS = ("q4_0", "q4_1")  # the block formats whose products may round activations to int8
 KERNEL_BLOCK_FORMATS = ("q4_0", "q4_1", "q8_0")  # the block formats csrc/block_quant_gemm.cpp and grouped_moe.cpp multiply
 
 
@@ -205,9 +204,8 @@ class Linear:
         self.weight, self.split, self._sliced, self.slices = _packed_placeholder(*shape), False, None, 1
 
     def round_activations_to_int8(self) -> None:
-        """Steps of more than ``BLOCK_QUANT_MAX_ROWS`` rows round activations to int8 (4-bit blocks only: q8_0 keeps int16)."""
-        if self.block_format in FOUR_BIT_FORMATS:
-            self.activation_bits = 8
+        """Steps of more than ``BLOCK_QUANT_MAX_ROWS`` rows round activations to int8."""
+        self.activation_bits = 8
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
@@ -242,9 +240,9 @@ class RowSplitLinear:
         self.scales: torch.Tensor | None = None
         self.packed: Any = None
         self.panels: torch.Tensor | None = None  # int4's q8_0 blocks or a GGUF's, regrouped in panels of 8 output channels
+        self.activation_bits = 16  # with panels, in steps of more than BLOCK_QUANT_MAX_ROWS rows
         if isinstance(weight, BlockQuantized):
-            self.panels, self._gemm_kernel = weight.panels(), cpu_kernels()[0].block_quant_gemm
-            self.weight, self.slices = _packed_placeholder(out_features, in_features), 1
+            self.hold_panels(weight.panels(), weight.fmt, tuple(weight.shape))
             return
         self.weight = weight
         self.slices = _slices(out_features, threads) if weight.dtype == torch.float32 else 1
@@ -274,15 +272,21 @@ class RowSplitLinear:
         self.hold_panels(block_quant.to_panels(blocks, "q8_0"), "q8_0", tuple(self.weight.shape))
 
     def hold_panels(self, panels: torch.Tensor, fmt: str, shape: tuple[int, ...], int8_activations: bool = False) -> None:
-        """From now on ``panels`` (q8_0: ``block_quant.to_panels``) serve every step, with int16 activations (``int8_activations``
-        is ``Linear``'s: lm_head keeps int16); a tied embedding keeps its float original for lookups."""
+        """From now on ``panels`` (q8_0: ``block_quant.to_panels``) serve every step (``int8_activations``: see
+        ``round_activations_to_int8``); a tied embedding keeps its float original for lookups."""
         self.panels, self._gemm_kernel = panels, cpu_kernels()[0].block_quant_gemm
-        self.weight, self._sliced_t = _packed_placeholder(*shape), None
+        self.weight, self._sliced_t, self.slices = _packed_placeholder(*shape), None, 1
+        if int8_activations:
+            self.round_activations_to_int8()
+
+    def round_activations_to_int8(self) -> None:
+        """Steps of more than ``BLOCK_QUANT_MAX_ROWS`` rows round activations to int8."""
+        self.activation_bits = 8
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if self.panels is not None:
-            return self._gemm_kernel(x, self.panels, self.weight.shape[0], None, None, 16)
+            return self._gemm_kernel(x, self.panels, self.weight.shape[0], None, None, 16 if rows <= BLOCK_QUANT_MAX_ROWS else self.activation_bits)
         if self.packed is not None:
             return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
         if self.scales is not None:
@@ -349,9 +353,9 @@ def convert_weights(model: object, weight_quant: str) -> tuple[str, int]:
     from services.worker.moe import convert_experts  # moe imports this module
 
     convert_experts(model, weight_quant)  # first: a shared expert that joins the experts' call leaves its linears behind
-    if weight_quant == "int4-a8":  # a GGUF's 4-bit blocks too
+    if weight_quant == "int4-a8":  # a GGUF's blocks too
         for linear in linears_of(model):
-            if isinstance(linear, Linear) and linear.panels is not None:
+            if linear.panels is not None:
                 linear.round_activations_to_int8()
     linears = [linear for linear in linears_of(model) if linear.panels is None]
     if weight_quant == "auto":

@@ -217,7 +217,7 @@ def test_q8_0_panels_regroup_the_rows_codes_and_scales_by_eight_channels() -> No
 @kernels
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 70])  # 70: past one chunk of rows a panel meets at a time
 @pytest.mark.parametrize("out_features", [24, 30])  # 30: a last panel of 6 channels
-@pytest.mark.parametrize("fmt, bits", [("q4_0", 8), ("q4_0", 16), ("q4_1", 8), ("q4_1", 16), ("q8_0", 16)])
+@pytest.mark.parametrize("fmt, bits", [("q4_0", 8), ("q4_0", 16), ("q4_1", 8), ("q4_1", 16), ("q8_0", 8), ("q8_0", 16)])
 def test_gemm_kernel_equals_rounded_activations_times_the_dequantized_weight(rows: int, out_features: int, fmt: str, bits: int) -> None:
     generator = torch.Generator().manual_seed(rows * 100 + out_features)
     w, bias, residual = (torch.randn(*shape, generator=generator) for shape in ((out_features, 288), (out_features,), (rows, out_features)))
@@ -242,9 +242,6 @@ def test_gemm_kernel_equals_rounded_activations_times_the_dequantized_weight(row
         kernel(x, panels, out_features, None, None, 4)
     with pytest.raises(RuntimeError, match="record"):
         kernel(x, panels[..., :-2].contiguous(), out_features, None, None, bits)
-    if fmt == "q8_0":
-        with pytest.raises(RuntimeError, match="int16 activations only"):
-            kernel(x, panels, out_features, None, None, 8)
 
 
 @kernels
@@ -273,7 +270,7 @@ def test_vnni_block_products_equal_the_avx2_ones_to_the_bit(tmp_path: Path) -> N
     (read once per process) selects AVX2, so a second process computes the same cases with it."""
     generator = torch.Generator().manual_seed(7)
     cases = []
-    for fmt, bits in (("q4_0", 8), ("q4_0", 16), ("q4_1", 8), ("q4_1", 16), ("q8_0", 16)):
+    for fmt, bits in (("q4_0", 8), ("q4_0", 16), ("q4_1", 8), ("q4_1", 16), ("q8_0", 8), ("q8_0", 16)):
         # 4 / 5 panels: one to a thread's range (no pairs); 37 / 38 panels (the last of 4 / 6 channels): ranges of
         # two, so two panels per tile with pairs on, and one alone at the end of 37
         for n in (30, 40, 292, 302):
@@ -313,15 +310,19 @@ def test_int4_linears_take_the_panels_with_int16_activations_for_few_rows_and_th
 
 
 @kernels
-def test_int4_lm_head_takes_its_q8_0_panels_at_every_row_count() -> None:
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_int4_lm_head_takes_its_q8_0_panels_at_every_row_count_with_int4_a8s_activations_beyond_few_rows(int8_activations: bool) -> None:
     w = torch.randn(40, 64)
     head = RowSplitLinear(w.clone(), threads=2)
     packed = block_quant.quantize(w, "q8_0")
     head.quantize_int4(packed)
+    if int8_activations:
+        head.round_activations_to_int8()
     assert head.weight.device.type == "meta" and head.packed is None  # the float weight is gone, no fp16 pack
-    for rows in (1, BLOCK_QUANT_MAX_ROWS + 1, 40):
+    for rows in (1, BLOCK_QUANT_MAX_ROWS, BLOCK_QUANT_MAX_ROWS + 1, 40):
         x = torch.randn(rows, 64)
-        torch.testing.assert_close(head(x), _kernel_reference(x, packed, "q8_0"), rtol=2e-5, atol=5e-4)
+        bits = 8 if int8_activations and rows > BLOCK_QUANT_MAX_ROWS else 16
+        torch.testing.assert_close(head(x), _kernel_reference(x, packed, "q8_0", bits), rtol=2e-5, atol=5e-4)
 
 
 def _snap_to_blocks(source: str, target: Path) -> None:

@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from services.worker.block_quant import BlockQuantized
-from services.worker.linear import Linear, block_formats, linears_of
+from services.worker.linear import block_formats, linears_of
 from services.worker.moe import routed_experts
 from services.worker.runner import ModelRunner, RunnerConfig
 from services.worker.weights import block_rows, load_gguf
@@ -103,13 +103,14 @@ def test_the_experts_run_in_the_files_blocks_in_one_call_per_layer(tiny_ggufs: d
 
 @pytest.mark.skipif(not block_formats(CPU, F32), reason="the C++ CPU kernels (block products) are unavailable here")
 def test_int4_a8_rounds_activations_of_the_files_4_bit_blocks_to_int8_in_many_row_steps(tiny_ggufs: dict[str, Checkpoint]) -> None:
-    """Under --weight-quant int4-a8 a GGUF's q4_0 projections and experts take llama.cpp's q4 x q8 arithmetic in
-    steps of more than BLOCK_QUANT_MAX_ROWS rows (all layers still in one call); few-row steps keep int16."""
+    """Under --weight-quant int4-a8 a GGUF's q4_0 projections and experts and its lm_head take llama.cpp's q4 / q8_0
+    x q8 arithmetic in steps of more than BLOCK_QUANT_MAX_ROWS rows (all layers still in one call); few-row steps
+    keep int16."""
     path = tiny_ggufs["qwen3_moe"].path
     exact, a8 = (ModelRunner(RunnerConfig(path, num_blocks=16, block_size=4, weight_quant=quant)) for quant in ("auto", "int4-a8"))
     assert a8.decoder.name == exact.decoder.name == "one-call-cpp"
     assert all(moe.int8_activations for moe in routed_experts(a8.model)) and not any(moe.int8_activations for moe in routed_experts(exact.model))
-    assert {linear.activation_bits for linear in linears_of(a8.model) if isinstance(linear, Linear)} == {8}
+    assert {linear.activation_bits for linear in linears_of(a8.model)} == {8} and {linear.activation_bits for linear in linears_of(exact.model)} == {16}
     prompt = prompt_of(5, 20)
     theirs, ours = (runner.logits(StepPlan(0, [Slice("p", 0, len(prompt), prompt, list(range(8)), sampling=GREEDY)]))["p"] for runner in (exact, a8))
     relative = float((ours - theirs).norm() / theirs.norm())

@@ -110,4 +110,15 @@ QuantizedRows<T> quantize_rows(const float* x, int64_t rows, int64_t k) {
   return a;
 }
 
+// int8 codes held as int16 ones: the same values, for the int16 tiles.
+inline QuantizedRows<int16_t> widened(QuantizedRows<int8_t>&& a) {
+  QuantizedRows<int16_t> wide;
+  wide.q.assign(a.q.begin(), a.q.end());
+  wide.d = std::move(a.d);
+  wide.s = std::move(a.s);
+  wide.k = a.k;
+  wide.blocks = a.blocks;
+  return wide;
+}
+
 }  // namespace activation_quant

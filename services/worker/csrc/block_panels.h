@@ -1,7 +1,7 @@
 // The register tiles of products over block-quantized weights in panels (block_quant_gemm.cpp, one weight;
 // grouped_moe.cpp, a layer's experts): activations rounded per block of 32 features to int16 (accurate:
-// error ~2e-5 of the block's largest value) or, for 4-bit weights, to int8 (the arithmetic of llama.cpp's
-// q4_1 x q8 dot product, twice as fast in many-row steps), multiplied in integers.
+// error ~2e-5 of the block's largest value) or to int8 (the arithmetic of llama.cpp's q4 / q8_0 x q8 dot
+// products, twice as fast in many-row steps), multiplied in integers.
 //
 // Weights in panels of 8 output channels (services/worker/block_quant.py ``to_panels``), one record per
 // panel and block of 32 input features, whose format the record's size tells:
@@ -37,6 +37,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define TOKENYARD_BLOCK_QUANT_GEMM_AVX2 1
@@ -139,6 +140,42 @@ inline bool pair_tiles(int64_t rows) {
   return vnni_enabled() && from > 0 && rows >= from;
 #else
   (void)rows;
+  return false;
+#endif
+}
+
+// int8 activation codes for q8_0 records in the VNNI tiles: each group of 4 features in the order the records
+// hold their codes (0, 2, 1, 3), offset by 128 (unsigned, as vpdpbusd takes them); d and s as rounded.
+using OffsetCodes = QuantizedRows<uint8_t>;
+
+inline OffsetCodes offset_codes(QuantizedRows<int8_t>&& a) {
+  OffsetCodes o;
+  o.q.resize(a.q.size());
+  const int64_t n = static_cast<int64_t>(a.q.size());  // a multiple of BLOCK
+  const int8_t* from = a.q.data();
+  uint8_t* to = o.q.data();
+  int64_t i = 0;
+#ifdef TOKENYARD_BLOCK_QUANT_GEMM_AVX2
+  const __m256i order = _mm256_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15, 0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+  for (; i < n; i += 32) {
+    const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + i), _mm256_xor_si256(_mm256_shuffle_epi8(codes, order), _mm256_set1_epi8(-128)));
+  }
+#endif
+  constexpr int place[4] = {0, 2, 1, 3};
+  for (; i < n; ++i) to[i] = static_cast<uint8_t>(from[i - i % 4 + place[i % 4]] + 128);
+  o.d = std::move(a.d);
+  o.s = std::move(a.s);
+  o.k = a.k;
+  o.blocks = a.blocks;
+  return o;
+}
+
+// Whether q8_0 products with int8 activations take OffsetCodes (the VNNI tiles); elsewhere the codes are widened to int16.
+inline bool offset_codes_on() {
+#ifdef TOKENYARD_BLOCK_QUANT_GEMM_VNNI
+  return vnni_enabled();
+#else
   return false;
 #endif
 }
@@ -325,6 +362,26 @@ inline void q8_0_block_dots_vnni(const uint8_t* rec, const int16_t* const* x, __
   }
   for (int r = 0; r < R; ++r) dot[r] = sum_chains<R, S>(sum, r);
 }
+
+// q8_0 codes, int8 activations in q8_0's order offset by 128 (OffsetCodes): vpdpbusd multiplies the unsigned
+// activations with the signed codes, 32 products in 8 instructions, and the offset's 128 * (the channel's sum
+// of codes, one more vpdpbusd per group of 4 features for all R rows) comes off in int32: the exact sums of
+// the signed int8 products (at most 32 * 255 * 128 < 2^21).
+template <int R>
+inline void q8_0_block_dots_vnni(const uint8_t* rec, const uint8_t* const* x, __m256i* dot) {
+  constexpr int S = sums_per_row<R>();
+  const __m256i ones = _mm256_set1_epi8(1);
+  __m256i sum[S][R], codes_sum = _mm256_setzero_si256();
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < S; ++i) sum[i][r] = _mm256_setzero_si256();
+  for (int j = 0; j < 8; ++j) {
+    const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * j));
+    codes_sum = _mm256_dpbusd_epi32(codes_sum, ones, codes);
+    for (int r = 0; r < R; ++r) sum[j % S][r] = _mm256_dpbusd_epi32(sum[j % S][r], broadcast4(x[r] + 4 * j), codes);
+  }
+  const __m256i offset = _mm256_slli_epi32(codes_sum, 7);
+  for (int r = 0; r < R; ++r) dot[r] = _mm256_sub_epi32(sum_chains<R, S>(sum, r), offset);
+}
 #endif
 
 // R rows x one panel into sums[r * PANEL + c] (row m0 + r, channel c); VNNI: the block products by
@@ -460,6 +517,22 @@ inline void q8_0_pair_dots(const uint8_t* rec0, const uint8_t* rec1, const int16
   for (int r = 0; r < R; ++r) dot[r] = sum_chains<R, S>(sum, r);
 }
 
+template <int R>
+inline void q8_0_pair_dots(const uint8_t* rec0, const uint8_t* rec1, const uint8_t* const* x, __m512i* dot) {
+  constexpr int S = sums_per_row<R>();
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i sum[S][R], codes_sum = _mm512_setzero_si512();
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < S; ++i) sum[i][r] = _mm512_setzero_si512();
+  for (int j = 0; j < 8; ++j) {
+    const __m512i codes = two_records(rec0, rec1, 32 * j);
+    codes_sum = _mm512_dpbusd_epi32(codes_sum, ones, codes);
+    for (int r = 0; r < R; ++r) sum[j % S][r] = _mm512_dpbusd_epi32(sum[j % S][r], broadcast4_512(x[r] + 4 * j), codes);
+  }
+  const __m512i offset = _mm512_slli_epi32(codes_sum, 7);
+  for (int r = 0; r < R; ++r) dot[r] = _mm512_sub_epi32(sum_chains<R, S>(sum, r), offset);
+}
+
 // R rows x panels p and p + 1 (panel_bytes apart) into sums[q * MAX_ROW_TILE * PANEL + r * PANEL + c]
 // (panel p + q, row m0 + r, channel c).
 template <int R, typename F, typename T>
@@ -508,6 +581,8 @@ void panel_pair_tile(const uint8_t* panel, int64_t panel_bytes, const QuantizedR
 template <typename F, typename T>
 void run_tile(const uint8_t* panel, [[maybe_unused]] int64_t panel_bytes, [[maybe_unused]] int64_t span, const QuantizedRows<T>& a, int64_t m0,
               int64_t rows, [[maybe_unused]] Prefetch prefetch, float* sums) {
+  constexpr bool offset_codes = std::is_same_v<T, uint8_t>;  // OffsetCodes: q8_0's, for the VNNI tiles only
+  static_assert(!offset_codes || std::is_same_v<F, Q8_0Panels>, "offset int8 codes are q8_0's");
 #ifdef TOKENYARD_BLOCK_QUANT_GEMM_AVX2
 #ifdef TOKENYARD_BLOCK_QUANT_GEMM_VNNI
   if (span == 2) switch (rows) {
@@ -520,7 +595,7 @@ void run_tile(const uint8_t* panel, [[maybe_unused]] int64_t panel_bytes, [[mayb
       case 7: return panel_pair_tile<7, F, T>(panel, panel_bytes, a, m0, prefetch, sums);
       default: return panel_pair_tile<8, F, T>(panel, panel_bytes, a, m0, prefetch, sums);
     }
-  if (vnni_enabled()) switch (rows) {
+  if (offset_codes || vnni_enabled()) switch (rows) {
       case 1: return panel_tile<1, F, T, true>(panel, a, m0, prefetch, sums);
       case 2: return panel_tile<2, F, T, true>(panel, a, m0, prefetch, sums);
       case 3: return panel_tile<3, F, T, true>(panel, a, m0, prefetch, sums);
@@ -531,15 +606,16 @@ void run_tile(const uint8_t* panel, [[maybe_unused]] int64_t panel_bytes, [[mayb
       default: return panel_tile<8, F, T, true>(panel, a, m0, prefetch, sums);
     }
 #endif
-  switch (rows) {
-    case 1: return panel_tile<1, F, T, false>(panel, a, m0, prefetch, sums);
-    case 2: return panel_tile<2, F, T, false>(panel, a, m0, prefetch, sums);
-    case 3: return panel_tile<3, F, T, false>(panel, a, m0, prefetch, sums);
-    default: return panel_tile<4, F, T, false>(panel, a, m0, prefetch, sums);
-  }
+  if constexpr (!offset_codes) switch (rows) {
+      case 1: return panel_tile<1, F, T, false>(panel, a, m0, prefetch, sums);
+      case 2: return panel_tile<2, F, T, false>(panel, a, m0, prefetch, sums);
+      case 3: return panel_tile<3, F, T, false>(panel, a, m0, prefetch, sums);
+      default: return panel_tile<4, F, T, false>(panel, a, m0, prefetch, sums);
+    }
 #else
-  panel_rows_generic<F>(panel, a, m0, rows, sums);
+  if constexpr (!offset_codes) return panel_rows_generic<F>(panel, a, m0, rows, sums);
 #endif
+  TORCH_CHECK(!offset_codes, "offset int8 codes need the AVX-512 VNNI tiles");
 }
 
 // How many panels a tile takes from `p` on in a range ending at `end`, in a call of `rows` rows.

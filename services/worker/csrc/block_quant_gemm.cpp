@@ -66,12 +66,25 @@ struct FewRowsJob : takeover_pool::Job {
   }
 };
 
-template <typename F, typename T>
+// x rounded to the codes of Rounded (int8 or int16 per block) and held as T's: as they are, int8 codes widened to
+// int16, or OffsetCodes.
+template <typename T, typename Rounded>
+QuantizedRows<T> rounded_rows(const float* x, int64_t rows, int64_t k) {
+  QuantizedRows<Rounded> a = quantize_rows<Rounded>(x, rows, k);
+  if constexpr (std::is_same_v<T, Rounded>)
+    return a;
+  else if constexpr (std::is_same_v<T, uint8_t>)
+    return offset_codes(std::move(a));
+  else
+    return activation_quant::widened(std::move(a));
+}
+
+template <typename F, typename T, typename Rounded>
 void run(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out_features, const float* bias, const float* residual, float* out,
          const torch::Tensor& bias_owner, const torch::Tensor& residual_owner) {
   if (takeover_pool::runs_on_pool(rows)) {
     auto job = std::make_shared<FewRowsJob<F, T>>();
-    job->a = quantize_rows<T>(x, rows, k);
+    job->a = rounded_rows<T, Rounded>(x, rows, k);
     job->w = w;
     job->rows = rows;
     job->out_features = out_features;
@@ -86,7 +99,7 @@ void run(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out_
     takeover_pool::run(job, (job->panel_count + job->panels_per_item - 1) / job->panels_per_item);
     return;
   }
-  const QuantizedRows<T> a = quantize_rows<T>(x, rows, k);
+  const QuantizedRows<T> a = rounded_rows<T, Rounded>(x, rows, k);
   const int64_t blocks = k / BLOCK, panel_count = (out_features + PANEL - 1) / PANEL;
   auto panels_times_rows = [&](int64_t begin, int64_t end) {
     float sums[2 * MAX_ROW_TILE * PANEL];
@@ -144,7 +157,6 @@ torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& pane
   TORCH_CHECK(record == Q4_0Panels::RECORD || record == Q4_1Panels::RECORD || record == Q8_0Panels::RECORD, "a panel record is ", RECORD_SIZES, ", got ", record);
   TORCH_CHECK(panels.size(0) == panel_count && panels.size(1) == blocks, "panels of ", out_features, " x ", k, " weights must be [", panel_count, ", ",
               blocks, ", ", record, "], got ", panels.sizes());
-  TORCH_CHECK(record != Q8_0Panels::RECORD || activation_bits == 16, "q8_0 panels take int16 activations only");
   const LinearEpilogue epilogue(bias, residual, rows, out_features);
   auto out = torch::empty({rows, out_features}, x.options());
   const auto xc = x.contiguous();
@@ -152,15 +164,19 @@ torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& pane
   const uint8_t* w_ptr = panels.data_ptr<uint8_t>();
   float* o_ptr = out.data_ptr<float>();
   const torch::Tensor bias_owner = epilogue.bias.value_or(torch::Tensor()), residual_owner = epilogue.residual.value_or(torch::Tensor());
-  auto run_as = [&](auto format, auto activation) {
-    run<decltype(format), decltype(activation)>(x_ptr, rows, k, w_ptr, out_features, b_ptr, r_ptr, o_ptr, bias_owner, residual_owner);
+  auto run_as = [&](auto format, auto held, auto rounded) {
+    run<decltype(format), decltype(held), decltype(rounded)>(x_ptr, rows, k, w_ptr, out_features, b_ptr, r_ptr, o_ptr, bias_owner, residual_owner);
   };
-  if (record == Q8_0Panels::RECORD)
-    run_as(Q8_0Panels{}, int16_t{});
-  else if (record == Q4_1Panels::RECORD)
-    activation_bits == 8 ? run_as(Q4_1Panels{}, int8_t{}) : run_as(Q4_1Panels{}, int16_t{});
-  else
-    activation_bits == 8 ? run_as(Q4_0Panels{}, int8_t{}) : run_as(Q4_0Panels{}, int16_t{});
+  if (record == Q8_0Panels::RECORD) {
+    if (activation_bits == 16)
+      run_as(Q8_0Panels{}, int16_t{}, int16_t{});
+    else
+      offset_codes_on() ? run_as(Q8_0Panels{}, uint8_t{}, int8_t{}) : run_as(Q8_0Panels{}, int16_t{}, int8_t{});
+  } else if (record == Q4_1Panels::RECORD) {
+    activation_bits == 8 ? run_as(Q4_1Panels{}, int8_t{}, int8_t{}) : run_as(Q4_1Panels{}, int16_t{}, int16_t{});
+  } else {
+    activation_bits == 8 ? run_as(Q4_0Panels{}, int8_t{}, int8_t{}) : run_as(Q4_0Panels{}, int16_t{}, int16_t{});
+  }
   return out;
 }
 

@@ -3,7 +3,7 @@
 // calls per layer, costs as much as a layer's attention at batch 1, and 3-7 % of a 8-32 row decode step).
 // The projections are q4_0 / q4_1 / q8_0 panels (block_quant.to_panels), their activations rounded as the
 // per-layer path rounds them: to int16 in steps of up to few_rows rows, else to each projection's
-// many_row_bits (8 for 4-bit blocks under int4-a8: llama.cpp's arithmetic, 16 otherwise).
+// many_row_bits (8 under int4-a8: llama.cpp's arithmetic, 16 otherwise).
 //
 // Per layer, on normed x and the running residual:
 //   qkv = x @ Wqkv (+ b); q, k heads RMSNorm-ed by their own weights (Qwen3's q/k norms, where the layer
