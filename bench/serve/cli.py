@@ -8,7 +8,8 @@ level to the next: warm-up requests (recorded, not counted), then measured reque
 measured requests go in N rounds, the endpoints taking turns round by round, so that a machine whose speed
 drifts within minutes slows every endpoint alike; throughput then counts the rounds' time only. Writes
 requests.jsonl (one line per request, every chunk's time), summary.json (figures, ratios, provenance,
-completeness) and plot.png under --out. The exit status is 0 for a complete run, 1 when any request failed or a token count
+completeness; for a started stack that speculates, what its workers verified and accepted per level) and plot.png
+under --out. The exit status is 0 for a complete run, 1 when any request failed or a token count
 was off (the files are still written and say so), 2 for bad arguments or a manifest that fails its check.
 """
 
@@ -30,6 +31,7 @@ from bench.serve.endpoints import Endpoint, PeerEndpoint, StackEndpoint, UrlEndp
 from bench.serve.load import Level, run_phase
 from bench.serve.plot import plot_summary
 from bench.serve.provenance import provenance
+from bench.serve.speculation import acceptance, read_counters
 from bench.serve.stats import is_complete, level_summary, ratios
 from bench.serve.workload import Workload, WorkloadError, load_workload
 
@@ -181,6 +183,12 @@ def _print_level(result: dict) -> None:
         f"{requests['succeeded']}/{requests['measured']} ok, {requests['failed']} failed, {requests['count_off']} count off",
         flush=True,
     )
+    if verified := result.get("speculation"):
+        print(
+            f"{'':>12} {'':>10}  speculation: {verified['accepted_tokens']:.0f} of {verified['draft_tokens']:.0f} draft tokens accepted "
+            f"({verified['acceptance_rate']:.2f}), {verified['accepted_per_draft']:.2f} per draft of {verified['drafts']:.0f}",
+            flush=True,
+        )
 
 
 def _ratio_rows(results: list[dict], endpoint_names: list[str]) -> list[dict]:
@@ -221,12 +229,15 @@ def _round_sizes(measured: int, rounds: int) -> list[int]:
     return [measured // rounds + (1 if i < measured % rounds else 0) for i in range(rounds)]
 
 
-def _run_level(args: argparse.Namespace, workload: Workload, endpoints: list[Endpoint], level: Level, position: int) -> list[tuple[Endpoint, list, str | None]]:
+def _run_level(
+    args: argparse.Namespace, workload: Workload, endpoints: list[Endpoint], level: Level, position: int
+) -> list[tuple[Endpoint, list, str | None, dict | None]]:
     """One level on every endpoint: each serves the whole level (a peer started for it); warm-ups first,
     then the measured requests in ``--rounds`` rounds, the endpoints taking turns and the first of one
     round going last in the next (and the first of a level going last in the next level). Returns, in the
-    order the level began with, each endpoint, its records and why it failed, if it did; a failed endpoint
-    sits out the rest of the level."""
+    order the level began with, each endpoint, its records, why it failed, if it did (a failed endpoint
+    sits out the rest of the level), and what a started stack's workers verified during the measured
+    requests, where they speculated (``speculation.acceptance``)."""
     warmup, measured = _counts(args, level)
     order = endpoints if position % 2 == 0 else endpoints[::-1]
     records: dict[str, list] = {e.name: [] for e in endpoints}
@@ -255,12 +266,15 @@ def _run_level(args: argparse.Namespace, workload: Workload, endpoints: list[End
                 failures[endpoint.name] = f"the endpoint could not be served: {type(exc).__name__}: {exc}"
         for endpoint in order:
             attempt(endpoint, "warmup", range(warmup), 0)
+        workers = {e.name: e.worker_metrics_urls() for e in order if isinstance(e, StackEndpoint)}
+        before = {name: read_counters(urls) for name, urls in workers.items()}
         start = 0
         for round_index, size in enumerate(_round_sizes(measured, args.rounds)):
             for endpoint in order if round_index % 2 == 0 else order[::-1]:
                 attempt(endpoint, "measured", range(start, start + size), round_index)
             start += size
-    return [(endpoint, records[endpoint.name], failures[endpoint.name]) for endpoint in order]
+        verified = {name: acceptance(before[name], read_counters(urls)) for name, urls in workers.items()}
+    return [(endpoint, records[endpoint.name], failures[endpoint.name], verified.get(endpoint.name)) for endpoint in order]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -317,10 +331,12 @@ def _main(argv: list[str] | None) -> int:
     names = [e.name for e in endpoints]
     try:
         for position, level in enumerate(levels):
-            for endpoint, records, failure in _run_level(args, workload, endpoints, level, position):
+            for endpoint, records, failure, verified in _run_level(args, workload, endpoints, level, position):
                 level_result = {"endpoint": endpoint.name, "level": level.describe(), "label": level.label, "summary": level_summary(records)}
                 if failure:
                     level_result["summary"]["problems"].append(failure)
+                if verified:
+                    level_result["speculation"] = verified
                 summary["results"].append(level_result)
                 with open(jsonl_path, "a") as f:
                     for record in records:

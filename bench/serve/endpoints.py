@@ -54,8 +54,27 @@ class StackEndpoint:
                 raise
         yield self._url
 
+    def worker_metrics_urls(self) -> list[str]:
+        """Each engine's worker /metrics once the stack runs: the launcher's ports (engine i's worker at the api's
+        port + 2 + 3i)."""
+        if self._url is None:
+            return []
+        port = int(self._url.rsplit(":", 1)[1])
+        return [f"http://127.0.0.1:{port + 2 + 3 * engine}/metrics" for engine in range(_replicas(self.flags))]
+
     def close(self) -> None:
         self._exit.close()
+
+
+def _replicas(flags: str) -> int:
+    """The engine replicas launcher ``flags`` ask for (``--replicas N``; 1 by default)."""
+    words = shlex.split(flags)
+    for i, word in enumerate(words):
+        if word == "--replicas" and i + 1 < len(words):
+            return int(words[i + 1])
+        if word.startswith("--replicas="):
+            return int(word.split("=", 1)[1])
+    return 1
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 It streams ``max_tokens`` tokens (``tokens_per_chunk`` per SSE chunk, as llama.cpp may), closes with a usage
 chunk and ``[DONE]``, and can be told to fail given requests (by arrival order) in the ways a real server does.
+Told to, its /metrics counts one verify per finished request as a speculating worker's would.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class FakeBehaviour:
     stream_error_on: set[int] = field(default_factory=set)  # arrival indices that send an error event mid-stream
     no_done_on: set[int] = field(default_factory=set)  # arrival indices whose stream ends without [DONE]
     usage: bool = True
+    verify: tuple[int, int] | None = None  # (proposed, accepted) tokens each finished request adds to /metrics' speculation counters
 
 
 class FakeOpenAI:
@@ -30,6 +32,7 @@ class FakeOpenAI:
         self.model = model
         self.port = port
         self.bodies: list[tuple[str, dict]] = []  # (path, body) in arrival order
+        self.finished = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._runner: web.AppRunner | None = None
@@ -49,6 +52,7 @@ class FakeOpenAI:
         app = web.Application()
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_post("/v1/completions", self._generate)
         self._runner = web.AppRunner(app)
@@ -63,6 +67,15 @@ class FakeOpenAI:
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if self.behaviour.verify is None:
+            return web.Response(text="")
+        proposed, accepted = self.behaviour.verify
+        counts = {"drafts": self.finished, "draft_tokens": proposed * self.finished, "accepted_tokens": accepted * self.finished}
+        return web.Response(
+            text="".join(f"# TYPE tokenyard:spec_decode_num_{name} counter\ntokenyard:spec_decode_num_{name}_total {value}\n" for name, value in counts.items())
+        )
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -96,4 +109,5 @@ class FakeOpenAI:
         if arrival not in b.no_done_on:
             await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
+        self.finished += 1
         return response

@@ -3,6 +3,7 @@ with a failed request or a short token count labels itself. Nothing here depends
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -12,7 +13,9 @@ import sys
 import pytest
 
 from bench.serve.cli import _endpoints, build_parser, main
+from bench.serve.endpoints import StackEndpoint
 from bench.serve.peer import llama_server_command
+from bench.serve.speculation import acceptance, read_counters
 from bench.serve.workload import prompts_sha256
 from tests.bench.fake_openai import FakeBehaviour, FakeOpenAI
 
@@ -228,6 +231,32 @@ def test_stack_variants_are_stacks_of_the_same_model_with_their_own_flags(worklo
     with pytest.raises(SystemExit) as exit_info:  # a variant of no stack
         main(["--workload", workload(), "--endpoint", "a=http://x", "--stack-variant", "off="])
     assert exit_info.value.code == 2 and "--stack-variant needs --start-stack" in capsys.readouterr().err
+
+
+def test_a_started_stack_that_speculates_reports_what_its_workers_verified_in_the_measured_requests(tmp_path, workload, monkeypatch):
+    """The workers' counters are read after the warm-ups and after the measured requests: the level's verifies
+    alone, summed over the engines, with the share of draft tokens accepted."""
+    with FakeOpenAI(FakeBehaviour(verify=(4, 3))) as engine0, FakeOpenAI(FakeBehaviour(verify=(6, 1))) as engine1:
+        monkeypatch.setattr(StackEndpoint, "serving", lambda self, level: contextlib.nullcontext(engine0.url))
+        monkeypatch.setattr(StackEndpoint, "worker_metrics_urls", lambda self: [f"{engine0.url}/metrics", f"{engine1.url}/metrics"])
+        engine1.finished = 5  # the other engine verifies nothing during the level
+        code, summary, _ = run(tmp_path, "--workload", workload(), "--start-stack", "--num-requests", "4", "--warmup-requests", "2")
+    assert code == 0
+    (result,) = summary["results"]
+    assert result["speculation"] == {"drafts": 4, "draft_tokens": 16, "accepted_tokens": 12, "acceptance_rate": 0.75, "accepted_per_draft": 3.0}
+
+
+def test_worker_counters_say_nothing_where_a_worker_does_not_speculate_or_answer():
+    with FakeOpenAI(FakeBehaviour(verify=(4, 3))) as speculating, FakeOpenAI() as plain:
+        counts = read_counters([f"{speculating.url}/metrics"])
+        assert counts == {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
+        assert acceptance(counts, counts) is None  # no draft in between
+        assert read_counters([f"{speculating.url}/metrics", f"{plain.url}/metrics"]) is None
+    assert read_counters(["http://127.0.0.1:9/metrics"]) is None
+    stack = StackEndpoint("model", "--speculative-method ngram --replicas 2")
+    assert stack.worker_metrics_urls() == []  # not started
+    stack._url = "http://127.0.0.1:8000"
+    assert stack.worker_metrics_urls() == ["http://127.0.0.1:8002/metrics", "http://127.0.0.1:8005/metrics"]  # the launcher's ports
 
 
 def test_an_unreachable_endpoint_is_a_labelled_failure_not_a_crash(tmp_path, workload):
