@@ -145,7 +145,7 @@ inline bool pair_tiles(int64_t rows) {
 }
 
 // int8 activation codes for q8_0 records in the VNNI tiles: each group of 4 features in the order the records
-// hold their codes (0, 2, 1, 3), offset by 128 (unsigned, as vpdpbusd takes them); d and s as rounded.
+// hold their codes (0, 2, 1, 3), offset by 128 (unsigned, as vpdpbusd takes them); d and s as they were.
 using OffsetCodes = QuantizedRows<uint8_t>;
 
 inline OffsetCodes offset_codes(QuantizedRows<int8_t>&& a) {
@@ -364,9 +364,9 @@ inline void q8_0_block_dots_vnni(const uint8_t* rec, const int16_t* const* x, __
 }
 
 // q8_0 codes, int8 activations in q8_0's order offset by 128 (OffsetCodes): vpdpbusd multiplies the unsigned
-// activations with the signed codes, 32 products in 8 instructions, and the offset's 128 * (the channel's sum
-// of codes, one more vpdpbusd per group of 4 features for all R rows) comes off in int32: the exact sums of
-// the signed int8 products (at most 32 * 255 * 128 < 2^21).
+// activations with the signed codes (a row's block in 8 instructions, half int16's), and the offset's 128 * (the
+// channel's sum of codes, one more vpdpbusd per group of 4 features for all R rows) comes off in int32: the
+// exact sums of the signed int8 products (at most 32 * 255 * 128 < 2^21).
 template <int R>
 inline void q8_0_block_dots_vnni(const uint8_t* rec, const uint8_t* const* x, __m256i* dot) {
   constexpr int S = sums_per_row<R>();
