@@ -193,11 +193,11 @@ class Linear:
 
     def hold_blocks(self, blocks: BlockQuantized, int8_activations: bool = False) -> None:
         """From now on the panels of ``blocks`` serve every step (``int8_activations``: see ``round_activations_to_int8``)."""
-        self.hold_panels(blocks.panels(), blocks.fmt, blocks.shape, int8_activations)
+        self.hold_panels(blocks.panels(), blocks.shape, int8_activations)
 
-    def hold_panels(self, panels: torch.Tensor, fmt: str, shape: tuple[int, ...], int8_activations: bool = False) -> None:
-        """From now on ``panels`` (``block_quant.to_panels`` of the [out, in] weight ``shape`` in ``fmt``'s blocks) serve every step."""
-        self.panels, self._gemm_kernel, self.block_format = panels, cpu_kernels()[0].block_quant_gemm, fmt
+    def hold_panels(self, panels: torch.Tensor, shape: tuple[int, ...], int8_activations: bool = False) -> None:
+        """From now on ``panels`` (``block_quant.to_panels`` of an [out, in] weight of ``shape``, any block format) serve every step."""
+        self.panels, self._gemm_kernel = panels, cpu_kernels()[0].block_quant_gemm
         self.activation_bits = 16  # in steps of more than BLOCK_QUANT_MAX_ROWS rows
         if int8_activations:
             self.round_activations_to_int8()
@@ -242,7 +242,7 @@ class RowSplitLinear:
         self.panels: torch.Tensor | None = None  # int4's q8_0 blocks or a GGUF's, regrouped in panels of 8 output channels
         self.activation_bits = 16  # with panels, in steps of more than BLOCK_QUANT_MAX_ROWS rows
         if isinstance(weight, BlockQuantized):
-            self.hold_panels(weight.panels(), weight.fmt, tuple(weight.shape))
+            self.hold_panels(weight.panels(), tuple(weight.shape))
             return
         self.weight = weight
         self.slices = _slices(out_features, threads) if weight.dtype == torch.float32 else 1
@@ -269,9 +269,9 @@ class RowSplitLinear:
     def quantize_int4(self, blocks: torch.Tensor) -> None:
         """From now on the panels of ``blocks`` (``block_quant.quantize(float_weight(), "q8_0")``) serve every
         step, with int16 activations; a tied embedding keeps its float original for lookups."""
-        self.hold_panels(block_quant.to_panels(blocks, "q8_0"), "q8_0", tuple(self.weight.shape))
+        self.hold_panels(block_quant.to_panels(blocks, "q8_0"), tuple(self.weight.shape))
 
-    def hold_panels(self, panels: torch.Tensor, fmt: str, shape: tuple[int, ...], int8_activations: bool = False) -> None:
+    def hold_panels(self, panels: torch.Tensor, shape: tuple[int, ...], int8_activations: bool = False) -> None:
         """From now on ``panels`` (q8_0: ``block_quant.to_panels``) serve every step (``int8_activations``: see
         ``round_activations_to_int8``); a tied embedding keeps its float original for lookups."""
         self.panels, self._gemm_kernel = panels, cpu_kernels()[0].block_quant_gemm
@@ -337,7 +337,7 @@ def _int4_format(linear: Linear | RowSplitLinear) -> str | None:
 
 def _quantize_to_panels(linear: Linear | RowSplitLinear, fmt: str, int8_activations: bool) -> None:
     weight = linear.weight_rows()
-    linear.hold_panels(block_quant.quantize_panels(weight, fmt), fmt, tuple(weight.shape), int8_activations)
+    linear.hold_panels(block_quant.quantize_panels(weight, fmt), tuple(weight.shape), int8_activations)
 
 
 def convert_weights(model: object, weight_quant: str) -> tuple[str, int]:
