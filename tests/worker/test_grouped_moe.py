@@ -247,6 +247,23 @@ def test_experts_on_a_block_grid_are_served_in_their_blocks_at_the_fp32_models_l
     assert all(0 < r < bound for r in relative), relative
 
 
+@pytest.mark.parametrize(("experts", "top_k", "renormalize"), [(12, 3, True), (64, 8, True), (64, 8, False), (60, 4, True), (5, 5, False)])
+def test_the_kernel_routes_as_the_softmax_top_k(experts: int, top_k: int, renormalize: bool) -> None:
+    logits = _logits(40, experts, experts)
+    logits[1] = 0.5  # all tied: the lowest experts win
+    logits[2, ::2] = logits[2, 1]  # ties across the k-th place
+    weights, ids = cpu_kernels()[0].route_experts(logits, top_k, renormalize)
+    reference_ids = route(logits, top_k, renormalize)[1]
+    assert torch.equal(ids.long()[3:], reference_ids[3:])
+    assert ids[1].tolist() == list(range(top_k))
+    ties = sorted(range(experts), key=lambda e: (-float(logits[2, e]), e))[:top_k]  # ties: the lower expert first
+    assert ids[2].tolist() == ties
+    expected = torch.softmax(logits, dim=-1).gather(1, ids.long())
+    if renormalize:
+        expected /= expected.sum(dim=-1, keepdim=True)
+    torch.testing.assert_close(weights, expected, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("tokens", [1, 5, 33, 70])
 def test_a_bank_of_slots_and_a_precomputed_routing_give_the_all_resident_bits(tokens: int, pool: bool) -> None:
     gate_up, down = _experts("q4_1", "q8_0", seed=tokens)

@@ -81,6 +81,22 @@ inline float widen(const T* vec, int64_t dim, int64_t i) {
     return static_cast<float>(vec[i]);
 }
 
+// The context a thread copies next (the following row's blocks), asked into L2 a few cache lines at a time
+// while this row computes: the copy then reads L2 instead of waiting on memory.
+struct Ahead {
+  const char* cache = nullptr;  // nullptr: nothing to ask for
+  const int32_t* table = nullptr;
+  int64_t block_bytes = 0, last_block_bytes = 0, blocks = 0;
+  int64_t block = 0, byte = 0;  // the next line to ask for
+
+  void pump(int64_t lines) {
+    for (; lines > 0 && block < blocks; --lines) {
+      __builtin_prefetch(cache + table[block] * block_bytes + byte, 0, 2);  // prefetcht1: into L2
+      if ((byte += 64) >= (block + 1 == blocks ? last_block_bytes : block_bytes)) byte = 0, ++block;
+    }
+  }
+};
+
 // One (row, kv head) work item. keys[p] points at position p's key; its value is at keys[p] +
 // value_offset. scores is [group, stride] with stride >= len (a multiple of 8 on the AVX2 path).
 template <typename T>  // the cache's element type: float, c10::Half (fp16 storage, fp32 arithmetic) or int8_t (kv_q8.h)
@@ -91,6 +107,7 @@ struct Item {
   float* out;  // [group, dim]
   int64_t len, stride, value_offset, group, dim;
   float scale;
+  Ahead* ahead;  // or nullptr
 };
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -151,6 +168,7 @@ inline void fetch_first_keys(const Item<T>& it) {
 // (int8 codes times their scales) once into `widened` [8, dim], where every head's query meets them.
 template <int R, typename T>
 inline void block_keys(const Item<T>& it, int64_t start, float* widened, const float** k) {
+  if (it.ahead) it.ahead->pump(16);
   if (start + KEYS_AHEAD < it.stride) prefetch8<R, _MM_HINT_T0>(it, start + KEYS_AHEAD, 0);
   prefetch8<R, _MM_HINT_T1>(it, start, it.value_offset);
   for (int i = 0; i < 8; ++i) {
@@ -237,6 +255,7 @@ void weigh_slice(const Item<T>& it, int64_t g0, int64_t column, const float* sum
   for (int g = 0; g < GT; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = _mm256_setzero_ps();
   for (int64_t p = 0; p < it.len; ++p) {
+    if (it.ahead) it.ahead->pump(1);
     const T* value = it.keys[p] + it.value_offset;
     __m256 w[GT];
     for (int g = 0; g < GT; ++g) w[g] = _mm256_broadcast_ss(probs + g * it.stride + p);
@@ -310,6 +329,7 @@ void weigh512(const Item<T>& it, int64_t g0, const float* sums) {
   for (int g = 0; g < GT; ++g)
     for (int z = 0; z < Z; ++z) acc[g][z] = _mm512_setzero_ps();
   for (int64_t p = 0; p < it.len; ++p) {
+    if (it.ahead) it.ahead->pump(2);
     const T* value = it.keys[p] + it.value_offset;
     __m512 w[GT];
     for (int g = 0; g < GT; ++g) w[g] = _mm512_set1_ps(probs[g * it.stride + p]);
@@ -414,6 +434,7 @@ struct Step {
   const int32_t *table_ptr, *len_ptr;
   int64_t q_row, width, block_size, slot_stride, value_offset, kv_heads, heads, group, dim;
   float scale;
+  int64_t batch;
 
   // Whether whole rows are the work items: enough rows for every thread (see the file's comment).
   bool by_row(int64_t batch, int64_t threads) const { return batch >= kRowsPerThreadByRow * threads; }
@@ -422,8 +443,9 @@ struct Step {
   bool continues_chunk(int64_t b) const { return b > 0 && len_ptr[b] == len_ptr[b - 1] + 1 && table_ptr[b * width] == table_ptr[(b - 1) * width]; }
 
   // Row b's kv heads [first_head, end_head) into out (their groups' outputs, one after another). With
-  // copy, the row's context is first copied, slot after slot, into this thread's scratch.
-  void attend_heads(int64_t b, int64_t first_head, int64_t end_head, bool copy, float* out) const {
+  // copy, the row's context is first copied, slot after slot, into this thread's scratch; with read_ahead
+  // too (the thread's next row is b + 1), row b + 1's context is asked into L2 while row b computes.
+  void attend_heads(int64_t b, int64_t first_head, int64_t end_head, bool copy, bool read_ahead, float* out) const {
     static thread_local std::vector<const T*> keys;  // scratch grown to the longest item met, padded to a multiple of 8
     static thread_local std::vector<float> scores, widened, sums;
     const int64_t len = len_ptr[b], stride = (len + 7) / 8 * 8, slot_bytes = slot_stride * sizeof(T);
@@ -432,6 +454,15 @@ struct Step {
     widened.resize(8 * dim);
     sums.resize(group);
     const T* copied = nullptr;
+    static thread_local Ahead ahead;
+    ahead = Ahead{};
+    if (const int64_t n = b + 1; read_ahead && copy && n < batch && len_ptr[n] * slot_bytes <= kCopyMaxBytes && !continues_chunk(n)) {
+      ahead.cache = reinterpret_cast<const char*>(cache_ptr);
+      ahead.table = table_ptr + n * width;
+      ahead.block_bytes = block_size * slot_bytes;
+      ahead.blocks = (len_ptr[n] + block_size - 1) / block_size;
+      ahead.last_block_bytes = (len_ptr[n] - (ahead.blocks - 1) * block_size) * slot_bytes;
+    }
     if (copy && len * slot_bytes <= kCopyMaxBytes && !continues_chunk(b)) {
       char* to = copy_scratch(len * slot_bytes);
       for (int64_t start = 0; start < len; start += block_size)
@@ -447,7 +478,7 @@ struct Step {
       }
       std::fill(keys.begin() + len, keys.begin() + stride, keys[len - 1]);  // readable padding (scored -inf)
       const Item<T> it{q_ptr + b * q_row + h * group * dim, keys.data(), scores.data(), out + (h - first_head) * group * dim,
-                       len, stride, value_offset, group, dim, scale};
+                       len, stride, value_offset, group, dim, scale, ahead.cache ? &ahead : nullptr};
       attend_any(it, widened.data(), sums.data());
     }
   }
@@ -467,7 +498,7 @@ struct FewRowsAttention : takeover_pool::Job {
   int64_t scratch_floats() const override { return heads_per_item() * step.group * step.dim; }
   void compute(int64_t item, float* scratch) const override {
     const int64_t per = heads_per_item(), b = item * per / step.kv_heads, h = item * per % step.kv_heads;
-    step.attend_heads(b, h, h + per, whole_rows, scratch);
+    step.attend_heads(b, h, h + per, whole_rows, whole_rows, scratch);  // a thread takes its share's items front to back
   }
   void commit(int64_t item, const float* scratch) const override {
     const int64_t per = heads_per_item(), b = item * per / step.kv_heads, h = item * per % step.kv_heads;
@@ -517,7 +548,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 
   auto run = [&](const auto* cache_ptr) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(cache_ptr)>>;
-    const Step<T> step{q_ptr, cache_ptr, table_ptr, len_ptr, q_row, width, block_size, slot_stride, value_offset, kv_heads, heads, group, dim, fscale};
+    const Step<T> step{q_ptr, cache_ptr, table_ptr, len_ptr, q_row, width, block_size, slot_stride, value_offset, kv_heads, heads, group, dim, fscale, batch};
     const int64_t threads = at::get_num_threads();
     const bool by_row = step.by_row(batch, threads);
     if (takeover_pool::runs_on_pool(batch)) {
@@ -539,7 +570,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     at::parallel_for(0, std::min<int64_t>(items, threads), 1, [&](int64_t, int64_t) {
       for (int64_t item; (item = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
         const int64_t b = by_row ? item : item / kv_heads, first_head = by_row ? 0 : item % kv_heads;
-        step.attend_heads(b, first_head, by_row ? kv_heads : first_head + 1, by_row, out_ptr + (b * heads + first_head * group) * dim);
+        step.attend_heads(b, first_head, by_row ? kv_heads : first_head + 1, by_row, false, out_ptr + (b * heads + first_head * group) * dim);
       }
     });
   };
