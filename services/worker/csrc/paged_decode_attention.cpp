@@ -440,7 +440,7 @@ struct Step {
   int64_t batch;
 
   // Whether whole rows are the work items: enough rows for every thread (see the file's comment).
-  bool by_row(int64_t batch, int64_t threads) const { return batch >= kRowsPerThreadByRow * threads; }
+  bool by_row(int64_t threads) const { return batch >= kRowsPerThreadByRow * threads; }
 
   // A row that continues a prefill chunk: the previous row is the same request one position earlier.
   bool continues_chunk(int64_t b) const { return b > 0 && len_ptr[b] == len_ptr[b - 1] + 1 && table_ptr[b * width] == table_ptr[(b - 1) * width]; }
@@ -553,7 +553,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     using T = std::remove_const_t<std::remove_pointer_t<decltype(cache_ptr)>>;
     const Step<T> step{q_ptr, cache_ptr, table_ptr, len_ptr, q_row, width, block_size, slot_stride, value_offset, kv_heads, heads, group, dim, fscale, batch};
     const int64_t threads = at::get_num_threads();
-    const bool by_row = step.by_row(batch, threads);
+    const bool by_row = step.by_row(threads);
     if (takeover_pool::runs_on_pool(batch)) {
       auto job = std::make_shared<FewRowsAttention<T>>();
       job->q_owner = qc;
